@@ -1,0 +1,306 @@
+"""Validated run configuration: pydantic models loaded from YAML, presets, `--set` overrides.
+
+A run is fully described by one `RunConfig`. Layering, lowest to highest priority:
+preset (`cpu` / `gpu`, SPEC §9) < YAML file < `--set key=value` overrides. Validation happens once,
+up front, so a typo fails before any data is prepared or any directory is written.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BASELINE = "bf16"
+PRECISION_PRESETS = ("all", "mlp", "attn", "no_head")
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration problem; the message names the field and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _check_format(name: str) -> str:
+    from altgrad.quant import get_format
+
+    name = name.lower()
+    if name == BASELINE:
+        return name
+    return get_format(name).name
+
+
+class ModelConfig(_Strict):
+    n_layer: int = Field(6, ge=1)
+    n_head: int = Field(6, ge=1)
+    n_embd: int = Field(384, ge=8)
+    block_size: int = Field(256, ge=2)
+    vocab_size: int = Field(50304, ge=50257, description="GPT-2 BPE, padded to a multiple of 64")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = False
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+class DataConfig(_Strict):
+    source: str = "jsonl:../shared/data/eurlex"
+    name: str | None = None
+    max_docs: int | None = Field(None, ge=1)
+    data_root: str = "data"
+    val_split: str = "validation"
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, v: str) -> str:
+        if v != "hf" and not (v.startswith("jsonl:") and len(v) > len("jsonl:")):
+            raise ValueError("source must be 'hf' or 'jsonl:DIR' (a folder with train/validation .jsonl files)")
+        return v
+
+
+class ScalingConfig(_Strict):
+    mode: Literal["none", "dynamic", "delayed"] = "delayed"
+    history_len: int = Field(16, ge=1)
+    algo: Literal["max", "most_recent"] = "max"
+    margin: int = 0
+    pow2: bool = True
+
+
+class LayerRule(_Strict):
+    """One entry of a custom layer-precision policy: layers whose name matches get `format`."""
+
+    pattern: str
+    format: str
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        return _check_format(v)
+
+
+class QuantConfig(_Strict):
+    format: str = "e4m3"
+    precision: Literal["all", "mlp", "attn", "no_head"] | list[LayerRule] = "all"
+    grad_format: str = "e5m2"
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    clip_ste: bool = False
+    master_weights: Literal["fp32", "format"] = "fp32"
+    weight_rounding: Literal["nearest", "stochastic"] = "nearest"
+
+    @field_validator("format", "grad_format")
+    @classmethod
+    def _known_formats(cls, v: str) -> str:
+        return _check_format(v)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.format == BASELINE
+
+    @model_validator(mode="after")
+    def _format_mode_needs_a_format(self) -> QuantConfig:
+        if self.master_weights == "format" and self.is_baseline:
+            raise ValueError(
+                "master_weights='format' stores weights in an 8-bit format; the bf16 baseline has "
+                "none. Use master_weights='fp32' or pick a format"
+            )
+        return self
+
+
+class OptimConfig(_Strict):
+    name: str = "adamw"
+    lr: float = Field(6e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    lr_ulp: float = Field(1.0, gt=0, description="manifold: ULPs moved per unit Adam direction at peak lr")
+    partition_clip_k: float | None = Field(None, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from altgrad.optim import OPTIMIZERS
+
+        if v not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {v!r}; choose one of {sorted(OPTIMIZERS)}")
+        return v
+
+
+class TrainConfig(_Strict):
+    max_steps: int = Field(2000, ge=1)
+    warmup_steps: int = Field(100, ge=0)
+    batch_size: int = Field(12, ge=1)
+    seed: int = 42
+    log_interval: int = Field(1, ge=1)
+    eval_interval: int = Field(50, ge=1)
+    eval_iters: int = Field(10, ge=1)
+    checkpoint_interval: int = Field(100, ge=1)
+    keep_last: int = Field(2, ge=1)
+    shadow_every: int = Field(10, ge=0, description="FP32 shadow comparison every N steps; 0 = off")
+    diag_every: int = Field(1, ge=0, description="quant/grad/activation diagnostics every N steps; 0 = off")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    autocast: bool = True
+
+
+class StabilityConfig(_Strict):
+    nan_patience: int = Field(10, ge=1)
+    stall_warn: float = Field(0.5, ge=0, le=1)
+    overflow_warn: float = Field(0.01, ge=0, le=1)
+    underflow_warn: float = Field(0.01, ge=0, le=1)
+    kurtosis_warn: float = Field(10.0, gt=0)
+    divergence_patience: int = Field(5, ge=1)
+    shift_patience: int | None = Field(None, ge=1, description="mantissa shift after N bad steps; None = off")
+    shift_stall_threshold: float = Field(0.9, gt=0, le=1)
+
+
+class RunConfig(_Strict):
+    preset: Literal["cpu", "gpu"] | None = None
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    quant: QuantConfig = Field(default_factory=QuantConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    stability: StabilityConfig = Field(default_factory=StabilityConfig)
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> RunConfig:
+        if self.train.warmup_steps >= self.train.max_steps:
+            raise ValueError(
+                f"train.warmup_steps ({self.train.warmup_steps}) must be below train.max_steps "
+                f"({self.train.max_steps})"
+            )
+        return self
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The research plan's model (SPEC §9).
+    "gpu": {
+        "model": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256},
+        "optim": {"lr": 6e-4, "grad_clip": 1.0},
+        "train": {"batch_size": 12, "max_steps": 2000, "warmup_steps": 100, "seed": 42,
+                  "eval_interval": 50, "eval_iters": 10, "checkpoint_interval": 100,
+                  "shadow_every": 10},
+    },
+    # Small enough that the full grid finishes in minutes on 2 cores.
+    "cpu": {
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
+        "optim": {"lr": 2e-3, "grad_clip": 1.0},
+        "train": {"batch_size": 8, "max_steps": 60, "warmup_steps": 6, "seed": 42,
+                  "eval_interval": 10, "eval_iters": 4, "checkpoint_interval": 20,
+                  "shadow_every": 10, "device": "cpu", "autocast": False},
+        "data": {"max_docs": 200},
+    },
+}
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursively merge `update` into a copy of `base` (lists and scalars are replaced)."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`optim.lr=1e-3` -> (['optim', 'lr'], 0.001); the value is parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key=value (e.g. optim.lr=1e-3), got {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML ({e})") from None
+    if isinstance(value, str):  # YAML reads '1e-3' as a string; accept it as a float
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `--set a.b.c=value` overrides to a nested dict (a new dict is returned)."""
+    out = copy.deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, turning file and syntax problems into ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the dotted field path, e.g. `optim.lr: must be > 0`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        loc = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "config")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see sweeps/configs/*.yaml for valid keys)"
+        lines.append(f"  {loc}: {msg}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def resolve_preset(name: str | None) -> str:
+    """`None`/`auto` -> `gpu` when CUDA is available, else `cpu`."""
+    if name in (None, "auto"):
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return name
+
+
+def build_run_config(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """Preset (named by `preset:` in the data, or auto) < data < overrides, then validate."""
+    data = apply_overrides(data, overrides or [])
+    preset = resolve_preset(data.get("preset"))
+    merged = deep_merge(PRESETS[preset], {**data, "preset": preset})
+    try:
+        return RunConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(e)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a run config from YAML (optional) with `--set` overrides applied on top."""
+    return build_run_config(read_yaml(path) if path else {}, overrides)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """YAML text that `load_config` reads back to an equal RunConfig."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

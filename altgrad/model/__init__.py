@@ -1,0 +1,3 @@
+from altgrad.model.gpt import GPT
+
+__all__ = ["GPT"]

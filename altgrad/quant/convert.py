@@ -1,0 +1,114 @@
+"""Model surgery: swap the `nn.Linear` layers a layer-precision policy names for `QuantizedLinear`.
+
+A policy is an ordered list of `(pattern, format)` rules matched against fully qualified module
+names with shell-style globs (`*.mlp.*`, `lm_head`); the first matching rule wins and a format of
+`None` keeps the layer in high precision. Embeddings, LayerNorm and softmax are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from altgrad.quant.formats import FormatSpec, get_format
+from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+
+HIGH_PRECISION = "bf16"
+
+# Preset name -> rules with "{fmt}" standing for the run's format.
+PRECISION_PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
+    "all": (("*", "{fmt}"),),
+    "mlp": (("*.mlp.*", "{fmt}"),),  # attention stays high precision
+    "attn": (("*.attn.*", "{fmt}"),),
+    "no_head": (("lm_head", HIGH_PRECISION), ("*", "{fmt}")),
+}
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    pattern: str
+    format: FormatSpec | None  # None: keep high precision
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """Which layers get which format, plus the settings every quantized layer shares."""
+
+    rules: tuple[LayerRule, ...]
+    grad_format: FormatSpec = field(default_factory=lambda: get_format("e5m2"))
+    scaling: ScalingPolicy = ScalingPolicy()
+    rounding: str = "nearest"
+    clip_ste: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        precision: str | Sequence[tuple[str, str]],
+        fmt: str,
+        **settings,
+    ) -> LayerPolicy:
+        """From a preset name (`all`, `mlp`, `attn`, `no_head`) or `(pattern, format)` pairs."""
+        if isinstance(precision, str):
+            if precision not in PRECISION_PRESETS:
+                raise ValueError(
+                    f"unknown layer precision {precision!r}; choose one of "
+                    f"{sorted(PRECISION_PRESETS)} or give a list of {{pattern, format}} rules"
+                )
+            pairs = [(p, f.format(fmt=fmt)) for p, f in PRECISION_PRESETS[precision]]
+        else:
+            pairs = list(precision)
+        rules = tuple(
+            LayerRule(p, None if f.lower() == HIGH_PRECISION else get_format(f)) for p, f in pairs
+        )
+        return cls(rules=rules, **settings)
+
+    def layer_policy(self, fmt: FormatSpec) -> LinearQuantPolicy:
+        return LinearQuantPolicy(
+            input=fmt,
+            weight=fmt,
+            grad_output=self.grad_format,
+            scaling=self.scaling,
+            rounding=self.rounding,
+            clip_ste=self.clip_ste,
+        )
+
+    def assign(self, names: Sequence[str]) -> dict[str, FormatSpec]:
+        """Layer name -> format for every layer that gets quantized; unmatched rules are errors."""
+        assigned: dict[str, FormatSpec] = {}
+        used = [False] * len(self.rules)
+        for name in names:
+            for i, rule in enumerate(self.rules):
+                if fnmatchcase(name, rule.pattern):
+                    used[i] = True
+                    if rule.format is not None:
+                        assigned[name] = rule.format
+                    break
+        unmatched = [r.pattern for r, u in zip(self.rules, used, strict=True) if not u]
+        if unmatched:
+            raise ValueError(
+                f"layer pattern(s) {unmatched} match no linear layer (or only layers an earlier "
+                f"rule already took); layers are: {list(names)}"
+            )
+        return assigned
+
+
+def linear_layers(model: nn.Module) -> list[str]:
+    """Fully qualified names of the model's `nn.Linear` layers, in module order."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def convert_to_quantized(model: nn.Module, policy: LayerPolicy) -> dict[str, FormatSpec]:
+    """Swap, in place, each layer the policy names for a `QuantizedLinear`; returns the assignment."""
+    assigned = policy.assign(linear_layers(model))
+    for name, fmt in assigned.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, QuantizedLinear.from_float(getattr(parent, child), policy.layer_policy(fmt)))
+    return assigned
+
+
+def quantized_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}

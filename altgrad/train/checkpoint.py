@@ -1,0 +1,120 @@
+"""Checkpoints: one dict per checkpoint, written atomically, retained as best + last N.
+
+Layout: `<run_dir>/checkpoints/step_XXXXXXXX/checkpoint.pt` (a directory per checkpoint so the
+Tune adapter can hand it to `tune.Checkpoint.from_directory` as is) and `anomaly_step_XXXXXXXX/`
+for the pre-step state at the first NaN of a streak. `best.json` names the best checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT_FILE = "checkpoint.pt"
+STEP_PREFIX = "step_"
+ANOMALY_PREFIX = "anomaly_step_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (missing, truncated, corrupt); the message names the file."""
+
+
+def checkpoint_name(step: int, prefix: str = STEP_PREFIX) -> str:
+    return f"{prefix}{step:08d}"
+
+
+def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
+    """Write `state` to `directory/checkpoint.pt` atomically: a killed writer leaves no torn file."""
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with open(tmp / CHECKPOINT_FILE, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.replace(tmp, directory)
+    return directory
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint (its directory or file) with `weights_only=True`."""
+    path = Path(path)
+    file = path / CHECKPOINT_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint not found: {file}")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many kinds for a truncated / corrupt file
+        raise CheckpointError(f"checkpoint {file} is corrupt or truncated ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or "step" not in state or "model" not in state:
+        raise CheckpointError(f"checkpoint {file} is not an AltGrad checkpoint (no step/model)")
+    return state
+
+
+def step_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Regular checkpoint directories, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    return sorted(p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
+
+
+def resume_candidates(path: Path) -> list[Path]:
+    """Checkpoints to try for `--resume PATH`, preferred first.
+
+    PATH may be a run dir (its newest checkpoint), a checkpoints dir, or one checkpoint; in every
+    case older checkpoints of the same run follow as fall-backs for a corrupt newest one.
+    """
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if path.is_file():
+        path = path.parent
+    if path.name.startswith((STEP_PREFIX, ANOMALY_PREFIX)) or (path / CHECKPOINT_FILE).is_file():
+        older = [p for p in step_checkpoints(path.parent) if p.name < path.name]
+        return [path, *reversed(older)]
+    return list(reversed(step_checkpoints(path)))
+
+
+class CheckpointManager:
+    """Writes checkpoints under `<run_dir>/checkpoints` and keeps the best one plus the last N."""
+
+    def __init__(self, run_dir: Path, keep_last: int):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    @property
+    def best_file(self) -> Path:
+        return self.root / "best.json"
+
+    def best(self) -> dict[str, Any] | None:
+        return json.loads(self.best_file.read_text()) if self.best_file.is_file() else None
+
+    def save(self, step: int, state: dict[str, Any], val_loss: float | None) -> Path:
+        directory = save_checkpoint(self.root / checkpoint_name(step), state)
+        best = self.best()
+        if val_loss is not None and (best is None or val_loss < best["val_loss"]):
+            tmp = self.best_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"name": directory.name, "step": step, "val_loss": val_loss}))
+            os.replace(tmp, self.best_file)
+        self._prune()
+        return directory
+
+    def save_anomaly(self, step: int, state: dict[str, Any]) -> Path:
+        return save_checkpoint(self.root / checkpoint_name(step, ANOMALY_PREFIX), state)
+
+    def _prune(self) -> None:
+        best = self.best()
+        keep = {p.name for p in step_checkpoints(self.root)[-self.keep_last :]}
+        if best:
+            keep.add(best["name"])
+        for p in step_checkpoints(self.root):
+            if p.name not in keep:
+                shutil.rmtree(p, ignore_errors=True)

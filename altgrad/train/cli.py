@@ -1,0 +1,81 @@
+"""`python -m altgrad train`: one training run, outside any sweep."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from altgrad.config import ConfigError, load_config
+from altgrad.data import DataError
+from altgrad.train.checkpoint import CheckpointError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train one model (one format, optimizer and layer precision)")
+    p.add_argument("--config", type=Path, help="run config YAML (default: preset only)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set quant.format=e5m2 (repeatable)")
+    p.add_argument("--out", type=Path, help="run directory (default: runs/<time>-<format>-<optimizer>)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue a run from its newest good checkpoint, with the run's own config")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from altgrad.train.trainer import Trainer
+
+    try:
+        if args.resume is not None:
+            if args.config is not None:
+                raise ConfigError("--resume uses the run's own config.yaml; drop --config")
+            if not (args.resume / "config.yaml").is_file():
+                raise ConfigError(f"--resume {args.resume}: not a run directory (no config.yaml)")
+            cfg = load_config(args.resume / "config.yaml", args.overrides)
+            run_dir = args.resume
+        else:
+            cfg = load_config(args.config, args.overrides)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            run_dir = args.out or Path("runs") / f"{stamp}-{cfg.quant.format}-{cfg.optim.name}"
+        trainer = Trainer(cfg, run_dir)
+        summary = trainer.fit(
+            report=None if args.quiet else ProgressPrinter(cfg.train.max_steps),
+            resume=args.resume,
+        )
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"done: {summary['stop_reason']} after {summary['steps']} steps, best val loss "
+        f"{summary['best_val_loss']:.4f}, run dir {run_dir}"
+    )
+    return 0 if summary["stop_reason"] == "completed" else 1
+
+
+class ProgressPrinter:
+    """One line per evaluation (and at checkpoints): the numbers a researcher watches."""
+
+    def __init__(self, max_steps: int):
+        self.width = len(str(max_steps))
+        self.max_steps = max_steps
+
+    def __call__(self, m: dict[str, float], checkpoint: Path | None) -> None:
+        step = int(m["step"])
+        if m["val/step"] != step and checkpoint is None:
+            return
+        parts = [
+            f"step {step:>{self.width}}/{self.max_steps}",
+            f"loss {m['train/loss']:.4f}",
+            f"val {m['val/loss']:.4f}",
+            f"lr {m['train/lr']:.2e}",
+            f"{m['train/tokens_per_s']:,.0f} tok/s",
+        ]
+        for key, label in (("quant/bit_stall_rate", "stall"), ("quant/overflow_rate", "ovf"),
+                           ("quant/underflow_rate", "unf")):
+            if key in m:
+                parts.append(f"{label} {100 * m[key]:.2f}%")
+        if checkpoint is not None:
+            parts.append(f"ckpt {checkpoint.name}")
+        print(" | ".join(parts), flush=True)

@@ -1,0 +1,153 @@
+"""Per-layer numerical diagnostics, computed on the device as 0-dim tensors.
+
+Nothing here calls `.item()`: the trainer stacks every tensor of a step and reads them in one
+host sync. Layer names drop the `transformer.` prefix (`h.0.mlp.c_fc`, `lm_head`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from altgrad.quant.convert import linear_layers
+from altgrad.quant.formats import FormatSpec
+from altgrad.quant.linear import ROLES, QuantizedLinear
+from altgrad.quant.quantize import quantize
+from altgrad.quant.scaling import compute_scale
+from altgrad.quant.stall import bit_stall_mask
+
+Metrics = dict[str, torch.Tensor]
+
+
+def short_name(name: str) -> str:
+    return name.removeprefix("transformer.")
+
+
+def kurtosis(x: torch.Tensor) -> torch.Tensor:
+    """Excess-free (Pearson) kurtosis E[(x-mu)^4] / var^2 of all elements; 3 for a Gaussian."""
+    x = x.detach().float().flatten()
+    d = x - x.mean()
+    var = d.square().mean()
+    return d.square().square().mean() / var.square().clamp_min(1e-30)
+
+
+def quantization_snr_db(g: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
+    """SQNR (dB) of a tensor under `fmt` with per-tensor amax scaling: how much the format loses."""
+    g = g.detach().float()
+    scale = compute_scale(g.abs().amax(), fmt)
+    noise = (g - quantize(g, fmt, scale)).square().sum()
+    return 10 * torch.log10(g.square().sum().clamp_min(1e-30) / noise.clamp_min(1e-30))
+
+
+def finite_code_count(fmt: FormatSpec) -> int:
+    return int(torch.isfinite(fmt.decode(torch.arange(256, dtype=torch.uint8))).sum())
+
+
+class Diagnostics:
+    """Gradient, activation, quantizer and bit-stall metrics of one training step."""
+
+    def __init__(self, model: nn.Module, grad_format: FormatSpec):
+        self.linears: dict[str, nn.Linear] = {
+            short_name(n): model.get_submodule(n) for n in linear_layers(model)
+        }
+        self.quantized = {n: m for n, m in self.linears.items() if isinstance(m, QuantizedLinear)}
+        self.grad_format = grad_format
+        self._kurtosis: Metrics = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    # -- forward: activation kurtosis and quantizer counters --------------------------------
+    def begin(self) -> None:
+        for layer in self.quantized.values():
+            layer.collect_stats = True
+            for stats in layer.stats.values():
+                stats.reset()
+        for name, layer in self.linears.items():
+            self._hooks.append(layer.register_forward_pre_hook(self._kurtosis_hook(name)))
+
+    def _kurtosis_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            self._kurtosis[name] = kurtosis(args[0])
+
+        return hook
+
+    def end(self) -> None:
+        for layer in self.quantized.values():
+            layer.collect_stats = False
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._kurtosis = {}
+
+    def activation_metrics(self) -> Metrics:
+        out = {f"act/kurtosis/{n}": k for n, k in self._kurtosis.items()}
+        if self._kurtosis:
+            out["act/kurtosis_max"] = torch.stack(list(self._kurtosis.values())).max()
+        return out
+
+    # -- backward: gradient statistics (before clipping) ---------------------------------
+    def gradient_metrics(self) -> Metrics:
+        out: Metrics = {}
+        for name, layer in self.linears.items():
+            g = layer.weight.grad
+            if g is None:
+                continue
+            g = g.detach().float()
+            out[f"grad/l2/{name}"] = g.norm()
+            out[f"grad/linf/{name}"] = g.abs().amax()
+            out[f"grad/dead_frac/{name}"] = (g == 0).float().mean()
+            out[f"grad/snr/{name}"] = quantization_snr_db(g, self.grad_format)
+        return out
+
+    # -- quantizer counters ------------------------------------------------------------
+    def quant_metrics(self) -> Metrics:
+        """Overflow / underflow rates and code-range utilisation, per layer and model-wide."""
+        zero = torch.zeros((), device=self._device())
+        totals = torch.zeros(3, device=self._device())  # overflow, underflow, elements
+        used = []
+        out: Metrics = {}
+        for name, layer in self.quantized.items():
+            counts = sum(layer.stats[r].counts for r in ROLES)
+            totals = totals + counts
+            n = counts[2].clamp_min(1)
+            out[f"quant/overflow_rate/{name}"] = counts[0] / n
+            out[f"quant/underflow_rate/{name}"] = counts[1] / n
+            layer_used = torch.stack([
+                (layer.stats[r].histogram > 0).sum() / finite_code_count(layer.policy.format_of(r))
+                for r in ROLES
+            ]).mean()
+            out[f"quant/codes_used/{name}"] = layer_used
+            used.append(layer_used)
+        n = totals[2].clamp_min(1)
+        out["quant/overflow_rate"] = totals[0] / n
+        out["quant/underflow_rate"] = totals[1] / n
+        out["quant/codes_used"] = torch.stack(used).mean() if used else zero
+        return out
+
+    # -- optimizer: bit-stall on the weights each quantized layer stores ---------------------
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Weights before the optimizer step (all linears; the baseline measures zero updates)."""
+        return {n: m.weight.detach().clone() for n, m in self.linears.items()}
+
+    def update_metrics(self, before: dict[str, torch.Tensor]) -> Metrics:
+        """Bit-stall over the quantized layers' moved weights; zero-update fraction over all."""
+        out: Metrics = {}
+        dev = self._device()
+        stalled_total, moved_q, moved_all, elements = (torch.zeros((), device=dev) for _ in range(4))
+        for name, w_old in before.items():
+            layer = self.linears[name]
+            delta = layer.weight.detach() - w_old
+            moved = (delta != 0).sum()
+            moved_all = moved_all + moved
+            elements = elements + delta.numel()
+            if name in self.quantized:
+                scale = layer.scalers["weight"].scale
+                stalled = bit_stall_mask(w_old, delta, layer.policy.weight, scale).sum()
+                out[f"quant/bit_stall_rate/{name}"] = stalled / moved.clamp_min(1)
+                stalled_total = stalled_total + stalled
+                moved_q = moved_q + moved
+        out["quant/bit_stall_rate"] = stalled_total / moved_q.clamp_min(1)
+        out["quant/zero_update_frac"] = 1 - moved_all / elements.clamp_min(1)
+        return out
+
+    def _device(self) -> torch.device:
+        return next(iter(self.linears.values())).weight.device

@@ -1,0 +1,58 @@
+"""The files of a run directory other than checkpoints: config, metrics, events, summary.
+
+Readers (`python -m altgrad trials`, the report) parse these while the run is still going, so
+JSON-lines are appended whole and `summary.json` is replaced atomically. Non-finite floats are
+written as Python's json writes them (`NaN`, `Infinity`), which `json.loads` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from altgrad.experiment import read_jsonl
+
+
+class RunFiles:
+    def __init__(self, run_dir: Path):
+        self.dir = Path(run_dir)
+        self.metrics = self.dir / "metrics.jsonl"
+        self.events = self.dir / "events.jsonl"
+        self.summary = self.dir / "summary.json"
+        self.config = self.dir / "config.yaml"
+
+    def start(self, config_yaml: str, resume_step: int | None) -> None:
+        """Create the run dir; on resume, drop rows the resumed run is about to redo."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(config_yaml)
+        if resume_step is None:
+            for f in (self.metrics, self.events):
+                f.unlink(missing_ok=True)
+        else:
+            for f in (self.metrics, self.events):
+                self._truncate(f, resume_step)
+
+    def _truncate(self, path: Path, step: int) -> None:
+        rows = [r for r in read_jsonl(path) if int(r.get("step", 0)) < step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, path)
+
+    def _append(self, path: Path, row: dict[str, Any]) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        self._append(self.metrics, metrics)
+
+    def log_event(self, step: int, kind: str, message: str, **extra: Any) -> dict[str, Any]:
+        event = {"step": step, "kind": kind, "message": message, **extra}
+        self._append(self.events, event)
+        return event
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        tmp = self.summary.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, self.summary)

@@ -1,0 +1,48 @@
+"""The FP32 shadow: how far the quantized model's gradients point from full precision's.
+
+A float32 copy of the model, synced from the master weights, runs the same batch with its own
+backward; the per-layer cosine between its weight gradients and the quantized model's says how
+much the formats bend the descent direction. Its gradients are dropped after every comparison.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from altgrad.config import ModelConfig
+from altgrad.model import GPT
+from altgrad.quant.convert import linear_layers
+from altgrad.train.diagnostics import Metrics, short_name
+
+
+class FP32Shadow:
+    def __init__(self, model_cfg: ModelConfig, device: torch.device):
+        self.model = GPT(model_cfg).to(device=device, dtype=torch.float32)
+        self.layers = linear_layers(self.model)
+
+    @torch.no_grad()
+    def _sync(self, master: nn.Module) -> None:
+        params = dict(master.named_parameters())
+        for name, p in self.model.named_parameters():
+            p.copy_(params[name])
+
+    def cosines(self, master: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Metrics:
+        """Per-layer cosine(grad_quantized, grad_fp32); call after the master's backward."""
+        self._sync(master)
+        self.model.train(master.training)
+        _, loss = self.model(x, y)
+        loss.backward()
+        out: Metrics = {}
+        for name in self.layers:
+            g_master = master.get_submodule(name).weight.grad
+            g_shadow = self.model.get_submodule(name).weight.grad
+            out[f"shadow/cos/{short_name(name)}"] = F.cosine_similarity(
+                g_master.detach().float().flatten(), g_shadow.flatten(), dim=0
+            )
+        self.model.zero_grad(set_to_none=True)
+        cos = torch.stack(list(out.values()))
+        out["shadow/cos_mean"] = cos.mean()
+        out["shadow/cos_min"] = cos.min()
+        return out

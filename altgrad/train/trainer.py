@@ -1,0 +1,268 @@
+"""One training run: a nanoGPT on EUR-Lex under one format and layer-precision policy.
+
+The loop knows nothing of Ray. Each step does one host sync: every metric of the step is a 0-dim
+device tensor until a single `torch.stack(...).tolist()`. Non-finite steps are skipped on the
+device (the optimizer's `found_inf`, as AMP's GradScaler does), so the weights never become NaN
+and the host need not look before stepping.
+
+Resume is exact: batches are a pure function of (seed, step), the LR schedule a pure function of
+the step, and the checkpoint carries model (with scaler histories), optimizer, RNG and
+stability-monitor state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from altgrad.config import RunConfig, dump_config
+from altgrad.data import TokenBatches, prepare_dataset
+from altgrad.model import GPT
+from altgrad.optim import build_optimizer
+from altgrad.quant.convert import LayerPolicy, convert_to_quantized
+from altgrad.quant.formats import get_format
+from altgrad.quant.linear import ScalingPolicy
+from altgrad.train.checkpoint import CheckpointError, CheckpointManager, load_checkpoint, resume_candidates
+from altgrad.train.diagnostics import Diagnostics, Metrics
+from altgrad.train.run_files import RunFiles
+from altgrad.train.schedule import lr_at
+from altgrad.train.shadow import FP32Shadow
+from altgrad.train.stability import Event, StabilityMonitor
+
+ReportFn = Callable[[dict[str, float], Path | None], None]
+CHECKPOINT_VERSION = 1
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def build_model(cfg: RunConfig) -> GPT:
+    """The GPT with the run's layer-precision policy applied (the baseline stays plain)."""
+    model = GPT(cfg.model)
+    q = cfg.quant
+    if not q.is_baseline:
+        precision = q.precision if isinstance(q.precision, str) else [(r.pattern, r.format) for r in q.precision]
+        policy = LayerPolicy.build(
+            precision,
+            q.format,
+            grad_format=get_format(q.grad_format),
+            scaling=ScalingPolicy(**q.scaling.model_dump()),
+            rounding=q.rounding,
+            clip_ste=q.clip_ste,
+        )
+        convert_to_quantized(model, policy)
+    return model
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path | str):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.device = resolve_device(cfg.train.device)
+        data_dir = prepare_dataset(cfg.data)  # DataError on a user problem, before anything is written
+        t = cfg.train
+        self.batches = TokenBatches(data_dir, cfg.model.block_size, t.batch_size, t.seed, device=self.device)
+        self.val_batches = self.batches.val_batches(t.eval_iters)
+
+        torch.manual_seed(t.seed)
+        self.model = build_model(cfg).to(self.device)
+        self.optimizer = build_optimizer(cfg.optim.name, self.model, cfg.optim)
+        if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            raise TypeError(f"optimizer {cfg.optim.name!r} must honour `found_inf` to skip NaN steps")
+        self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format))
+        self.shadow = FP32Shadow(cfg.model, self.device) if t.shadow_every else None
+        self.monitor = StabilityMonitor(cfg.stability)
+        self.checkpoints = CheckpointManager(self.run_dir, t.keep_last)
+        self.files = RunFiles(self.run_dir)
+        self.best_val = math.inf
+        self.val_loss = math.nan
+        self.val_step = 0
+        self.wall_time = 0.0
+
+    # -- public --------------------------------------------------------------------------
+    def fit(self, report: ReportFn | None = None, resume: Path | str | None = None) -> dict[str, Any]:
+        """Train to `max_steps` or until the stability policy stops the run; returns the summary."""
+        start = self._resume(Path(resume)) if resume is not None else 0
+        self.files.start(dump_config(self.cfg), resume_step=start if resume is not None else None)
+        if resume is not None:
+            self.files.log_event(start, "resume", f"resumed from step {start}")
+        max_steps = self.cfg.train.max_steps
+        stop_reason = None
+        step = start
+        t_last = time.perf_counter()
+        for step in range(start + 1, max_steps + 1):
+            metrics = self._train_step(step)
+            now = time.perf_counter()
+            self.wall_time += now - t_last
+            metrics["train/tokens_per_s"] = self.cfg.train.batch_size * self.cfg.model.block_size / (now - t_last)
+            t_last = now
+            stop_reason = self._apply_policy(step, metrics)
+            ckpt = None
+            if step % self.cfg.train.checkpoint_interval == 0 or step == max_steps:
+                ckpt = self.checkpoints.save(step, self._state(step), self.val_loss)
+                self.files.write_summary(self._summary(step, "running", None))
+            if step % self.cfg.train.log_interval == 0 or ckpt or stop_reason or step == max_steps:
+                self.files.log_metrics(metrics)
+                if report is not None:
+                    report(metrics, ckpt)
+            if stop_reason:
+                break
+        summary = self._summary(step, "finished", stop_reason or "completed")
+        self.files.write_summary(summary)
+        return summary
+
+    # -- one step -------------------------------------------------------------------------
+    def _train_step(self, step: int) -> dict[str, float]:
+        t = self.cfg.train
+        x, y = self.batches.train_batch(step - 1)
+        lr = lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, t.max_steps, self.cfg.optim.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        diag = bool(t.diag_every) and (step % t.diag_every == 0 or step == 1)
+        shadow = self.shadow is not None and (step % t.shadow_every == 0 or step == 1)
+
+        self.model.train()
+        if diag:
+            self.diagnostics.begin()
+        with self._autocast():
+            _, loss = self.model(x, y)
+        loss.backward()
+
+        m: Metrics = {}
+        if diag:
+            m.update(self.diagnostics.activation_metrics())
+            m.update(self.diagnostics.gradient_metrics())
+            before = self.diagnostics.snapshot()
+        if shadow:
+            m.update(self.shadow.cosines(self.model, x, y))
+        clip = self.cfg.optim.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        loss_ok, grad_ok = torch.isfinite(loss.detach()), torch.isfinite(grad_norm)
+        self.optimizer.found_inf = (~(loss_ok & grad_ok)).float()  # the step is skipped on device
+        self.optimizer.step()
+        if diag:
+            m.update(self.diagnostics.update_metrics(before))
+            m.update(self.diagnostics.quant_metrics())
+            self.diagnostics.end()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        m["train/loss"] = loss.detach()
+        m["train/grad_norm"] = grad_norm
+        m["stability/loss_is_nan"] = (~loss_ok).float()
+        m["stability/grad_has_nan"] = (~grad_ok).float()
+        evaluate = step % t.eval_interval == 0 or step in (1, t.max_steps)
+        if evaluate:
+            m["val/loss"] = self._evaluate()
+        values = torch.stack([v.detach().float().reshape(()) for v in m.values()]).tolist()  # the sync
+        metrics = {"step": float(step), "train/lr": lr, **dict(zip(m, values, strict=True))}
+        metrics["train/ppl"] = _ppl(metrics["train/loss"])
+        if evaluate:
+            self.val_loss = metrics["val/loss"] if math.isfinite(metrics["val/loss"]) else math.inf
+            self.val_step = step
+            self.best_val = min(self.best_val, self.val_loss)
+        metrics.update({"val/loss": self.val_loss, "val/ppl": _ppl(self.val_loss), "val/step": float(self.val_step)})
+        return metrics
+
+    @torch.no_grad()
+    def _evaluate(self) -> torch.Tensor:
+        self.model.eval()
+        with self._autocast():
+            losses = [self.model(x, y)[1] for x, y in self.val_batches]
+        self.model.train()
+        return torch.stack(losses).mean()
+
+    def _autocast(self):
+        if self.cfg.train.autocast and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- stability policy -----------------------------------------------------------------
+    def _apply_policy(self, step: int, metrics: dict[str, float]) -> str | None:
+        events, stop = self.monitor.observe_step(step, metrics)
+        if metrics["val/step"] == step:
+            events += self.monitor.observe_eval(metrics["val/loss"])
+        if self.monitor.nan_streak == 1:  # first NaN of a streak: the step was skipped, so this
+            path = self.checkpoints.save_anomaly(step, self._state(step - 1))  # is the pre-step state
+            events.append(Event("anomaly_checkpoint", f"pre-step state saved to {path.name}", {"path": str(path)}))
+        for e in events:
+            self.files.log_event(step, e.kind, e.message, **e.extra)
+        metrics["stability/nan_streak"] = float(self.monitor.nan_streak)
+        metrics["stability/divergence"] = float(self.monitor.diverging)
+        return stop
+
+    # -- checkpoint state -----------------------------------------------------------------
+    def _state(self, step: int) -> dict[str, Any]:
+        return {
+            "version": CHECKPOINT_VERSION,
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
+            "monitor": self.monitor.state_dict(),
+            "val": {"best": self.best_val, "last": self.val_loss, "step": self.val_step},
+            "wall_time_s": self.wall_time,
+            "config": self.cfg.model_dump(mode="json"),
+        }
+
+    def _resume(self, path: Path) -> int:
+        """Restore from the newest usable checkpoint at `path`; a corrupt one falls back to older."""
+        problems = []
+        for candidate in resume_candidates(path):
+            try:
+                state = load_checkpoint(candidate)
+                self._load_state(state)
+            except CheckpointError as e:
+                problems.append(str(e))
+                continue
+            for p in problems:
+                self.files.dir.mkdir(parents=True, exist_ok=True)
+                self.files.log_event(state["step"], "checkpoint_skipped", p)
+            return int(state["step"])
+        detail = "; ".join(problems) if problems else f"no checkpoint found under {path}"
+        raise CheckpointError(f"cannot resume: {detail}")
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint does not match this run's model/optimizer: {e}") from None
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.monitor.load_state_dict(state["monitor"])
+        self.best_val, self.val_loss, self.val_step = (state["val"][k] for k in ("best", "last", "step"))
+        self.wall_time = state["wall_time_s"]
+
+    def _summary(self, step: int, status: str, stop_reason: str | None) -> dict[str, Any]:
+        q = self.cfg.quant
+        return {
+            "status": status,
+            "stop_reason": stop_reason,
+            "steps": step,
+            "max_steps": self.cfg.train.max_steps,
+            "best_val_loss": self.best_val,
+            "final_val_loss": self.val_loss,
+            "collapse_step": self.monitor.collapse_step,
+            "collapse_where": self.monitor.collapse_where,
+            "wall_time_s": round(self.wall_time, 3),
+            "format": q.format,
+            "optimizer": self.cfg.optim.name,
+            "precision": q.precision if isinstance(q.precision, str) else "custom",
+        }
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
