@@ -18,9 +18,10 @@ from torch import nn
 
 from altgrad.quant.formats import FormatSpec
 from altgrad.quant.quantize import fake_quantize, quantize
-from altgrad.quant.scaling import TensorScaler
+from altgrad.quant.scaling import TensorScaler, compute_scale
 
 ROLES = ("input", "weight", "grad_output")
+HISTOGRAM_SAMPLE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,19 @@ class TensorStats(nn.Module):
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, q: torch.Tensor, fmt: FormatSpec, scale: torch.Tensor) -> None:
-        xs = x.detach().float() * scale
-        overflow = (xs.abs() > fmt.max) & xs.isfinite()
-        underflow = (x != 0) & (q == 0)
-        self.counts += torch.stack(
-            [overflow.sum(), underflow.sum(), torch.tensor(x.numel(), device=x.device)]
-        ).float()
-        codes = fmt.encode(xs).long().flatten()
+        """Exact overflow / underflow counts; the histogram from an even sample of the codes.
+
+        Overflow counts |x * s| > max, inf included (it saturates); underflow counts x != 0
+        that quantized to 0. The histogram samples at most HISTOGRAM_SAMPLE elements with a
+        fixed stride, which keeps the logits gradient (B*T*vocab elements) cheap.
+        """
+        x, q = x.detach().flatten(), q.detach().flatten()
+        overflow = (x.float().abs() * scale > fmt.max).sum()
+        underflow = ((x != 0) & (q == 0)).sum()
+        n = torch.tensor(x.numel(), device=x.device)
+        self.counts += torch.stack([overflow, underflow, n]).float()
+        stride = max(1, x.numel() // HISTOGRAM_SAMPLE)
+        codes = fmt.encode(q[::stride].float() * scale).long()
         self.histogram += torch.bincount(codes, minlength=256).float()
 
     def reset(self) -> None:
@@ -112,11 +119,11 @@ class QuantizedLinear(nn.Linear):
     def set_format(self, role: str, fmt: FormatSpec) -> None:
         """Move one tensor to another format (the emergency mantissa shift)."""
         self.policy = replace(self.policy, **{role: fmt})
-        self.scalers[role].set_format(fmt)
+        self.scalers[role].fmt = fmt
 
     def _quantize(self, role: str, x: torch.Tensor, ste: bool = True) -> torch.Tensor:
         fmt = self.policy.format_of(role)
-        scale = self.scalers[role].update(x)
+        scale = self._scale(role, x)
         if ste:
             q = fake_quantize(x, fmt, scale, rounding=self.policy.rounding, clip_ste=self.policy.clip_ste)
         else:
@@ -124,6 +131,15 @@ class QuantizedLinear(nn.Linear):
         if self.collect_stats:
             self.stats[role].observe(x, q, fmt, scale)
         return q
+
+    def _scale(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        """Training steps advance the scaling state; evaluation only reads it."""
+        scaler = self.scalers[role]
+        if self.training:
+            return scaler.update(x)
+        if scaler.mode == "dynamic":
+            return compute_scale(x.detach().abs().amax(), scaler.fmt, scaler.margin, scaler.pow2, scaler.scale)
+        return scaler.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(self._quantize("input", x), self._quantize("weight", self.weight), self.bias)

@@ -1,0 +1,54 @@
+"""Shared test setup: an offline-safe environment and the paths of the shared fixtures."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# Module level, so it holds before any test module imports tiktoken, wandb or ray.
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DATA / "tiktoken_cache"))
+os.environ["WANDB_MODE"] = "offline"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+
+@pytest.fixture(scope="session")
+def eurlex_dir() -> Path:
+    """Real EUR-Lex text: {train,validation,test}.jsonl with a 'text' field (420 documents)."""
+    return SHARED_DATA / "eurlex"
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory) -> Path:
+    """One prepared-dataset folder for the whole session (tokenizing is the slow part)."""
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture
+def make_config(eurlex_dir, data_root):
+    """`make_config("quant.format=e5m2", ...)`: a cpu-preset RunConfig on the EUR-Lex fixtures."""
+    from altgrad.config import build_run_config
+
+    base = [
+        f"data.source=jsonl:{eurlex_dir}",
+        f"data.data_root={data_root}",
+        "data.max_docs=40",
+        "train.max_steps=20",
+    ]
+
+    def make(*overrides: str):
+        return build_run_config({"preset": "cpu"}, [*base, *overrides])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """One Ray instance for the whole session (starting one costs seconds); its GCS address lets
+    sweep drivers in subprocesses join it through RAY_ADDRESS."""
+    import ray
+
+    context = ray.init(num_cpus=2, include_dashboard=False)
+    yield context.address_info["gcs_address"]
+    ray.shutdown()
