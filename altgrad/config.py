@@ -29,10 +29,12 @@ class _Strict(BaseModel):
 def _check_format(name: str) -> str:
     from altgrad.quant import get_format
 
-    name = name.lower()
-    if name == BASELINE:
-        return name
-    return get_format(name).name
+    if name.lower() == BASELINE:
+        return BASELINE
+    try:
+        return get_format(name).name
+    except ValueError as e:
+        raise ValueError(f"{e}; or {BASELINE} (the unquantized baseline)") from None
 
 
 class ModelConfig(_Strict):
@@ -96,10 +98,17 @@ class QuantConfig(_Strict):
     master_weights: Literal["fp32", "format"] = "fp32"
     weight_rounding: Literal["nearest", "stochastic"] = "nearest"
 
-    @field_validator("format", "grad_format")
+    @field_validator("format")
     @classmethod
-    def _known_formats(cls, v: str) -> str:
+    def _known_format(cls, v: str) -> str:
         return _check_format(v)
+
+    @field_validator("grad_format")
+    @classmethod
+    def _known_grad_format(cls, v: str) -> str:
+        from altgrad.quant import get_format
+
+        return get_format(v).name
 
     @property
     def is_baseline(self) -> bool:

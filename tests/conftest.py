@@ -34,7 +34,11 @@ def make_config(eurlex_dir, data_root):
         f"data.source=jsonl:{eurlex_dir}",
         f"data.data_root={data_root}",
         "data.max_docs=40",
+        "model.block_size=32",
+        "train.batch_size=4",
         "train.max_steps=20",
+        "train.warmup_steps=2",
+        "train.eval_iters=2",
     ]
 
     def make(*overrides: str):

@@ -1,4 +1,8 @@
-"""AdamW over fp32 master weights, with nanoGPT's decay / no-decay parameter split."""
+"""AdamW over fp32 master weights, with nanoGPT's decay / no-decay parameter split.
+
+The fused implementation honours `found_inf` (as set by AMP's GradScaler): the trainer uses it
+to skip a non-finite step on the device, without a host round trip.
+"""
 
 from __future__ import annotations
 
@@ -21,5 +25,5 @@ def build_adamw(model: nn.Module, cfg) -> torch.optim.Optimizer:
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        foreach=True,
+        fused=True,
     )

@@ -24,7 +24,7 @@ class RunFiles:
         self.config = self.dir / "config.yaml"
 
     def start(self, config_yaml: str, resume_step: int | None) -> None:
-        """Create the run dir; on resume, drop rows the resumed run is about to redo."""
+        """Create the run dir; on resume, drop rows after the checkpoint (they will be redone)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config.write_text(config_yaml)
         if resume_step is None:
@@ -35,7 +35,7 @@ class RunFiles:
                 self._truncate(f, resume_step)
 
     def _truncate(self, path: Path, step: int) -> None:
-        rows = [r for r in read_jsonl(path) if int(r.get("step", 0)) < step]
+        rows = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.replace(tmp, path)

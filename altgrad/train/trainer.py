@@ -91,8 +91,10 @@ class Trainer:
     # -- public --------------------------------------------------------------------------
     def fit(self, report: ReportFn | None = None, resume: Path | str | None = None) -> dict[str, Any]:
         """Train to `max_steps` or until the stability policy stops the run; returns the summary."""
-        start = self._resume(Path(resume)) if resume is not None else 0
+        start, skipped = self._resume(Path(resume)) if resume is not None else (0, [])
         self.files.start(dump_config(self.cfg), resume_step=start if resume is not None else None)
+        for problem in skipped:
+            self.files.log_event(start, "checkpoint_skipped", problem)
         if resume is not None:
             self.files.log_event(start, "resume", f"resumed from step {start}")
         max_steps = self.cfg.train.max_steps
@@ -106,14 +108,15 @@ class Trainer:
             metrics["train/tokens_per_s"] = self.cfg.train.batch_size * self.cfg.model.block_size / (now - t_last)
             t_last = now
             stop_reason = self._apply_policy(step, metrics)
+            checkpoint_due = step % self.cfg.train.checkpoint_interval == 0 or step == max_steps
+            if step % self.cfg.train.log_interval == 0 or checkpoint_due or stop_reason:
+                self.files.log_metrics(metrics)  # before the checkpoint: a checkpoint's rows exist
             ckpt = None
-            if step % self.cfg.train.checkpoint_interval == 0 or step == max_steps:
+            if checkpoint_due:
                 ckpt = self.checkpoints.save(step, self._state(step), self.val_loss)
                 self.files.write_summary(self._summary(step, "running", None))
-            if step % self.cfg.train.log_interval == 0 or ckpt or stop_reason or step == max_steps:
-                self.files.log_metrics(metrics)
-                if report is not None:
-                    report(metrics, ckpt)
+            if report is not None and (step % self.cfg.train.log_interval == 0 or ckpt or stop_reason):
+                report(metrics, ckpt)
             if stop_reason:
                 break
         summary = self._summary(step, "finished", stop_reason or "completed")
@@ -216,20 +219,19 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),
         }
 
-    def _resume(self, path: Path) -> int:
-        """Restore from the newest usable checkpoint at `path`; a corrupt one falls back to older."""
+    def _resume(self, path: Path) -> tuple[int, list[str]]:
+        """Restore from the newest usable checkpoint at `path`; a corrupt one falls back to older.
+
+        Returns the step to continue from and a message per checkpoint that had to be skipped.
+        """
         problems = []
         for candidate in resume_candidates(path):
             try:
-                state = load_checkpoint(candidate)
-                self._load_state(state)
+                self._load_state(load_checkpoint(candidate))
             except CheckpointError as e:
                 problems.append(str(e))
                 continue
-            for p in problems:
-                self.files.dir.mkdir(parents=True, exist_ok=True)
-                self.files.log_event(state["step"], "checkpoint_skipped", p)
-            return int(state["step"])
+            return self.resumed_step, problems
         detail = "; ".join(problems) if problems else f"no checkpoint found under {path}"
         raise CheckpointError(f"cannot resume: {detail}")
 
@@ -245,6 +247,7 @@ class Trainer:
         self.monitor.load_state_dict(state["monitor"])
         self.best_val, self.val_loss, self.val_step = (state["val"][k] for k in ("best", "last", "step"))
         self.wall_time = state["wall_time_s"]
+        self.resumed_step = int(state["step"])
 
     def _summary(self, step: int, status: str, stop_reason: str | None) -> dict[str, Any]:
         q = self.cfg.quant

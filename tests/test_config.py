@@ -1,0 +1,62 @@
+"""Config loading: presets, YAML, --set overrides and readable validation errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from altgrad.config import ConfigError, RunConfig, build_run_config, dump_config, load_config
+
+
+def test_presets_layer_under_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: gpu\noptim:\n  lr: 3.0e-4\nquant:\n  format: E5M2\n")
+    cfg = load_config(path, ["optim.lr=1e-3", "train.max_steps=700"])
+    assert cfg.preset == "gpu" and cfg.model.n_embd == 384 and cfg.model.block_size == 256
+    assert cfg.optim.lr == 1e-3 and cfg.train.max_steps == 700 and cfg.quant.format == "e5m2"
+    cpu = build_run_config({"preset": "cpu"})
+    assert (cpu.model.n_layer, cpu.model.n_embd, cpu.model.block_size, cpu.train.batch_size) == (
+        2,
+        64,
+        64,
+        8,
+    )
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = build_run_config(
+        {"preset": "cpu"}, ["quant.precision=[{pattern: '*.mlp.*', format: e2m5}]"]
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+    assert isinstance(cfg, RunConfig) and cfg.quant.precision[0].format == "e2m5"
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "hint"),
+    [
+        ("quant.format=fp8", "quant.format", "e5m2"),  # the error lists valid names
+        ("quant.grad_format=e3m3", "quant.grad_format", "X + Y = 7"),
+        ("optim.lr=-1", "optim.lr", "greater than 0"),
+        ("optim.name=sgd", "optim.name", "adamw"),
+        ("model.n_head=5", "model", "divisible"),
+        ("train.max_step=3", "train.max_step", "unknown field"),
+        ("quant.master_weights=format", "quant", "bf16"),
+    ],
+)
+def test_invalid_fields_are_named(override, field, hint):
+    extra = ["quant.format=bf16"] if "master_weights" in override else []
+    with pytest.raises(ConfigError) as err:
+        build_run_config({"preset": "cpu"}, [*extra, override])
+    assert field in str(err.value) and hint in str(err.value)
+
+
+def test_malformed_files_and_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["optim.lr"])

@@ -1,0 +1,113 @@
+"""QuantizedLinear and model surgery: identity when nothing is quantized, SQNR, presets, counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from altgrad.config import ModelConfig
+from altgrad.model import GPT
+from altgrad.quant import get_format
+from altgrad.quant.convert import LayerPolicy, convert_to_quantized, linear_layers, quantized_layers
+from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+
+TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    return float(10 * torch.log10(ref.square().sum() / (ref - approx).square().sum()))
+
+
+def tiny_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(TINY)
+
+
+def test_policy_that_quantizes_nothing_is_bit_identical():
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain, converted = tiny_gpt(), tiny_gpt()
+    assigned = convert_to_quantized(converted, LayerPolicy.build([("*", "bf16")], "e4m3"))
+    assert assigned == {} and not quantized_layers(converted)
+    assert torch.equal(plain(idx)[0], converted(idx)[0])
+    quantized = tiny_gpt()
+    convert_to_quantized(quantized, LayerPolicy.build("all", "e4m3"))
+    assert not torch.equal(plain(idx)[0], quantized(idx)[0])  # the comparison can fail
+
+
+def test_e4m3_linear_sqnr_matches_torchao_thresholds():
+    torch.manual_seed(0)
+    ref = nn.Linear(256, 128)
+    fmt = get_format("e4m3")
+    policy = LinearQuantPolicy(
+        input=fmt, weight=fmt, grad_output=get_format("e5m2"), scaling=ScalingPolicy(mode="dynamic")
+    )
+    q = QuantizedLinear.from_float(nn.Linear(256, 128), policy)
+    q.load_state_dict(ref.state_dict(), strict=False)
+    x = torch.randn(64, 256)
+    x_ref, x_q = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y_q = ref(x_ref), q(x_q)
+    g = torch.randn_like(y_ref)
+    y_ref.backward(g)
+    y_q.backward(g)
+    assert sqnr_db(y_ref, y_q) >= 18
+    assert sqnr_db(x_ref.grad, x_q.grad) >= 17
+    assert sqnr_db(ref.weight.grad, q.weight.grad) >= 17
+
+
+def test_from_float_reuses_parameters_and_keeps_weight_tying():
+    model = tiny_gpt()
+    head, fc = model.lm_head.weight, model.transformer.h[0].mlp.c_fc.weight
+    convert_to_quantized(model, LayerPolicy.build("all", "e5m2"))
+    assert isinstance(model.lm_head, QuantizedLinear)
+    assert model.lm_head.weight is head is model.transformer.wte.weight
+    assert model.transformer.h[0].mlp.c_fc.weight is fc
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected"),
+    [
+        ("all", lambda n: True),
+        ("mlp", lambda n: ".mlp." in n),
+        ("attn", lambda n: ".attn." in n),
+        ("no_head", lambda n: n != "lm_head"),
+    ],
+)
+def test_presets_quantize_exactly_the_layers_they_name(precision, expected):
+    model = tiny_gpt()
+    names = linear_layers(model)
+    assigned = convert_to_quantized(model, LayerPolicy.build(precision, "e3m4"))
+    want = {n for n in names if expected(n)}
+    assert set(assigned) == want == set(quantized_layers(model))
+    assert all(f.name == "e3m4" for f in assigned.values())
+
+
+def test_custom_rules_first_match_wins_and_unmatched_pattern_is_an_error():
+    model = tiny_gpt()
+    rules = [("*.h.0.mlp.*", "e5m2"), ("*.mlp.*", "e2m5"), ("lm_head", "bf16")]
+    assigned = convert_to_quantized(model, LayerPolicy.build(rules, "e4m3"))
+    assert {n: f.name for n, f in assigned.items()} == {
+        "transformer.h.0.mlp.c_fc": "e5m2",
+        "transformer.h.0.mlp.c_proj": "e5m2",
+        "transformer.h.1.mlp.c_fc": "e2m5",
+        "transformer.h.1.mlp.c_proj": "e2m5",
+    }
+    with pytest.raises(ValueError, match=r"\*\.ffn\.\*"):
+        convert_to_quantized(tiny_gpt(), LayerPolicy.build([("*.ffn.*", "e4m3")], "e4m3"))
+    with pytest.raises(ValueError, match="unknown layer precision"):
+        LayerPolicy.build("everything", "e4m3")
+
+
+def test_overflow_underflow_and_histogram_counters():
+    fmt = get_format("e4m3")
+    policy = LinearQuantPolicy(
+        input=fmt, weight=fmt, grad_output=fmt, scaling=ScalingPolicy(mode="none")
+    )
+    layer = QuantizedLinear.from_float(nn.Linear(4, 2, bias=False), policy)
+    layer.collect_stats = True
+    x = torch.tensor([[1000.0, -500.0, 1e-4, 0.0]])  # two overflow (> 448), one underflow, one zero
+    layer(x)
+    overflow, underflow, n = layer.stats["input"].counts.tolist()
+    assert (overflow, underflow, n) == (2, 1, 4)
+    hist = layer.stats["input"].histogram
+    assert hist.sum() == 4 and hist[fmt.encode(torch.tensor([448.0])).long()] == 1

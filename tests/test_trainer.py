@@ -1,0 +1,211 @@
+"""The instrumented trainer on real EUR-Lex text: learning, exact resume, the NaN policy, metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from altgrad.experiment import read_jsonl
+from altgrad.train import Trainer
+from altgrad.train.checkpoint import CHECKPOINT_FILE, CheckpointError, step_checkpoints
+
+
+class Interrupt(Exception):
+    """Stands in for a killed process: raised from the report callback mid-run."""
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {int(r["step"]): r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def test_training_lowers_validation_loss(make_config, tmp_path):
+    cfg = make_config("quant.format=e4m3", "train.max_steps=30", "train.eval_interval=10",
+                      "train.batch_size=8", "optim.lr=3e-3")
+    summary = Trainer(cfg, tmp_path).fit()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    first, last = rows[0]["val/loss"], rows[-1]["val/loss"]
+    assert summary["stop_reason"] == "completed" and summary["steps"] == 30
+    assert last < first - 1.0, (first, last)  # ~10.8 (uniform over 50k tokens) falls fast
+    assert summary["best_val_loss"] == pytest.approx(min(r["val/loss"] for r in rows))
+
+
+def test_same_seed_same_batches_across_formats(make_config, tmp_path, monkeypatch):
+    seen: dict[str, list[torch.Tensor]] = {}
+    from altgrad.data import TokenBatches
+
+    original = TokenBatches.train_batch
+
+    def recording(self, step):
+        x, y = original(self, step)
+        seen.setdefault(current, []).append(x.clone())
+        return x, y
+
+    monkeypatch.setattr(TokenBatches, "train_batch", recording)
+    for current in ("e4m3", "e2m5", "bf16"):
+        Trainer(
+            make_config(f"quant.format={current}", "train.max_steps=4"), tmp_path / current
+        ).fit()
+    assert len(seen["e4m3"]) == 4
+    for fmt in ("e2m5", "bf16"):
+        assert all(torch.equal(a, b) for a, b in zip(seen["e4m3"], seen[fmt], strict=True))
+    assert not torch.equal(seen["e4m3"][0], seen["e4m3"][1])
+
+
+@pytest.mark.parametrize("interrupt_at", [13])
+def test_resume_is_bit_identical(make_config, tmp_path, interrupt_at):
+    """Stochastic rounding, delayed scaling, diagnostics and the shadow all in play."""
+    overrides = (
+        "quant.format=e3m4",
+        "quant.rounding=stochastic",
+        "train.max_steps=24",
+        "train.checkpoint_interval=5",
+        "train.shadow_every=3",
+        "train.eval_interval=4",
+    )
+    straight = Trainer(make_config(*overrides), tmp_path / "straight")
+    straight.fit()
+
+    def stop(metrics, ckpt):
+        if metrics["step"] == interrupt_at:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        Trainer(make_config(*overrides), tmp_path / "resumed").fit(report=stop)
+    resumed = Trainer(make_config(*overrides), tmp_path / "resumed")
+    resumed.fit(resume=tmp_path / "resumed")
+
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert sorted(b) == list(range(1, 25))  # redone steps replaced, not duplicated
+    assert a == b  # bit for bit
+    for (name, p), q in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(p, q), name
+    events = read_jsonl(tmp_path / "resumed" / "events.jsonl")
+    assert [e["step"] for e in events if e["kind"] == "resume"] == [10]
+
+
+def test_nan_gradients_are_skipped_then_stop_the_run(make_config, tmp_path):
+    cfg = make_config("quant.format=e4m3", "train.max_steps=30", "stability.nan_patience=3")
+    trainer = Trainer(cfg, tmp_path)
+    backward_calls = 0
+
+    def poison(grad):  # from the 5th backward on, every gradient of the head is NaN
+        nonlocal backward_calls
+        backward_calls += 1
+        return grad * math.nan if backward_calls >= 5 else grad
+
+    trainer.model.transformer.h[0].mlp.c_fc.weight.register_hook(poison)
+    weights = {}
+
+    def snapshot(metrics, ckpt):
+        weights[int(metrics["step"])] = (
+            trainer.model.transformer.h[0].mlp.c_fc.weight.detach().clone()
+        )
+
+    summary = trainer.fit(report=snapshot)
+    assert summary["stop_reason"] == "nan"
+    assert (
+        summary["steps"] == 7
+        and summary["collapse_step"] == 5
+        and summary["collapse_where"] == "backward"
+    )
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert torch.equal(weights[4], weights[7])  # skipped steps leave the weights alone
+    assert not torch.equal(weights[3], weights[4])
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert (
+        kinds.count("nan_skip") == 3 and kinds[-1] == "nan_stop" and "anomaly_checkpoint" in kinds
+    )
+    anomaly = torch.load(
+        tmp_path / "checkpoints" / "anomaly_step_00000005" / CHECKPOINT_FILE, weights_only=True
+    )
+    assert anomaly["step"] == 4
+    assert torch.equal(anomaly["model"]["transformer.h.0.mlp.c_fc.weight"], weights[4])
+    streaks = [r["stability/nan_streak"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert streaks[-3:] == [1.0, 2.0, 3.0]
+
+
+SPEC_METRICS = [
+    "train/loss",
+    "train/ppl",
+    "train/grad_norm",
+    "train/lr",
+    "train/tokens_per_s",
+    "val/loss",
+    "val/ppl",
+    "quant/overflow_rate",
+    "quant/underflow_rate",
+    "quant/bit_stall_rate",
+    "quant/zero_update_frac",
+    "quant/codes_used",
+    "shadow/cos_mean",
+    "shadow/cos_min",
+    "stability/nan_streak",
+    "stability/loss_is_nan",
+    "stability/grad_has_nan",
+    "stability/divergence",
+]
+PER_LAYER = [
+    "grad/l2",
+    "grad/linf",
+    "grad/snr",
+    "grad/dead_frac",
+    "act/kurtosis",
+    "shadow/cos",
+    "quant/overflow_rate",
+    "quant/bit_stall_rate",
+]
+
+
+def test_every_spec_metric_is_present_and_finite(make_config, tmp_path):
+    cfg = make_config(
+        "quant.format=e4m3", "quant.precision=mlp", "train.max_steps=3", "train.shadow_every=1"
+    )
+    Trainer(cfg, tmp_path).fit()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3
+    for row in rows:
+        for key in SPEC_METRICS:
+            assert key in row and math.isfinite(row[key]), key
+        for prefix in PER_LAYER:
+            layer_keys = [k for k in row if k.startswith(prefix + "/")]
+            assert layer_keys and all(math.isfinite(row[k]) for k in layer_keys), prefix
+        # mlp policy: only MLP layers carry quantizer counters, every linear carries gradients
+        assert {k.split("/")[-1] for k in row if k.startswith("quant/overflow_rate/")} == {
+            "h.0.mlp.c_fc",
+            "h.0.mlp.c_proj",
+            "h.1.mlp.c_fc",
+            "h.1.mlp.c_proj",
+        }
+        assert "grad/l2/h.0.attn.c_attn" in row and "grad/l2/lm_head" in row
+        assert 0 < row["quant/codes_used"] <= 1 and 0.9 < row["shadow/cos_mean"] <= 1.0001
+
+
+def test_checkpoint_retention_and_corrupt_fallback(make_config, tmp_path):
+    overrides = (
+        "quant.format=e5m2",
+        "train.max_steps=25",
+        "train.checkpoint_interval=5",
+        "train.eval_interval=5",
+    )
+    Trainer(make_config(*overrides), tmp_path).fit()
+    kept = [p.name for p in step_checkpoints(tmp_path / "checkpoints")]
+    best = json.loads((tmp_path / "checkpoints" / "best.json").read_text())["name"]
+    assert kept[-2:] == ["step_00000020", "step_00000025"] and best in kept and len(kept) <= 3
+
+    newest = tmp_path / "checkpoints" / "step_00000025" / CHECKPOINT_FILE
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated by a dying writer
+    Trainer(make_config(*overrides), tmp_path).fit(resume=tmp_path)
+    events = read_jsonl(tmp_path / "events.jsonl")
+    skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
+    assert skipped and str(newest) in skipped[0]["message"]
+    assert [e["step"] for e in events if e["kind"] == "resume"] == [20]
+
+    for p in step_checkpoints(tmp_path / "checkpoints"):
+        (p / CHECKPOINT_FILE).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=CHECKPOINT_FILE):
+        Trainer(make_config(*overrides), tmp_path).fit(resume=tmp_path)
