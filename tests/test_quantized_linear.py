@@ -111,3 +111,17 @@ def test_overflow_underflow_and_histogram_counters():
     assert (overflow, underflow, n) == (2, 1, 4)
     hist = layer.stats["input"].histogram
     assert hist.sum() == 4 and hist[fmt.encode(torch.tensor([448.0])).long()] == 1
+
+
+def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
+    fmt = get_format("e5m2")
+    policy = LinearQuantPolicy(input=fmt, weight=fmt, grad_output=fmt, scaling=ScalingPolicy(mode="none"))
+    layer = QuantizedLinear.from_float(nn.Linear(64, 2, bias=False), policy)
+    layer.collect_stats = True
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40_000, 64, generator=gen)  # 2.56M elements: sampled
+    hot = torch.rand(x.shape, generator=gen) < 0.05
+    x[hot] = 1e6  # 5 % overflow (> 57344)
+    layer(x)
+    overflow, _, n = layer.stats["input"].counts.tolist()
+    assert n < x.numel() and abs(overflow / n - hot.float().mean().item()) < 0.005
