@@ -21,11 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m altgrad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for module in SUBCOMMANDS.values():
-        try:
-            importlib.import_module(module).register(sub)
-        except ModuleNotFoundError as e:  # a sub-command not built yet must not break the others
-            if e.name != module:
-                raise
+        importlib.import_module(module).register(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
