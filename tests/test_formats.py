@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from bitwise import same_values
 
 from altgrad.quant import FORMATS, FormatSpec, get_format
 
@@ -19,16 +20,6 @@ CODES = torch.arange(256, dtype=torch.uint8)
 @pytest.fixture(autouse=True)
 def eager(monkeypatch):
     monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")  # the kernels are tested in test_quantize
-
-
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equal (so -0 != +0), except that any NaN matches any NaN."""
-    if a.dtype != b.dtype:
-        a, b = a.double(), b.double()
-    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(a.dtype, torch.int16)
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(
-        a.view(bits).masked_fill(nan, 0), b.view(bits).masked_fill(nan, 0))
 
 
 def test_registry_matches_the_spec_table():

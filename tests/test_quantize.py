@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from bitwise import same_values
 
 from altgrad.quant import FORMATS, FormatSpec, compile_status, fake_quantize, quantize
 
@@ -26,16 +27,6 @@ ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn,
 CODES = torch.arange(256, dtype=torch.uint8)
 SPECIALS = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 2.0**-130, 1e-39, 3.4e38,
             -3.4e38, 2.0**-149 * 3]
-
-
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equal (so -0 != +0), except that any NaN matches any NaN."""
-    if a.dtype != b.dtype:
-        a, b = a.double(), b.double()
-    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(a.dtype, torch.int16)
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(
-        a.view(bits).masked_fill(nan, 0), b.view(bits).masked_fill(nan, 0))
 
 
 @pytest.fixture(autouse=True)
