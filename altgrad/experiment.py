@@ -10,18 +10,46 @@ A run directory, written by `altgrad.train.Trainer` and knowing nothing of Ray, 
                      "collapse_step", "collapse_where", "wall_time_s", ...}`, rewritten as it goes
 - `checkpoints/`     `step_XXXXXXXX/checkpoint.pt` (best + last N), `anomaly_step_XXXXXXXX/`
 
+An experiment directory, written by a sweep (`altgrad.tune`) as `<storage_path>/<name>/`, holds
+Ray's own files (`experiment_state-*.json`, `tuner.pkl`, and per Ray trial `<key>_<id>/` with
+`result.json`, `checkpoint_XXXXXX/`, `error.txt`), our trial directories `trials/<key>/` (`run/`
+the run directory, `trial.log` across every attempt, `worker.json` the current worker's pid),
+keyed by grid point so that a trial Ray re-creates after a kill finds its checkpoints, and the
+sweep's state in `sweep_state/` (a sub-folder, so that Ray's restore, which copies the
+experiment root's `*.json` around, never touches it):
+
+- `sweep.json`    the validated sweep config, the grid points in order, status and resume command
+- `trials.json`   Ray trial id -> grid key, Ray's trial dir, status (PENDING/RUNNING/TERMINATED/ERROR)
+- `asha.json`     the ASHA rung records and which trial each rung stopped, and at which step
+- `stopper.json`  which trial the stability stopper stopped, why (`nan` / `bit_stall`) and when
+
 `TrialRecord` is the in-memory view of one trial of a sweep: its grid coordinates plus the
-contents of its run directory. Readers (`trials`, `report`) work on records only.
+contents of its run directory. Readers (`trials`, `report`) work on records only, and
+`load_experiment` builds them from the files above without starting Ray.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 STOP_REASONS = ("completed", "asha", "nan", "bit_stall", "error")
+TERMINAL_STATUSES = ("TERMINATED", "ERROR")
+
+STATE_DIR = "sweep_state"
+SWEEP_FILE = "sweep.json"
+TRIALS_FILE = "trials.json"
+ASHA_FILE = "asha.json"
+STOPPER_FILE = "stopper.json"
+TRIALS_DIR = "trials"  # our trial directories, one per grid key
+RUN_DIR = "run"  # the Trainer's run directory inside a trial directory
+
+
+class ExperimentError(ValueError):
+    """The path is not (or not yet) an AltGrad experiment directory; the message says what is."""
 
 
 @dataclass
@@ -38,6 +66,9 @@ class TrialRecord:
     summary: dict[str, Any] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)  # every sampled hyper-parameter
     trial_dir: Path | None = None
+    key: str = ""  # the grid point's name, e.g. "e4m3-adamw-all-s42"
+    stop_step: int | None = None  # the step at which the sweep (ASHA / stopper) stopped the trial
+    error: str | None = None  # the last line of the trial's error, when it errored
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the history, skipping rows that lack it."""
@@ -66,3 +97,88 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 break
             raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
     return rows
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content, or None when it does not exist (yet)."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_experiment(exp_dir: str | Path) -> list[TrialRecord]:
+    """Every trial of a sweep in grid order, finished, running or not started; Ray is not needed.
+
+    A trial that the sweep stopped (ASHA or the stability stopper) ends at the step of that
+    decision: its history and summary are cut there, so the record does not depend on how far the
+    trainer ran before the stop reached it (nor on a kill and resume in between).
+    """
+    exp_dir = Path(exp_dir)
+    state = exp_dir / STATE_DIR
+    sweep = read_json(state / SWEEP_FILE)
+    if sweep is None:
+        what = "does not exist" if not exp_dir.exists() else f"has no {STATE_DIR}/{SWEEP_FILE}"
+        raise ExperimentError(
+            f"{exp_dir} is not an AltGrad experiment ({what}); pass the directory a sweep "
+            "printed, e.g. experiments/format_ablation"
+        )
+    trials: dict[str, dict[str, Any]] = read_json(state / TRIALS_FILE) or {}
+    stops = {tid: {**d, "reason": "asha"} for tid, d in _stopped(state / ASHA_FILE).items()}
+    stops.update(_stopped(state / STOPPER_FILE))
+    by_key = {entry["key"]: tid for tid, entry in trials.items()}
+    records = []
+    for point in sweep["points"]:
+        tid = by_key.pop(point["key"], None)
+        if tid is None:
+            records.append(_record(point, trial_id="", status="PENDING"))
+        else:
+            records.append(_trial_record(exp_dir, tid, trials[tid], stops.get(tid)))
+    records += [_trial_record(exp_dir, tid, trials[tid], stops.get(tid)) for tid in by_key.values()]
+    return records
+
+
+def _stopped(path: Path) -> dict[str, dict[str, Any]]:
+    return (read_json(path) or {}).get("stopped", {})
+
+
+def _record(labels: dict[str, Any], **kw: Any) -> TrialRecord:
+    return TrialRecord(
+        key=labels["key"], format=labels["format"], optimizer=labels["optimizer"],
+        precision=labels["precision"], seed=labels["seed"], params=labels.get("params", {}), **kw,
+    )
+
+
+def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
+                  stop: dict[str, Any] | None) -> TrialRecord:
+    trial_dir = exp_dir / TRIALS_DIR / entry["key"]
+    if not trial_dir.is_dir():  # remote storage: the trial's files were synced into Ray's dir
+        trial_dir = exp_dir / entry["dir"]
+    run = trial_dir / RUN_DIR
+    history = _by_step(read_jsonl(run / "metrics.jsonl"))
+    events = read_jsonl(run / "events.jsonl")
+    summary = read_json(run / "summary.json") or {}
+    reason, stop_step = None, None
+    if stop is not None:
+        reason, stop_step = stop["reason"], int(stop["step"])
+        history = [r for r in history if r["step"] <= stop_step]
+        events = [e for e in events if e["step"] <= stop_step]
+        summary = {**summary, **_summary_at(history), "status": "finished", "stop_reason": reason,
+                   "steps": stop_step}
+    elif summary.get("status") == "finished":
+        reason = summary.get("stop_reason")
+    elif entry["status"] == "ERROR":
+        reason = "error"
+    return _record(entry, trial_id=trial_id, status=entry["status"], stop_reason=reason,
+                   history=history, events=events, summary=summary, trial_dir=trial_dir,
+                   stop_step=stop_step, error=entry.get("error"))
+
+
+def _by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step (the last one written wins), in step order."""
+    return sorted({r["step"]: r for r in rows if "step" in r}.values(), key=lambda r: r["step"])
+
+
+def _summary_at(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary fields that the history up to a stop determines."""
+    vals = [r["val/loss"] for r in history if "val/loss" in r and r.get("val/step") == r["step"]]
+    finite = [v for v in vals if math.isfinite(v)]
+    return {"best_val_loss": min(finite, default=math.inf),
+            "final_val_loss": vals[-1] if vals else math.nan}

@@ -8,11 +8,13 @@ import torch
 from torch import nn
 
 from altgrad.optim.adamw import build_adamw
+from altgrad.optim.manifold import build_manifold
 
 OptimizerBuilder = Callable[[nn.Module, "OptimConfig"], torch.optim.Optimizer]  # noqa: F821
 
 OPTIMIZERS: dict[str, OptimizerBuilder] = {
     "adamw": build_adamw,
+    "manifold": build_manifold,
 }
 
 

@@ -32,24 +32,25 @@ class RunFiles:
                 f.unlink(missing_ok=True)
         else:
             for f in (self.metrics, self.events):
-                self._truncate(f, resume_step)
+                self.truncate(f, resume_step)
 
-    def _truncate(self, path: Path, step: int) -> None:
+    def truncate(self, path: Path, step: int) -> None:
+        """Keep only the rows of `path` up to `step` (a resumed run redoes the rest)."""
         rows = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.replace(tmp, path)
 
-    def _append(self, path: Path, row: dict[str, Any]) -> None:
+    def append(self, path: Path, row: dict[str, Any]) -> None:
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
-        self._append(self.metrics, metrics)
+        self.append(self.metrics, metrics)
 
     def log_event(self, step: int, kind: str, message: str, **extra: Any) -> dict[str, Any]:
         event = {"step": step, "kind": kind, "message": message, **extra}
-        self._append(self.events, event)
+        self.append(self.events, event)
         return event
 
     def write_summary(self, summary: dict[str, Any]) -> None:

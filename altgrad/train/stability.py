@@ -7,6 +7,7 @@ checkpoint, so a resumed run warns and stops exactly where the uninterrupted one
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,12 @@ class Event:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+ShiftFn = Callable[[list[str] | None, str], list[Event]]
+"""Shift the named layers (None: every quantized layer) for a reason; the shifts that happened."""
+
+STALL_PREFIX = "quant/bit_stall_rate/"
+
+
 @dataclass
 class StabilityMonitor:
     cfg: StabilityConfig
@@ -36,10 +43,19 @@ class StabilityMonitor:
     active_warnings: list[str] = field(default_factory=list)
     last_val: float | None = None
     rising_evals: int = 0
+    format_shifts: int = 0
+    stall_streaks: dict[str, int] = field(default_factory=dict)
 
-    def observe_step(self, step: int, m: dict[str, float]) -> tuple[list[Event], str | None]:
-        """Events for this step, and the stop reason (`nan`) if the run must end here."""
+    def observe_step(self, step: int, m: dict[str, float],
+                     shift: ShiftFn | None = None) -> tuple[list[Event], str | None]:
+        """Events for this step, and the stop reason (`nan`) if the run must end here.
+
+        With `shift_patience` set and a `shift` function, a NaN streak or a layer's bit-stall
+        streak of that length first tries an emergency mantissa shift; a shift resets the streak
+        so training continues, and the NaN stop still applies once no layer can shift.
+        """
         events: list[Event] = []
+        patience = self.cfg.shift_patience if shift is not None else None
         loss_bad = m["stability/loss_is_nan"] > 0
         grad_bad = m["stability/grad_has_nan"] > 0
         if loss_bad or grad_bad:
@@ -53,13 +69,37 @@ class StabilityMonitor:
                 f"(streak {self.nan_streak}/{self.cfg.nan_patience})",
                 {"streak": self.nan_streak, "where": where},
             ))
+            if patience and self.nan_streak >= patience:
+                shifted = shift(None, "nan")
+                events += shifted
+                if shifted:
+                    self.format_shifts += len(shifted)
+                    self.nan_streak = 0
+                    return events, None
             if self.nan_streak >= self.cfg.nan_patience:
                 events.append(Event("nan_stop", f"{self.nan_streak} consecutive non-finite steps: stopping"))
                 return events, "nan"
         else:
             self.nan_streak = 0
+        if patience:
+            events += self._stall_shifts(m, patience, shift)
         events.extend(self._threshold_warnings(m))
         return events, None
+
+    def _stall_shifts(self, m: dict[str, float], patience: int, shift: ShiftFn) -> list[Event]:
+        """Per-layer streaks of diagnostic steps with bit-stall above the threshold."""
+        stalled = []
+        for key, rate in m.items():
+            if key.startswith(STALL_PREFIX):
+                name = key.removeprefix(STALL_PREFIX)
+                above = rate > self.cfg.shift_stall_threshold
+                self.stall_streaks[name] = self.stall_streaks.get(name, 0) + 1 if above else 0
+                if self.stall_streaks[name] >= patience:
+                    stalled.append(name)
+                    self.stall_streaks[name] = 0
+        shifted = shift(stalled, "bit_stall") if stalled else []
+        self.format_shifts += len(shifted)
+        return shifted
 
     def _threshold_warnings(self, m: dict[str, float]) -> list[Event]:
         """Warn when a metric crosses its threshold (once per excursion, not every step)."""
@@ -97,6 +137,8 @@ class StabilityMonitor:
             "active_warnings": list(self.active_warnings),
             "last_val": self.last_val,
             "rising_evals": self.rising_evals,
+            "format_shifts": self.format_shifts,
+            "stall_streaks": dict(self.stall_streaks),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

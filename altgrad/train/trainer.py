@@ -25,11 +25,20 @@ from altgrad.config import RunConfig, dump_config
 from altgrad.data import TokenBatches, prepare_dataset
 from altgrad.model import GPT
 from altgrad.optim import build_optimizer
-from altgrad.quant.convert import LayerPolicy, convert_to_quantized
+from altgrad.quant.convert import LayerPolicy, convert_to_quantized, quantized_layers
 from altgrad.quant.formats import get_format
 from altgrad.quant.linear import ScalingPolicy
-from altgrad.train.checkpoint import CheckpointError, CheckpointManager, load_checkpoint, resume_candidates
-from altgrad.train.diagnostics import Diagnostics, Metrics
+from altgrad.quant.quantize import quantize
+from altgrad.train.bit_tracking import BitPositionsFile, BitTracker
+from altgrad.train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    load_checkpoint,
+    resume_candidates,
+)
+from altgrad.train.diagnostics import Diagnostics, Metrics, short_name
+from altgrad.train.format_shift import layer_formats, restore_formats, shift_layers
+from altgrad.train.partition_clip import PartitionClipper
 from altgrad.train.run_files import RunFiles
 from altgrad.train.schedule import lr_at
 from altgrad.train.shadow import FP32Shadow
@@ -78,11 +87,16 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim.name, self.model, cfg.optim)
         if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
             raise TypeError(f"optimizer {cfg.optim.name!r} must honour `found_inf` to skip NaN steps")
+        self.layers = {short_name(n): m for n, m in quantized_layers(self.model).items()}
+        k = cfg.optim.partition_clip_k
+        self.clipper = PartitionClipper(self.layers, k, cfg.quant.scaling.history_len) if k and self.layers else None
         self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format))
         self.shadow = FP32Shadow(cfg.model, self.device) if t.shadow_every else None
         self.monitor = StabilityMonitor(cfg.stability)
         self.checkpoints = CheckpointManager(self.run_dir, t.keep_last)
         self.files = RunFiles(self.run_dir)
+        self.bit_tracker = BitTracker(self.layers, seed=t.seed) if self.layers and t.diag_every else None
+        self.bit_file = BitPositionsFile(self.files)
         self.best_val = math.inf
         self.val_loss = math.nan
         self.val_step = 0
@@ -93,6 +107,7 @@ class Trainer:
         """Train to `max_steps` or until the stability policy stops the run; returns the summary."""
         start, skipped = self._resume(Path(resume)) if resume is not None else (0, [])
         self.files.start(dump_config(self.cfg), resume_step=start if resume is not None else None)
+        self.bit_file.start(start if resume is not None else None)
         for problem in skipped:
             self.files.log_event(start, "checkpoint_skipped", problem)
         if resume is not None:
@@ -147,15 +162,20 @@ class Trainer:
             before = self.diagnostics.snapshot()
         if shadow:
             m.update(self.shadow.cosines(self.model, x, y))
+        if self.clipper is not None:
+            self.clipper.clip_()
         clip = self.cfg.optim.grad_clip or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
         loss_ok, grad_ok = torch.isfinite(loss.detach()), torch.isfinite(grad_norm)
         self.optimizer.found_inf = (~(loss_ok & grad_ok)).float()  # the step is skipped on device
         self.optimizer.step()
         if diag:
-            m.update(self.diagnostics.update_metrics(before))
+            m.update(self.diagnostics.update_metrics(before))  # the raw update, before re-quantizing
             m.update(self.diagnostics.quant_metrics())
             self.diagnostics.end()
+        if self.cfg.quant.master_weights == "format":
+            self._requantize_weights()
+        bits = self.bit_tracker.observe(before) if diag and self.bit_tracker is not None else None
         self.optimizer.zero_grad(set_to_none=True)
 
         m["train/loss"] = loss.detach()
@@ -165,7 +185,13 @@ class Trainer:
         evaluate = step % t.eval_interval == 0 or step in (1, t.max_steps)
         if evaluate:
             m["val/loss"] = self._evaluate()
-        values = torch.stack([v.detach().float().reshape(()) for v in m.values()]).tolist()  # the sync
+        flat = torch.stack([v.detach().float().reshape(()) for v in m.values()])
+        if bits is not None:
+            flat = torch.cat([flat, bits.flatten()])
+        values = flat.tolist()  # the sync
+        if bits is not None:
+            self.bit_file.write(self.bit_tracker.rows(step, values[len(m):]))
+            values = values[:len(m)]
         metrics = {"step": float(step), "train/lr": lr, **dict(zip(m, values, strict=True))}
         metrics["train/ppl"] = _ppl(metrics["train/loss"])
         if evaluate:
@@ -174,6 +200,15 @@ class Trainer:
             self.best_val = min(self.best_val, self.val_loss)
         metrics.update({"val/loss": self.val_loss, "val/ppl": _ppl(self.val_loss), "val/step": float(self.val_step)})
         return metrics
+
+    @torch.no_grad()
+    def _requantize_weights(self) -> None:
+        """`master_weights: format`: the stored weights are the format's values, so a stalled
+        update is lost. A skipped step re-quantizes on-grid weights, which leaves them unchanged."""
+        rounding = self.cfg.quant.weight_rounding
+        for layer in self.layers.values():
+            w = layer.weight
+            w.copy_(quantize(w, layer.policy.weight, layer.scalers["weight"].scale, rounding=rounding))
 
     @torch.no_grad()
     def _evaluate(self) -> torch.Tensor:
@@ -190,7 +225,7 @@ class Trainer:
 
     # -- stability policy -----------------------------------------------------------------
     def _apply_policy(self, step: int, metrics: dict[str, float]) -> str | None:
-        events, stop = self.monitor.observe_step(step, metrics)
+        events, stop = self.monitor.observe_step(step, metrics, self._shift)
         if metrics["val/step"] == step:
             events += self.monitor.observe_eval(metrics["val/loss"])
         if self.monitor.nan_streak == 1:  # first NaN of a streak: the step was skipped, so this
@@ -200,7 +235,11 @@ class Trainer:
             self.files.log_event(step, e.kind, e.message, **e.extra)
         metrics["stability/nan_streak"] = float(self.monitor.nan_streak)
         metrics["stability/divergence"] = float(self.monitor.diverging)
+        metrics["quant/format_shifts"] = float(self.monitor.format_shifts)
         return stop
+
+    def _shift(self, names: list[str] | None, reason: str) -> list[Event]:
+        return shift_layers(self.layers, list(self.layers) if names is None else names, reason)
 
     # -- checkpoint state -----------------------------------------------------------------
     def _state(self, step: int) -> dict[str, Any]:
@@ -208,7 +247,9 @@ class Trainer:
             "version": CHECKPOINT_VERSION,
             "step": step,
             "model": self.model.state_dict(),
+            "formats": layer_formats(self.layers),
             "optimizer": self.optimizer.state_dict(),
+            "partition_clip": self.clipper.state_dict() if self.clipper is not None else {},
             "rng": {
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -237,8 +278,11 @@ class Trainer:
 
     def _load_state(self, state: dict[str, Any]) -> None:
         try:
+            restore_formats(self.layers, state["formats"])  # a shifted format, before its scales
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+            if self.clipper is not None:
+                self.clipper.load_state_dict(state["partition_clip"])
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(f"checkpoint does not match this run's model/optimizer: {e}") from None
         torch.set_rng_state(state["rng"]["torch"])

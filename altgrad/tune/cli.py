@@ -1,0 +1,151 @@
+"""The command line every sweep entry point shares (SPEC §7).
+
+`--config`, `--smoke`, `--name`, `--storage-path`, `--resume` | `--fresh`, `--dry-run`,
+`--set key=value`. A user-caused problem (bad config, missing data, a sweep that exists with another
+config) exits 2 with a message, before anything is written; an interrupted sweep exits 128+signal
+after printing the command that resumes it; a sweep with errored trials exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+from altgrad.config import ConfigError
+from altgrad.tune.config import SweepSettings, load_sweep_config
+from altgrad.tune.lifecycle import check_new_location, choose_config, move_aside, stored_sweep
+from altgrad.tune.runner import Experiment, Outcome, run_experiment, start_ray
+
+
+class SweepKind(Protocol):
+    kind: str
+    script: str
+    model: type[SweepSettings]
+
+    @staticmethod
+    def experiments(cfg: Any) -> list[Experiment]: ...
+
+    @staticmethod
+    def describe(cfg: Any, experiments: list[Experiment]) -> str: ...
+
+    @staticmethod
+    def summarize(cfg: Any, experiments: list[Experiment]) -> int: ...
+
+
+def sweep_parser(description: str, default_config: Path) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--config", type=Path, help=f"sweep YAML (default: {default_config})")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny grid, few steps (the config's smoke: section); name gets '-smoke'")
+    p.add_argument("--name", help="experiment name (default: the config's name)")
+    p.add_argument("--storage-path", help="where experiments live: a directory or s3://bucket/prefix")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue the experiment of this name with its stored config")
+    mode.add_argument("--fresh", action="store_true",
+                      help="start over: an existing experiment of this name is moved aside")
+    p.add_argument("--dry-run", action="store_true", help="print the grid and its resources, run nothing")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set base.train.max_steps=30 (repeatable)")
+    return p
+
+
+def sweep_main(kind: SweepKind, default_config: Path, description: str, argv: list[str] | None = None) -> int:
+    args = sweep_parser(description, default_config).parse_args(argv)
+    try:
+        return _run(kind, args, default_config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # outside Ray's own handling (data preparation, Ray start-up)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int:
+    from altgrad.data import DataError, prepare_dataset
+
+    cfg = load_sweep_config(kind.model, args.config or default_config, args.overrides, args.smoke,
+                            args.name, args.storage_path)
+    experiments = kind.experiments(cfg)  # builds and validates every trial's run config
+    if args.dry_run:
+        print(kind.describe(cfg, experiments))
+        return 0
+    mode = "resume" if args.resume else "fresh" if args.fresh else "auto"
+    stored = next((doc for e in experiments if (doc := stored_sweep(e.path))), None)
+    if stored is not None:
+        _refuse_if_running(stored, cfg.experiment_path)
+    if mode == "fresh":
+        if moved := move_aside(cfg.experiment_path):
+            print(f"moved the previous experiment aside to {moved}")
+        stored = None
+    if stored is not None:
+        explicit = args.config is not None or bool(args.overrides)
+        doc = choose_config(stored, cfg.model_dump(mode="json"), mode, explicit,
+                            "or start over with --fresh (the old one is moved aside), or use another --name")
+        try:
+            cfg = kind.model.validated(doc)
+        except ConfigError as e:
+            raise ConfigError(f"the stored config of {cfg.experiment_path} no longer validates: {e}") from None
+        experiments = kind.experiments(cfg)
+    elif mode == "resume":
+        raise ConfigError(f"nothing to resume: no sweep at {cfg.experiment_path} (check --name / --storage-path)")
+    else:
+        check_new_location(cfg.experiment_path)
+
+    status = {e.path: (stored_sweep(e.path) or {}).get("status") for e in experiments}
+    todo = [e for e in experiments if status[e.path] != "finished"]
+    if not todo:
+        print(f"sweep {cfg.name} is complete ({cfg.experiment_path}); --fresh starts it over")
+        return kind.summarize(cfg, experiments)
+    try:
+        prepare_dataset(cfg.run_config({}).data)  # once, before the trials race for it
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+
+    command = resume_command(kind, cfg)
+    total = sum(e.total_trials for e in experiments)
+    resuming = any(status.values())
+    print(f"{'resuming' if resuming else 'starting'} sweep {cfg.name}: {total} trials in "
+          f"{cfg.experiment_path}\n  trial table, any time: python -m altgrad trials "
+          f"{experiments[0].path if len(experiments) == 1 else cfg.experiment_path + '/<format>'}")
+    start_ray(cfg)
+    errored = False
+    for exp in todo:
+        outcome, signum = run_experiment(exp, restore=status[exp.path] is not None, resume_command=command)
+        if outcome is Outcome.INTERRUPTED:
+            print(f"\nsweep {cfg.name} interrupted; Ray saved its state and every trial keeps its "
+                  f"checkpoints.\nresume with: {command}", flush=True)
+            return 128 + int(signum)
+        errored |= outcome is Outcome.ERRORED
+    code = kind.summarize(cfg, experiments)
+    if errored:
+        print(f"some trials errored; {command} retries them from their checkpoints")
+        return 1
+    return code
+
+
+def _refuse_if_running(stored: dict[str, Any], path: str) -> None:
+    from altgrad.tune.trials import driver_alive
+
+    if stored.get("status") == "running" and driver_alive(stored.get("driver", {})):
+        raise ConfigError(
+            f"sweep {path} is running right now (driver pid {stored['driver'].get('pid')}); watch "
+            f"it with `python -m altgrad trials {path}`"
+        )
+
+
+def resume_command(kind: SweepKind, cfg: SweepSettings) -> str:
+    """The exact command that continues this sweep (its config is stored with it)."""
+    python = Path(sys.executable)
+    try:
+        python_arg = str(python.relative_to(Path.cwd()))
+    except ValueError:
+        python_arg = "python"
+    script = sys.argv[0] if Path(sys.argv[0]).name == Path(kind.script).name else kind.script
+    return shlex.join([python_arg, script, "--name", cfg.name, "--storage-path", cfg.storage_path,
+                       "--resume"])
+

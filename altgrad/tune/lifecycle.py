@@ -1,0 +1,76 @@
+"""Whether a sweep starts new, resumes, or is already done; and moving an old one aside.
+
+Re-running a sweep under the same name continues it when its config is unchanged (a spot instance
+that was lost, a Ctrl-C), and refuses with the differences listed when it changed: silently mixing
+two configs in one experiment would make its table meaningless. `--fresh` moves the old experiment
+aside (never deletes it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from altgrad.config import ConfigError
+from altgrad.experiment import STATE_DIR, SWEEP_FILE
+from altgrad.tune.store import StateStore
+
+# Settings that may change between a run and its resume: where it is and how it is watched.
+NOT_COMPARED = ("storage_path", "dashboard", "smoke")
+
+
+def stored_sweep(experiment_path: str) -> dict[str, Any] | None:
+    """The `sweep.json` of an experiment, or None when there is none."""
+    return StateStore(experiment_path).read(SWEEP_FILE)
+
+
+def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths where two config documents differ, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for key in sorted(set(old) | set(new), key=str)
+                for line in config_diff(old.get(key), new.get(key), f"{prefix}{key}.")]
+    return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
+
+
+def comparable(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if k not in NOT_COMPARED}
+
+
+def choose_config(stored: dict[str, Any], config: dict[str, Any], mode: str, explicit: bool,
+                  how_to_start_over: str) -> dict[str, Any]:
+    """The config an existing experiment continues with: its own; a changed one is refused."""
+    diff = config_diff(comparable(stored["config"]), comparable(config))
+    if diff and (mode == "auto" or explicit):
+        shown = "\n  ".join(diff[:12]) + ("\n  ..." if len(diff) > 12 else "")
+        raise ConfigError(
+            f"experiment {config['name']} already exists with a different config:\n  {shown}\n"
+            f"Continue it with its own config: --resume (without --config/--set); {how_to_start_over}"
+        )
+    return {**stored["config"], **{k: config[k] for k in NOT_COMPARED if k in config}}
+
+
+def check_new_location(experiment_path: str) -> None:
+    """A new experiment may not land on a directory that holds something else."""
+    path = Path(experiment_path)
+    if "://" not in experiment_path and path.exists() and any(path.iterdir()) \
+            and not (path / STATE_DIR).exists():
+        raise ConfigError(
+            f"{path} exists and is not an AltGrad experiment; choose another --name or "
+            "--storage-path, or pass --fresh to move it aside"
+        )
+
+
+def move_aside(experiment_path: str) -> Path | None:
+    """Rename an existing experiment directory to `<name>.old-<time>`; returns the new path."""
+    if "://" in experiment_path:
+        raise ConfigError(
+            f"--fresh cannot move {experiment_path} on remote storage; move or delete it with your "
+            "storage tools, or choose another --name"
+        )
+    path = Path(experiment_path)
+    if not path.exists():
+        return None
+    target = path.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    path.rename(target)
+    return target

@@ -1,0 +1,105 @@
+"""The learning-rate search: per format, the largest learning rate that still trains stably.
+
+One Tune experiment per format (`<experiment>/<format>/`), searched by Optuna over a log-uniform
+range: the configured grid of learning rates is evaluated first (`points_to_evaluate`, since
+`grid_search` cannot be mixed with a searcher), then `samples` more that Optuna picks. Each trial
+reports `sweep/stable_lr` (its learning rate while it learns stably, else 0), which Optuna
+maximizes, so the samples concentrate at the edge of stability. No ASHA: a stability verdict needs
+the whole run; the stability stopper still ends NaN runs early.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from altgrad.experiment import TrialRecord, load_experiment
+from altgrad.tune.config import LrSearchConfig
+from altgrad.tune.grid import describe_resources, make_point
+from altgrad.tune.runner import Experiment
+from altgrad.tune.trial_spec import STABLE_LR, learning, trial_labels, trial_limits
+
+RESULT_FILE = "lr_search.json"
+
+
+class LrSearch:
+    kind = "lr_search"
+    script = "sweeps/lr_search.py"
+    model = LrSearchConfig
+
+    @staticmethod
+    def experiments(cfg: LrSearchConfig) -> list[Experiment]:
+        from ray import tune
+        from ray.tune.search.optuna import OptunaSearch
+
+        seed = cfg.run_config({}).train.seed
+        r = cfg.resources
+        out = []
+        for fmt in cfg.formats:
+            point = make_point(cfg, fmt, cfg.optimizer, cfg.precision, seed)
+            search = OptunaSearch(metric=STABLE_LR, mode="max", seed=seed,
+                                  points_to_evaluate=[{"lr": lr} for lr in cfg.lr.grid])
+            param_space = {"key": point.key, "lr": tune.loguniform(cfg.lr.low, cfg.lr.high),
+                           **trial_limits(r.cpus_per_trial, r.gpu_per_trial, cfg.stopper.stall_threshold)}
+            grid = [trial_labels({"key": point.key, "lr": lr}, point.labels) for lr in cfg.lr.grid]
+            out.append(Experiment(cfg, LrSearch.kind, f"{cfg.experiment_path}/{fmt}", {point.key: point},
+                                  param_space, grid, len(cfg.lr.grid) + cfg.lr.samples, search_alg=search))
+        return out
+
+    @staticmethod
+    def describe(cfg: LrSearchConfig, experiments: list[Experiment]) -> str:
+        per_format = len(cfg.lr.grid) + cfg.lr.samples
+        lines = [
+            f"lr search {cfg.name}: {len(cfg.formats)} formats × {per_format} trials = "
+            f"{len(cfg.formats) * per_format} trials ({cfg.optimizer}, precision {cfg.precision})",
+            f"per format: learning rates {', '.join(f'{x:g}' for x in cfg.lr.grid)} first, then "
+            f"{cfg.lr.samples} picked by Optuna in [{cfg.lr.low:g}, {cfg.lr.high:g}] (log scale)",
+            *describe_resources(cfg, len(cfg.formats) * per_format),
+            f"formats: {', '.join(cfg.formats)}",
+        ]
+        return "\n".join(lines)
+
+    @staticmethod
+    def summarize(cfg: LrSearchConfig, experiments: list[Experiment]) -> int:
+        if "://" in cfg.experiment_path:
+            print(f"copy {cfg.experiment_path} to local disk to read its results")
+            return 0
+        rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path)) for exp in experiments]
+        print(render_lr_table(rows))
+        path = Path(cfg.experiment_path) / RESULT_FILE
+        path.write_text(json.dumps(rows, indent=1))
+        print(f"results: {path}")
+        return 0
+
+
+def stable(record: TrialRecord) -> bool:
+    """Ran to the end, and its final val loss is finite and below its first."""
+    vals = record.val_series()[1]
+    return record.stop_reason == "completed" and bool(vals) and learning(vals[0], vals[-1])
+
+
+def stable_lr_row(fmt: str, records: list[TrialRecord]) -> dict[str, Any]:
+    done = [r for r in records if r.status == "TERMINATED" and "lr" in r.params]
+    ok = [r for r in done if stable(r)]
+    bad = [r.params["lr"] for r in done if not stable(r)]
+    best = max(ok, key=lambda r: r.params["lr"], default=None)
+    return {
+        "format": fmt,
+        "largest_stable_lr": best.params["lr"] if best else None,
+        "val_loss_there": best.summary.get("final_val_loss") if best else None,
+        "smallest_unstable_lr": min(bad, default=None),
+        "trials": len(done),
+        "unfinished": len(records) - len(done),
+    }
+
+
+def render_lr_table(rows: list[dict[str, Any]]) -> str:
+    def num(x: float | None, spec: str) -> str:
+        return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+    lines = [f"{'format':<7} {'largest stable lr':>17} {'val loss there':>14} {'smallest unstable lr':>20} {'trials':>6}"]
+    lines += [f"{r['format']:<7} {num(r['largest_stable_lr'], '.3g'):>17} {num(r['val_loss_there'], '.4f'):>14} "
+              f"{num(r['smallest_unstable_lr'], '.3g'):>20} {r['trials']:>6}" for r in rows]
+    return "\n".join(lines)

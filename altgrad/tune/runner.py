@@ -1,0 +1,218 @@
+"""Runs one Tune experiment of a sweep: Ray, the Tuner (new or restored), signals, the outcome.
+
+Interruptions: Ray turns the first SIGINT into a graceful stop (experiment state saved, trials
+stopped) and then returns from `fit()` as if nothing happened; SIGTERM (a spot preemption, `kill`)
+is routed into that same path. Whether the sweep finished is read from the trial index, not from
+`fit()`, and an unfinished sweep exits non-zero with the exact command that resumes it. After a
+SIGKILL there is nothing to catch: `Tuner.restore` picks up Ray's last experiment snapshot, and the
+trainable resumes each trial from its own newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from altgrad.experiment import SWEEP_FILE, TRIALS_FILE
+from altgrad.tune.config import SweepSettings
+from altgrad.tune.grid import GridPoint
+from altgrad.tune.store import StateStore
+
+
+class Outcome(enum.Enum):
+    FINISHED = "finished"  # every trial TERMINATED
+    ERRORED = "errored"  # every trial ended, some in ERROR (a resume retries them)
+    INTERRUPTED = "interrupted"  # stopped before the end; resumable
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One Tune experiment: where it lives and what runs in it."""
+
+    settings: SweepSettings
+    kind: str  # the entry point, e.g. "format_ablation"
+    path: str  # the experiment directory (local, or s3://…)
+    points: dict[str, GridPoint]  # by key: what the trials' `key` refers to
+    param_space: dict[str, Any]
+    trials: list[dict[str, Any]]  # labels of the trials known up front, in table order
+    total_trials: int
+    scheduler: Any = None
+    search_alg: Any = None
+
+    @property
+    def store(self) -> StateStore:
+        return StateStore(self.path)
+
+    def outcome(self) -> Outcome:
+        """From the trial index: the newest Ray trial of each grid key counts."""
+        status = {e["key"]: e["status"] for e in (self.store.read(TRIALS_FILE) or {}).values()}
+        ended = [s for s in status.values() if s in ("TERMINATED", "ERROR")]
+        if len(ended) < self.total_trials:
+            return Outcome.INTERRUPTED
+        return Outcome.ERRORED if "ERROR" in ended else Outcome.FINISHED
+
+
+def start_ray(settings: SweepSettings) -> None:
+    """Start a local Ray (dashboard on the configured host) or join the cluster in RAY_ADDRESS."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        print(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}")
+        return
+    d = settings.dashboard
+    context = ray.init(include_dashboard=d.enabled, dashboard_host=d.host, dashboard_port=d.port)
+    if d.enabled:
+        print(dashboard_help(context.dashboard_url, d.host))
+
+
+def dashboard_help(url: str | None, host: str) -> str:
+    """The dashboard's URL and how to get past its token authentication."""
+    if not url:
+        return ("Ray dashboard: not running (see /tmp/ray/session_latest/logs/dashboard.log; it "
+                "needs ray[default])")
+    lines = [f"Ray dashboard: http://{url}"]
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        where = ("the RAY_AUTH_TOKEN environment variable" if os.environ.get("RAY_AUTH_TOKEN")
+                 else os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token"))
+        lines.append(
+            f"  token authentication is on: when the page asks, paste the token that `ray "
+            f"get-auth-token` prints (it is in {where}); API clients send "
+            "`Authorization: Bearer <token>`. RAY_AUTH_MODE=disabled turns it off."
+        )
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        lines.append(f"  bound to {host}: reachable from the network")
+    return "\n".join(lines)
+
+
+def write_sweep_state(exp: Experiment, status: str, resume_command: str) -> None:
+    exp.store.write(SWEEP_FILE, {
+        "kind": exp.kind,
+        "status": status,
+        "config": exp.settings.model_dump(mode="json"),
+        "points": exp.trials,
+        "total_trials": exp.total_trials,
+        "resume_command": resume_command,
+        "driver": {"pid": os.getpid(), "host": socket.gethostname()},
+        "updated": time.time(),
+    })
+
+
+def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple[Outcome, int | None]:
+    """Fit the experiment; returns its outcome and the signal that interrupted it, if any."""
+    from ray import tune
+
+    write_sweep_state(exp, "running", resume_command)
+    # Frequent experiment snapshots are what a resume after SIGKILL wants; Ray warns about them.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    # The config decides W&B's mode; Ray's callback (also the restored one) checks it for a key.
+    os.environ["WANDB_MODE"] = exp.settings.wandb.mode
+    trainable = _trainable(exp)
+    if restore and _restorable(exp.path):
+        tuner = tune.Tuner.restore(exp.path, trainable=trainable, resume_errored=True)
+    else:  # never started, or killed before Ray's first snapshot: trials find their checkpoints
+        tuner = _new_tuner(exp, trainable)
+    with _sigterm_stops_gracefully() as received:
+        try:
+            tuner.fit()
+        except KeyboardInterrupt:  # a second Ctrl-C during Ray's own shutdown
+            received.append(signal.SIGINT)
+    outcome = exp.outcome()
+    write_sweep_state(exp, outcome.value, resume_command)
+    if outcome is Outcome.INTERRUPTED:
+        return outcome, received[0] if received else signal.SIGINT
+    return outcome, None
+
+
+def _restorable(path: str) -> bool:
+    """Ray can restore only once it wrote its first experiment snapshot (not just tuner.pkl)."""
+    from pyarrow.fs import FileSelector, FileSystem
+
+    fs, root = FileSystem.from_uri(path if "://" in path else str(Path(path).resolve()))
+    names = [f.base_name for f in fs.get_file_info(FileSelector(root, allow_not_found=True))]
+    return "tuner.pkl" in names and any(n.startswith("experiment_state-") for n in names)
+
+
+def _trainable(exp: Experiment):
+    """`train_trial` with the grid's run configs bound (object store) and its resources."""
+    from ray import tune
+
+    from altgrad.tune.trainable import train_trial
+
+    r = exp.settings.resources
+    runs = {key: point.run for key, point in exp.points.items()}
+    return tune.with_resources(tune.with_parameters(train_trial, runs=runs),
+                               {"cpu": r.cpus_per_trial, "gpu": r.gpu_per_trial})
+
+
+def _new_tuner(exp: Experiment, trainable):
+    from ray import tune
+
+    from altgrad.tune.index import TrialIndex
+    from altgrad.tune.progress import SweepProgress
+    from altgrad.tune.stopper import StabilityStopper
+    from altgrad.tune.trial_spec import trial_dirname, trial_name
+
+    s = exp.settings
+    storage_path, name = exp.path.rstrip("/").rsplit("/", 1)
+    remote = "://" in exp.path
+    callbacks: list[Any] = [TrialIndex(exp.store, {k: p.labels for k, p in exp.points.items()}),
+                            SweepProgress(exp.store, exp.total_trials)]
+    if s.wandb.enabled and s.wandb.mode != "disabled":
+        from altgrad.tune.wandb_runs import wandb_callback
+
+        callbacks.append(wandb_callback(s.wandb.project, s.wandb.mode, name,
+                                        Path("wandb" if remote else exp.path).resolve()))
+    stopper = None
+    if s.stopper.enabled:
+        stopper = StabilityStopper(exp.store, nan_patience=s.stopper.nan_patience,
+                                   stall_reports=s.stopper.stall_reports)
+    return tune.Tuner(
+        trainable,
+        param_space=exp.param_space,
+        tune_config=tune.TuneConfig(
+            scheduler=exp.scheduler,
+            search_alg=exp.search_alg,
+            num_samples=exp.total_trials if exp.search_alg is not None else 1,
+            max_concurrent_trials=s.max_concurrent_trials,
+            reuse_actors=True,
+            trial_name_creator=trial_name,
+            trial_dirname_creator=trial_dirname,
+        ),
+        run_config=tune.RunConfig(
+            name=name,
+            storage_path=storage_path,
+            stop=stopper,
+            callbacks=callbacks,
+            failure_config=tune.FailureConfig(max_failures=s.failure.max_failures),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=s.checkpoint.num_to_keep),
+            sync_config=tune.SyncConfig(sync_artifacts=remote),
+            verbose=0,  # SweepProgress prints one line per trial instead
+        ),
+    )
+
+
+@contextlib.contextmanager
+def _sigterm_stops_gracefully() -> Iterator[list[int]]:
+    """SIGTERM takes Ray's SIGINT path (save the experiment state, stop the trials)."""
+    received: list[int] = []
+
+    def on_sigterm(signum: int, frame) -> None:
+        received.append(signum)
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)

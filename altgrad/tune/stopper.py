@@ -1,0 +1,60 @@
+"""The stability stopper: ends trials that broke numerically, and remembers why and when.
+
+ASHA only compares losses; a trial that keeps producing NaN steps, or whose weights stopped moving
+in their 8-bit format (bit-stall) for many reports in a row, is stopped here whatever its loss.
+The NaN streak comes from the trainer (`stability/nan_streak`); the stall streak from the trainable
+(`sweep/stall_streak`), both rebuilt exactly on resume, so a restored sweep stops the same trials
+at the same steps. Decisions go to `stopper.json` for the trial table (stop reason `nan` /
+`bit_stall`), written before the stop takes effect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.tune.stopper import Stopper
+
+from altgrad.experiment import STOPPER_FILE
+from altgrad.tune.store import StateStore
+from altgrad.tune.trial_spec import STALL_STREAK
+
+NAN_STREAK = "stability/nan_streak"
+
+
+class StabilityStopper(Stopper):
+    def __init__(self, store: StateStore, *, nan_patience: int, stall_reports: int):
+        self._store = store
+        self.nan_patience = nan_patience
+        self.stall_reports = stall_reports
+        self._state: dict[str, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_state": None}  # decisions come from stopper.json, not the pickle
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """{"stopped": {trial_id: {"reason": "nan" | "bit_stall", "step": int}}}."""
+        if self._state is None:
+            self._state = self._store.read(STOPPER_FILE) or {"stopped": {}}
+        return self._state
+
+    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+        if "step" not in result:
+            return False
+        step = int(result["step"])
+        stopped = self.state["stopped"].get(trial_id)
+        if stopped is not None:  # a resumed trial replaying its way to the recorded stop
+            return step >= stopped["step"]
+        reason = None
+        if result.get(NAN_STREAK, 0) >= self.nan_patience:
+            reason = "nan"
+        elif result.get(STALL_STREAK, 0) >= self.stall_reports:
+            reason = "bit_stall"
+        if reason is None:
+            return False
+        self.state["stopped"][trial_id] = {"reason": reason, "step": step}
+        self._store.write(STOPPER_FILE, self.state)
+        return True
+
+    def stop_all(self) -> bool:
+        return False

@@ -1,0 +1,177 @@
+"""The Tune trainable: a thin adapter that runs one `Trainer` for one trial.
+
+Per trial it builds the RunConfig from the trial config, holds torch to its share of the machine
+(threads = its CPUs, GPU memory = its GPU fraction), keeps `trial.log` and `worker.json` next to
+the run directory in the trial directory, and resumes from the newest checkpoint it can find: its
+own run directory first (after a driver kill that is at most one checkpoint interval old), else
+Tune's checkpoint (a retry on another node). Every trainer report goes to `tune.report` with the
+checkpoint attached, plus what the sweep's deciders need (`SweepSignals`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from altgrad.experiment import RUN_DIR, TRIALS_DIR, read_jsonl
+from altgrad.train import Trainer
+from altgrad.train.checkpoint import resume_candidates
+from altgrad.tune.trial_spec import STABLE_LR, STALL_STREAK, learning, trial_key, trial_run_config
+
+STALL_RATE = "quant/bit_stall_rate"
+log = logging.getLogger("altgrad.tune.trial")
+
+
+def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
+    """Run (or resume) the trial's training to its end; Tune may stop it at any report.
+
+    `runs` maps grid keys to run configs (bound once with `tune.with_parameters`)."""
+    cfg = trial_run_config(config, runs[config["key"]])
+    trial_dir = local_trial_dir(trial_key(config))
+    run_dir = trial_dir / RUN_DIR
+    limit_resources(config["limits"]["cpus"], config["limits"]["gpu_fraction"])
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # no line per persisted checkpoint
+    with trial_log(trial_dir / "trial.log"):
+        (trial_dir / "worker.json").write_text(json.dumps(
+            {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
+        reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr),
+                                read_jsonl(run_dir / "metrics.jsonl"))  # read before the trainer trims it
+        with resume_point(run_dir) as resume:
+            log.info("trial %s: %s", trial_key(config), f"resuming from {resume}" if resume else "starting")
+            summary = Trainer(cfg, run_dir).fit(report=reporter, resume=resume)
+        log.info("trial %s: %s after %s steps, best val loss %.4f", trial_key(config),
+                 summary["stop_reason"], summary["steps"], summary["best_val_loss"])
+
+
+def local_trial_dir(key: str) -> Path:
+    """`<experiment>/trials/<key>` when storage is local: the same for every attempt at this grid
+    point, even when Ray re-creates the trial under a new directory after a kill. On remote
+    storage, the working directory that Tune syncs into its trial directory."""
+    storage = tune.get_context().get_storage()
+    if storage.storage_filesystem.type_name == "local":
+        path = Path(storage.experiment_fs_path) / TRIALS_DIR / key
+    else:
+        path = Path.cwd()
+        if not (path / RUN_DIR).exists():  # a retry on another node: fetch the synced run dir
+            _fetch_run_dir(storage, path / RUN_DIR)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _fetch_run_dir(storage, destination: Path) -> None:
+    from pyarrow.fs import FileType, LocalFileSystem, copy_files
+
+    source = f"{storage.trial_fs_path}/{RUN_DIR}"
+    if storage.storage_filesystem.get_file_info(source).type == FileType.Directory:
+        copy_files(source, str(destination), source_filesystem=storage.storage_filesystem,
+                   destination_filesystem=LocalFileSystem())
+
+
+def limit_resources(cpus: int, gpu_fraction: float) -> None:
+    """No oversubscription: torch uses the trial's cores and at most its share of the GPU."""
+    import torch
+
+    torch.set_num_threads(cpus)
+    if gpu_fraction > 0 and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(min(gpu_fraction, 1.0))
+
+
+@contextlib.contextmanager
+def trial_log(path: Path) -> Iterator[None]:
+    """Send this trial's log lines (and its traceback, if it fails) to `path`."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("altgrad")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    except BaseException:
+        log.exception("trial failed")
+        raise
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+
+
+@contextlib.contextmanager
+def resume_point(run_dir: Path) -> Iterator[Path | None]:
+    """The run dir if it holds a checkpoint, else Tune's latest checkpoint (if any)."""
+    if resume_candidates(run_dir):
+        yield run_dir
+        return
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is None:
+        yield None
+        return
+    with checkpoint.as_directory() as path:
+        yield Path(path)
+
+
+class SweepSignals:
+    """What the sweep's deciders read on top of the trainer's metrics, from the stream of rows.
+
+    - `val/loss` as ASHA sees it: +inf while the loss is NaN or the evaluation non-finite;
+    - `sweep/stall_streak`: consecutive reports with bit-stall at or above the threshold;
+    - `sweep/stable_lr`: the run's peak learning rate while it learns stably, else 0 (the
+      learning-rate search maximizes it).
+    Fed the run's history before the first new report on resume, so the values match a run that
+    never stopped.
+    """
+
+    def __init__(self, stall_threshold: float, lr: float):
+        self.stall_threshold = stall_threshold
+        self.lr = lr
+        self.stall_streak = 0
+        self.first_val: float | None = None
+
+    def observe(self, row: dict[str, float]) -> dict[str, float]:
+        rate = row.get(STALL_RATE)
+        if rate is not None:  # rows without diagnostics leave the streak alone
+            self.stall_streak = self.stall_streak + 1 if rate >= self.stall_threshold else 0
+        if self.first_val is None and row.get("val/step") == row["step"]:
+            self.first_val = row["val/loss"]
+        val = row["val/loss"]
+        broken = row.get("stability/loss_is_nan", 0) > 0 or not math.isfinite(val)
+        return {
+            "val/loss": math.inf if broken else val,
+            STALL_STREAK: float(self.stall_streak),
+            STABLE_LR: self.lr if not broken and learning(self.first_val, val) else 0.0,
+        }
+
+
+class TuneReporter:
+    """The `report` callback of `Trainer.fit`: forwards to `tune.report` with `SweepSignals`."""
+
+    def __init__(self, signals: SweepSignals, history: list[dict[str, Any]]):
+        self.signals = signals
+        self._history: list[dict[str, Any]] | None = history
+
+    def __call__(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
+        step = metrics["step"]
+        if self._history is not None:  # resumed: replay what the run logged before this step
+            for row in self._history:
+                if row.get("step", math.inf) < step:
+                    self.signals.observe(row)
+            self._history = None
+        # Tune (its loggers, W&B, the deciders) gets the model-wide metrics; the per-layer ones
+        # (`quant/overflow_rate/h.0.mlp.c_fc`, ...) stay in the run directory's metrics.jsonl.
+        out = {k: v for k, v in metrics.items() if k.count("/") <= 1}
+        out.update(self.signals.observe(metrics))
+        if metrics["val/step"] == step or checkpoint_dir is not None:
+            log.info("step %d: train loss %.4f, val loss %.4f%s", step, metrics["train/loss"],
+                     metrics["val/loss"], f", checkpoint {checkpoint_dir.name}" if checkpoint_dir else "")
+        checkpoint = tune.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        tune.report(out, checkpoint=checkpoint)

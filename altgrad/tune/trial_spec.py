@@ -1,0 +1,63 @@
+"""The config Ray hands each trial, and the names derived from it (driver and worker agree here).
+
+A trial config is small: `{"key": <grid point key>, "limits": {"cpus", "gpu_fraction"},
+"stall_threshold": float}`, plus `"lr"` when a searcher samples the learning rate. The grid points'
+run configs reach the trainable separately (`tune.with_parameters`), so Ray's status tables,
+`params.json` and experiment snapshots stay small.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from altgrad.config import RunConfig, deep_merge
+
+SEARCHED = ("lr",)
+
+# Metrics the trainable adds to the trainer's reports for the sweep's deciders.
+STALL_STREAK = "sweep/stall_streak"  # consecutive reports at or above the bit-stall threshold
+STABLE_LR = "sweep/stable_lr"  # the run's learning rate while it learns stably, else 0  # hyper-parameters a searcher may sample on top of the grid point
+
+
+def sampled(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: config[k] for k in SEARCHED if k in config}
+
+
+def trial_limits(cpus: int, gpu_fraction: float, stall_threshold: float) -> dict[str, Any]:
+    """The part of every trial config that is the same for all trials of a sweep."""
+    return {"limits": {"cpus": cpus, "gpu_fraction": gpu_fraction}, "stall_threshold": stall_threshold}
+
+
+def learning(first_val_loss: float | None, val_loss: float) -> bool:
+    """A run trains stably while its val loss is finite and below its first evaluation."""
+    return first_val_loss is not None and math.isfinite(val_loss) and val_loss < first_val_loss
+
+
+def trial_key(config: dict[str, Any]) -> str:
+    """The grid key, plus the sampled values: unique within an experiment."""
+    key = config["key"]
+    if "lr" in config:
+        key += f"-lr{config['lr']:.3g}"
+    return key
+
+
+def trial_labels(config: dict[str, Any], point_labels: dict[str, Any]) -> dict[str, Any]:
+    """What the trial table needs: key, format, optimizer, precision, seed, sampled params."""
+    return {**point_labels, "key": trial_key(config), "params": sampled(config)}
+
+
+def trial_run_config(config: dict[str, Any], run: dict[str, Any]) -> RunConfig:
+    """The grid point's run with the sampled values applied."""
+    if "lr" in config:
+        run = deep_merge(run, {"optim": {"lr": config["lr"]}})
+    return RunConfig.model_validate(run)
+
+
+def trial_dirname(trial: Any) -> str:
+    """`<key>_<trial id>`: readable, and unique even if a key recurs in a restarted experiment."""
+    return f"{trial_key(trial.config)}_{trial.trial_id}"
+
+
+def trial_name(trial: Any) -> str:
+    return trial_key(trial.config)

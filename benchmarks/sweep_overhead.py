@@ -1,0 +1,152 @@
+"""What Ray Tune costs a sweep at the cpu preset, measured on a real (small) sweep.
+
+    python benchmarks/sweep_overhead.py [--smoke] [--keep DIR] [--set key=value ...]
+
+- overhead: the sweep's wall time (the Tune run, Ray already up, before the report) against the
+  sum of its trials' own training time divided by the concurrency; target <= 25 %. Split into
+  the trials' own start-up (building model and data, before their first step) and the rest
+  (Ray: actors, scheduling, reporting, checkpoint persistence, the driver's bookkeeping).
+- time to first result: Tune run start to the first metrics row of any trial.
+- checkpoint cost: the extra time of a report that carries a checkpoint (the trainer's save plus
+  Tune persisting it), per checkpoint and spread over all reports.
+ASHA is off so that every trial runs its full length; W&B and the dashboard are off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from altgrad.data import prepare_dataset
+from altgrad.experiment import RUN_DIR, STATE_DIR, TRIALS_DIR, TRIALS_FILE, load_experiment
+from altgrad.tune.ablation import FormatAblation
+from altgrad.tune.config import SweepConfig, load_sweep_config
+from altgrad.tune.grid import concurrency, machine_resources
+from altgrad.tune.runner import Outcome, run_experiment, start_ray
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "sweeps" / "configs" / "format_ablation.yaml"
+GRID = ["preset=cpu", "grid.formats=[e2m5, e3m4, e4m3, e5m2]", "grid.optimizers=[adamw]",
+        "grid.precisions=[all, mlp]", "asha.enabled=false", "wandb.enabled=false", "dashboard.enabled=false"]
+SMOKE = ["grid.formats=[bf16, e4m3, e5m2]", "grid.precisions=[all]", "base.train.max_steps=20"]
+TARGET = 0.25
+
+
+def train_seconds(trial_dir: Path) -> float:
+    """A trial's own training time: the trainer's per-step time summed over its logged steps."""
+    run = trial_dir / RUN_DIR
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    tokens = cfg["train"]["batch_size"] * cfg["model"]["block_size"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+    total, prev = 0.0, 0
+    for row in rows:
+        total += tokens / row["train/tokens_per_s"] * (row["step"] - prev)
+        prev = row["step"]
+    return total
+
+
+def checkpoint_cost(ray_dirs: list[Path], interval: int, eval_interval: int) -> float:
+    """Median extra seconds of a checkpointing report over an evaluation-only report (Tune's
+    `time_this_iter_s` from progress.csv; checkpoints fall on evaluation steps)."""
+    ckpt, plain = [], []
+    for d in ray_dirs:
+        lines = (d / "progress.csv").read_text().splitlines()
+        header = lines[0].split(",")
+        step_col, dt_col = header.index("step"), header.index("time_this_iter_s")
+        for line in lines[2:]:  # the first report also carries the trial's start-up
+            cells = line.split(",")
+            step = int(float(cells[step_col]))
+            if step % eval_interval == 0:
+                (ckpt if step % interval == 0 else plain).append(float(cells[dt_col]))
+    return statistics.median(ckpt) - statistics.median(plain)
+
+
+def first_result_watch(exp_dir: Path) -> list[float]:
+    """Background poll for the first metrics row of any trial; appends its time."""
+    seen: list[float] = []
+
+    def poll() -> None:
+        while not seen:
+            if any(p.stat().st_size for p in exp_dir.glob(f"{TRIALS_DIR}/*/{RUN_DIR}/metrics.jsonl")):
+                seen.append(time.perf_counter())
+            time.sleep(0.01)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return seen
+
+
+def trial_startup_seconds(ray_dir: Path, run_dir: Path) -> float:
+    """Time from the trial function's start to its first report, less its first step."""
+    first_report = json.loads((ray_dir / "result.json").read_text().splitlines()[0])
+    first_row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    step = cfg["train"]["batch_size"] * cfg["model"]["block_size"] / first_row["train/tokens_per_s"]
+    return max(0.0, first_report["time_this_iter_s"] - step)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="3 trials of 20 steps")
+    parser.add_argument("--keep", type=Path, help="storage path to keep the experiment in")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    overrides = GRID + (SMOKE if args.smoke else []) + args.overrides
+    storage = args.keep or Path(tempfile.mkdtemp(prefix="sweep-overhead-"))
+    cfg = load_sweep_config(SweepConfig, CONFIG, overrides, name=f"overhead-{time.strftime('%Y%m%d-%H%M%S')}",
+                            storage_path=str(storage))
+    (experiment,) = FormatAblation.experiments(cfg)
+    exp_dir = Path(cfg.experiment_path)
+    prepare_dataset(cfg.run_config({}).data)
+
+    t0 = time.perf_counter()
+    start_ray(cfg)
+    ray_start = time.perf_counter() - t0
+    first = first_result_watch(exp_dir)
+    t1 = time.perf_counter()
+    outcome, _ = run_experiment(experiment, restore=False, resume_command="")
+    wall = time.perf_counter() - t1
+    if outcome is not Outcome.FINISHED:
+        print(f"the sweep did not finish ({outcome.value})")
+        return 2
+    FormatAblation.summarize(cfg, [experiment])
+
+    records = load_experiment(exp_dir)
+    index = json.loads((exp_dir / STATE_DIR / TRIALS_FILE).read_text()).values()
+    ray_dirs = {e["key"]: exp_dir / e["dir"] for e in index}
+    train = sum(train_seconds(r.trial_dir) for r in records)
+    startup = sum(trial_startup_seconds(ray_dirs[r.key], r.trial_dir / RUN_DIR) for r in records)
+    at_once = min(concurrency(cfg, *machine_resources()), len(records))
+    ideal = train / at_once
+    overhead = wall / ideal - 1
+    run = cfg.run_config({}).train
+    per_ckpt = checkpoint_cost(list(ray_dirs.values()), run.checkpoint_interval, run.eval_interval)
+    step_time = train / sum(r.summary["steps"] for r in records)
+    results = {
+        "trials": len(records), "steps_per_trial": run.max_steps, "concurrency": at_once,
+        "ray_start_s": round(ray_start, 2), "sweep_wall_s": round(wall, 2),
+        "trial_training_s": round(train, 2), "ideal_wall_s": round(ideal, 2),
+        "overhead": round(overhead, 4),
+        "of_which_trial_startup": round(startup / at_once / ideal, 4),
+        "time_to_first_result_s": round(first[0] - t1, 2) if first else None,
+        "step_s": round(step_time, 4), "checkpoint_cost_s": round(per_ckpt, 4),
+        "checkpoint_cost_per_report_s": round(per_ckpt / run.checkpoint_interval * run.log_interval, 4),
+        "experiment": str(exp_dir),
+    }
+    print(json.dumps(results, indent=1))
+    print(f"overhead {100 * overhead:.1f} % of the ideal {ideal:.1f} s (target <= {100 * TARGET:.0f} %): "
+          f"{'PASS' if overhead <= TARGET else 'FAIL'}; of it, the trials' own start-up "
+          f"{100 * results['of_which_trial_startup']:.1f} %; first result after "
+          f"{results['time_to_first_result_s']} s; a checkpoint adds {per_ckpt * 1000:.0f} ms to its report "
+          f"({100 * per_ckpt / run.checkpoint_interval / step_time:.1f} % of the step time, amortized)")
+    return 0 if overhead <= TARGET else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

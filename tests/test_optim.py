@@ -1,0 +1,127 @@
+"""The manifold optimizer: ULP-measured steps, found_inf skipping, and its effect on bit-stall."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from altgrad.config import ConfigError
+from altgrad.experiment import read_jsonl
+from altgrad.optim import build_optimizer
+from altgrad.optim.manifold import ManifoldAdamW
+from altgrad.quant.formats import FORMATS, FormatSpec
+from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+from altgrad.quant.quantize import quantize
+from altgrad.quant.stall import bit_stall_mask, stiffness
+from altgrad.train import Trainer
+from altgrad.train.bit_tracking import ordinal
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**-3], ids=["s1", "s2^-3"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_stiffness_is_the_gap_to_the_next_code(fmt, scale):
+    """Normal, subnormal, zero and near-max on-grid values, both signs: S(w) = next code - w."""
+    spec = FORMATS[fmt]
+    codes = torch.arange(spec.max_code, dtype=torch.uint8)  # every finite code with a next one
+    values = spec.decode(codes)
+    gaps = (spec.decode(codes + 1) - values) / scale
+    w = values / scale
+    assert torch.equal(stiffness(w, spec, scale), gaps)
+    assert torch.equal(stiffness(-w, spec, scale), gaps)
+
+
+def quantized_linear(fmt: FormatSpec, n_codes: int, seed: int = 0) -> QuantizedLinear:
+    """A layer whose weights are on fmt's grid, in middle binades, >= n codes from binade edges."""
+    layer = QuantizedLinear.from_float(
+        nn.Linear(32, 32, bias=False),
+        LinearQuantPolicy(fmt, fmt, fmt, scaling=ScalingPolicy(mode="none")),
+    )
+    g = torch.Generator().manual_seed(seed)
+    n = layer.weight.numel()
+    mant = torch.randint(n_codes, (1 << fmt.mbits) - n_codes, (n,), generator=g)
+    field = torch.randint(1 << (fmt.ebits - 2), 3 << (fmt.ebits - 2), (n,), generator=g)
+    sign = torch.randint(0, 2, (n,), generator=g) << 7
+    codes = (sign | (field << fmt.mbits) | mant).to(torch.uint8)
+    with torch.no_grad():
+        layer.weight.copy_(fmt.decode(codes).view_as(layer.weight))
+    return layer
+
+
+@pytest.mark.parametrize(("fmt", "n_codes"), [("e5m2", 1), ("e3m4", 1), ("e3m4", 3)])
+def test_manifold_step_moves_each_weight_n_codes(fmt, n_codes):
+    spec = FORMATS[fmt]
+    layer = quantized_linear(spec, n_codes)
+    w0 = layer.weight.detach().clone()
+    g = torch.where(torch.rand(w0.shape, generator=torch.Generator().manual_seed(1)) < 0.5, -1.0, 1.0)
+    layer.weight.grad = g.clone()
+    opt = ManifoldAdamW([layer.weight], {layer.weight: layer}, lr=1e-3, lr_ulp=n_codes)
+    opt.step()  # first Adam step: m_hat / sqrt(v_hat) = sign(g)
+    w1 = quantize(layer.weight.detach(), spec)  # master_weights: format
+    moved = ordinal(spec.encode(w1)) - ordinal(spec.encode(w0))
+    assert torch.equal(moved, -n_codes * g.long())
+    assert not bit_stall_mask(w0, layer.weight.detach() - w0, spec).any()
+
+    adamw_layer = quantized_linear(spec, n_codes)
+    adamw_layer.weight.grad = g.clone()
+    torch.optim.AdamW([adamw_layer.weight], lr=1e-3, weight_decay=0).step()
+    stalled = bit_stall_mask(w0, adamw_layer.weight.detach() - w0, spec).float().mean()
+    assert stalled > 0.9, stalled  # 1e-3 is far below half an ULP in the middle binades
+
+
+def test_found_inf_skips_the_step_exactly():
+    layer = quantized_linear(FORMATS["e4m3"], 1)
+    bias = nn.Parameter(torch.zeros(32))
+    params = [{"params": [layer.weight], "weight_decay": 0.1}, {"params": [bias], "weight_decay": 0.0}]
+    opt = ManifoldAdamW(params, {layer.weight: layer}, lr=1e-3, weight_decay=0.1)
+    for p in (layer.weight, bias):
+        p.grad = torch.full_like(p, float("nan"))
+    opt.found_inf = torch.ones(())
+    before = [p.detach().clone() for p in (layer.weight, bias)]
+    opt.step()  # skipped before any real step: the step count stays 0
+    assert all(torch.equal(p, b) for p, b in zip((layer.weight, bias), before, strict=True))
+    assert all(s["step"] == 0 for s in opt.state.values())
+
+    for p in (layer.weight, bias):
+        p.grad = torch.randn_like(p)
+    opt.found_inf = torch.zeros(())
+    opt.step()
+    snapshot = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    params_before = [p.detach().clone() for p in (layer.weight, bias)]
+    for p in (layer.weight, bias):
+        p.grad = torch.full_like(p, float("inf"))
+    opt.found_inf = torch.ones(())
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip((layer.weight, bias), params_before, strict=True))
+    for k, v in opt.state_dict()["state"][0].items():
+        assert torch.equal(v, snapshot[k]), k
+
+
+def test_registry_and_bad_input(make_config):
+    with pytest.raises(ValueError, match="manifold"):
+        build_optimizer("sgd", nn.Linear(2, 2), None)
+    for bad in ("optim.lr_ulp=-1", "optim.lr_ulp=0", "optim.lr=-1e-3"):
+        with pytest.raises(ConfigError):
+            make_config("optim.name=manifold", bad)
+
+
+def test_manifold_changes_bit_stall_and_loss_on_eurlex(make_config, tmp_path):
+    """e5m2 weights stored in the format: AdamW's small steps mostly stall, manifold's move.
+
+    Measured (12 steps, cpu preset at block 32 / batch 4, lr_ulp 2): mean bit-stall adamw 0.66
+    vs manifold 0.35 (the manifold stalls left are steps with |Adam direction| x lr_ulp x the
+    warmup/cosine factor below half an ULP); final train loss adamw 10.48 vs manifold 9.07.
+    """
+    runs = {}
+    for name in ("adamw", "manifold"):
+        cfg = make_config("quant.format=e5m2", "quant.master_weights=format", f"optim.name={name}",
+                          "optim.lr_ulp=2", "train.max_steps=12", "train.shadow_every=0",
+                          "train.eval_interval=6")
+        Trainer(cfg, tmp_path / name).fit()
+        runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl")
+    stall = {n: sum(r["quant/bit_stall_rate"] for r in rows) / len(rows) for n, rows in runs.items()}
+    print("mean bit-stall", stall)
+    assert stall["adamw"] > stall["manifold"] + 0.15, stall
+    loss = {n: [r["train/loss"] for r in rows] for n, rows in runs.items()}
+    print("final loss", {n: v[-1] for n, v in loss.items()})
+    assert loss["adamw"][1:] != loss["manifold"][1:]

@@ -1,0 +1,164 @@
+"""Sweep configs without Ray running: `--dry-run` grids and resources, malformed configs, and
+what a re-run of an existing experiment does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from altgrad.experiment import STATE_DIR, SWEEP_FILE
+from altgrad.optim import OPTIMIZERS
+from altgrad.tune.ablation import FormatAblation
+from altgrad.tune.cli import sweep_main
+from altgrad.tune.lr_search import LrSearch
+
+ROOT = Path(__file__).resolve().parents[1]
+ABLATION = ROOT / "sweeps" / "configs" / "format_ablation.yaml"
+LR_SEARCH = ROOT / "sweeps" / "configs" / "lr_search.yaml"
+
+
+def ablation(*args: str) -> int:
+    return sweep_main(FormatAblation, ABLATION, "test", list(args))
+
+
+def dry_run(capsys, *args: str, kind=FormatAblation, config=ABLATION) -> str:
+    assert sweep_main(kind, config, "test", ["--dry-run", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_default_grid(capsys, tmp_path):
+    out = dry_run(capsys, "--storage-path", str(tmp_path), "--set", "preset=cpu")
+    n_opt = len(OPTIMIZERS)
+    assert f"sweep format_ablation: {8 * n_opt * 4 + n_opt} trials" in out  # bf16 once per optimizer
+    assert "per trial 1 CPU, 0 GPU" in out
+    assert f"experiment dir: {tmp_path}/format_ablation" in out
+    assert out.count("bf16-") == n_opt and "e7m0-adamw-no_head-s42" in out
+    assert not (tmp_path / "format_ablation").exists()
+
+
+def test_smoke_gpu_and_custom_grids(capsys, tmp_path):
+    out = dry_run(capsys, "--smoke", "--storage-path", str(tmp_path))
+    assert "sweep format_ablation-smoke: 3 trials" in out
+
+    out = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "max_concurrent_trials=3")
+    assert "per trial 1 CPU, 0.25 GPU, max 3 at once" in out
+
+    custom = tmp_path / "custom.yaml"
+    data = yaml.safe_load(ABLATION.read_text())
+    data["grid"] = {"formats": ["e4m3", "e5m2"], "optimizers": ["adamw"], "precisions": ["mlp", "heads"],
+                    "seeds": [1, 2],
+                    "policies": {"heads": [{"pattern": "lm_head", "format": "e5m2"},
+                                           {"pattern": "*", "format": "{fmt}"}]}}
+    custom.write_text(yaml.safe_dump(data))
+    out = dry_run(capsys, "--config", str(custom), "--set", "resources.cpus_per_trial=2", "--set", "preset=cpu")
+    assert "8 trials = 2 formats × 1 optimizer × 2 precisions, × 2 seeds" in out
+    assert "per trial 2 CPU" in out and "e4m3-adamw-heads-s2" in out
+
+    out = dry_run(capsys, "--smoke", kind=LrSearch, config=LR_SEARCH)
+    assert "2 formats × 3 trials = 6 trials" in out
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["grid.formats=[e4m3, e9m9]"], "grid.formats: unknown format 'e9m9'"),
+    (["grid.optimizers=[adamw, sgd]"], "grid.optimizers: unknown optimizer(s) ['sgd']"),
+    (["grid.precisions=[all, embeddings]"], "grid: precisions: unknown ['embeddings']"),
+    (["base.optim.lr=-1"], "base.optim.lr: Input should be greater than 0"),
+    (["base.train.max_stepz=3"], "base.train.max_stepz: unknown field"),
+    (["asha.reduction_factor=1"], "asha.reduction_factor: Input should be greater than 1"),
+    (["resources.gpu_per_trial=-0.5"], "resources.gpu_per_trial: Input should be greater than or equal to 0"),
+    (["wandb.mode=sometimes"], "wandb.mode: Input should be 'offline', 'online' or 'disabled'"),
+    (["name=a/b"], "name: String should match pattern"),
+    (["stoper.nan_patience=3"], "stoper: unknown field"),
+    (["base.preset=gpu"], "base: set the sweep's top-level `preset`"),
+    (["base_per_preset.gpu.train.batch_size=0"], "base.train.batch_size: Input should be greater than or equal to 1"),
+    (["base.quant.grad_format=e8m8"], "base.quant.grad_format"),
+    (["base.train.warmup_steps=100"], "base: train.warmup_steps (100) must be below train.max_steps"),
+])
+def test_malformed_config_exits_2_naming_the_field(overrides, field, tmp_path, capsys):
+    args = ["--storage-path", str(tmp_path / "store"), "--set", "preset=cpu"]
+    for o in overrides:
+        args += ["--set", o]
+    assert ablation(*args) == 2
+    err = capsys.readouterr().err
+    assert field in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "store").exists()
+
+
+def test_malformed_yaml_files(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ngrid: [unclosed\n")
+    assert ablation("--config", str(bad), "--storage-path", str(tmp_path / "s")) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert ablation("--config", str(tmp_path / "missing.yaml")) == 2
+    assert "config file not found" in capsys.readouterr().err
+    bad.write_text("- a list\n")
+    assert ablation("--config", str(bad)) == 2
+    assert "expected a mapping" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def existing(tmp_path, status: str, **config_changes) -> Path:
+    """An experiment dir as a finished/interrupted sweep leaves it (its sweep.json)."""
+    from altgrad.tune.config import SweepConfig, load_sweep_config
+
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu"], storage_path=str(tmp_path))
+    doc = cfg.model_dump(mode="json")
+    doc["base"] = {**doc["base"], **config_changes}
+    exp = tmp_path / "format_ablation"
+    (exp / STATE_DIR).mkdir(parents=True)
+    (exp / STATE_DIR / SWEEP_FILE).write_text(json.dumps({"status": status, "config": doc, "points": [],
+                                                          "driver": {"pid": 1, "host": "elsewhere"}}))
+    return exp
+
+
+def test_rerun_with_another_config_is_refused(tmp_path, capsys):
+    existing(tmp_path, "interrupted", train={"max_steps": 30})
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu") == 2
+    err = capsys.readouterr().err
+    assert "already exists with a different config" in err and "base.train" in err
+    assert "--resume" in err and "--fresh" in err
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", "--resume",
+                    "--set", "base.optim.lr=1e-3") == 2  # --resume with an explicit, different config
+    assert "different config" in capsys.readouterr().err
+
+
+def test_resume_needs_an_experiment_and_dirs_are_never_clobbered(tmp_path, capsys):
+    assert ablation("--storage-path", str(tmp_path), "--resume") == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    (tmp_path / "format_ablation").mkdir()
+    (tmp_path / "format_ablation" / "notes.txt").write_text("mine")
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu") == 2
+    assert "is not an AltGrad experiment" in capsys.readouterr().err
+    assert (tmp_path / "format_ablation" / "notes.txt").read_text() == "mine"
+
+
+def test_fresh_moves_the_old_experiment_aside(tmp_path):
+    from altgrad.tune.lifecycle import move_aside
+
+    exp = existing(tmp_path, "finished")
+    moved = move_aside(str(exp))
+    assert not exp.exists() and moved.name.startswith("format_ablation.old-")
+    assert (moved / STATE_DIR / SWEEP_FILE).is_file()
+    assert move_aside(str(exp)) is None
+
+
+def test_lr_search_table():
+    from altgrad.experiment import TrialRecord
+    from altgrad.tune.lr_search import render_lr_table, stable_lr_row
+
+    def trial(lr: float, vals: list[float], reason: str = "completed") -> TrialRecord:
+        history = [{"step": i + 1, "val/loss": v, "val/step": i + 1} for i, v in enumerate(vals)]
+        return TrialRecord(trial_id=str(lr), format="e4m3", optimizer="adamw", precision="all",
+                           status="TERMINATED", stop_reason=reason, history=history,
+                           summary={"final_val_loss": vals[-1]}, params={"lr": lr})
+
+    records = [trial(1e-3, [10, 8]), trial(1e-2, [10, 7]), trial(3e-2, [10, 11]),
+               trial(1e-1, [10, float("inf")], "nan"), trial(5e-3, [10, 9], "bit_stall")]
+    row = stable_lr_row("e4m3", records)
+    assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7,
+                   "smallest_unstable_lr": 5e-3, "trials": 5, "unfinished": 0}
+    assert "e4m3" in render_lr_table([row]) and "0.01" in render_lr_table([row])

@@ -1,0 +1,213 @@
+"""Sweeps on the session's one Ray instance (cpu preset, three-trial grids, 30 steps).
+
+- an uninterrupted sweep (the reference): full trial table, the NaN-prone e7m0 stopped for `nan`;
+- kill -9 of the driver mid-trial, then `--resume`: the same table as the reference;
+- with two trials at a time, kill -9 then `--resume`: ASHA keeps every rung record made before;
+- SIGINT: exit 130 and the resume command;
+- a trial whose worker process dies is retried from its checkpoint.
+Drivers that get killed run in subprocesses that join the shared instance through RAY_ADDRESS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from altgrad.__main__ import main
+from altgrad.experiment import (
+    ASHA_FILE,
+    RUN_DIR,
+    STATE_DIR,
+    TRIALS_DIR,
+    TRIALS_FILE,
+    load_experiment,
+    read_jsonl,
+)
+from altgrad.tune.ablation import FormatAblation
+from altgrad.tune.cli import sweep_main
+from altgrad.tune.trials import trial_row
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "sweeps" / "format_ablation.py"
+CONFIG = ROOT / "sweeps" / "configs" / "format_ablation.yaml"
+STEPS, CHECKPOINT = 20, 5
+COMPARED = ("trial", "status", "stop_reason", "steps", "best_val_loss", "bit_stall", "overflow", "shadow_cos")
+
+
+@pytest.fixture(scope="module")
+def sweep_args(eurlex_dir, data_root):
+    """bf16, e4m3 and e7m0 (at a learning rate it cannot take) on a tiny model; one at a time."""
+    sets = [
+        "preset=cpu", "grid.formats=[bf16, e4m3, e7m0]", "grid.optimizers=[adamw]", "grid.precisions=[all]",
+        "grid.format_overrides={e7m0: {optim: {lr: 1000}}}",
+        f"base.data.source=jsonl:{eurlex_dir}", f"base.data.data_root={data_root}", "base.data.max_docs=40",
+        "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
+        f"base.train.max_steps={STEPS}", "base.train.warmup_steps=2", "base.train.eval_interval=5",
+        f"base.train.checkpoint_interval={CHECKPOINT}", "base.train.eval_iters=2",
+        "base.train.diag_every=5", "base.train.shadow_every=5",
+        "asha.grace_period=10", "stopper.nan_patience=3", "max_concurrent_trials=1",
+        "wandb.enabled=false", "dashboard.enabled=false",
+    ]
+    return [arg for s in sets for arg in ("--set", s)]
+
+
+def table(exp_dir: Path) -> list[dict]:
+    return [{k: trial_row(r)[k] for k in COMPARED} for r in load_experiment(exp_dir)]
+
+
+@pytest.fixture(scope="module")
+def reference(ray_address, sweep_args, tmp_path_factory):
+    """An uninterrupted sweep, run in this process on the shared Ray instance."""
+    storage = tmp_path_factory.mktemp("reference")
+    code = sweep_main(FormatAblation, CONFIG, "test", [*sweep_args, "--name", "ref", "--storage-path", str(storage)])
+    return code, storage / "ref"
+
+
+def test_sweep_end_to_end(reference, capsys):
+    code, exp = reference
+    assert code == 0
+    rows = {r["trial"]: r for r in table(exp)}
+    assert list(rows) == ["bf16-adamw-all-s42", "e4m3-adamw-all-s42", "e7m0-adamw-all-s42"]
+    assert all(r["status"] == "TERMINATED" for r in rows.values())
+    assert rows["bf16-adamw-all-s42"]["stop_reason"] == "completed"
+    assert rows["bf16-adamw-all-s42"]["steps"] == STEPS
+    nan = rows["e7m0-adamw-all-s42"]
+    assert nan["stop_reason"] == "nan" and nan["steps"] < STEPS  # the stopper, not the trainer
+    assert json.loads((exp / STATE_DIR / "stopper.json").read_text())["stopped"]
+    assert rows["e4m3-adamw-all-s42"]["stop_reason"] in ("completed", "asha")
+    assert (exp / "report" / "report.md").is_file()
+    for trial in load_experiment(exp):
+        assert (trial.trial_dir / "trial.log").is_file() and (trial.trial_dir / "worker.json").is_file()
+
+
+def start_driver(args: list[str], ray_address: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, text=True,
+                            env={**os.environ, "RAY_ADDRESS": ray_address},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"the driver exited ({proc.returncode}) early:\n{proc.stdout.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("timed out waiting for the sweep")
+        time.sleep(0.2)
+
+
+def last_step(exp: Path, key: str) -> int:
+    """The newest step a trial has logged (0 if it has not started)."""
+    rows = read_jsonl(exp / TRIALS_DIR / key / RUN_DIR / "metrics.jsonl")
+    return int(rows[-1]["step"]) if rows else 0
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def resume(args: list[str], ray_address: str) -> str:
+    proc = start_driver([*args, "--resume"], ray_address)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def test_kill9_then_resume_equals_uninterrupted(reference, ray_address, sweep_args, tmp_path, capsys):
+    """SIGKILL twice: while the first trial trains past its first checkpoint, and once the last
+    trial has started (after ASHA and the stopper decided about the others). Each time `--resume`
+    continues; the final table equals the reference, and the first kill cost at most one
+    checkpoint interval of redone steps."""
+    args = [*sweep_args, "--name", "killed", "--storage-path", str(tmp_path)]
+    exp = tmp_path / "killed"
+    first, *_, last = [t["key"] for t in json.loads(_read(reference[1] / STATE_DIR / "sweep.json"))["points"]]
+
+    proc = start_driver(args, ray_address)
+    wait_for(lambda: last_step(exp, first) >= CHECKPOINT + 3, proc)
+    assert main(["trials", str(exp), "--json"]) == 0  # readable while the sweep runs
+    live = json.loads(capsys.readouterr().out)
+    assert [r["status"] for r in live] == ["RUNNING", "PENDING", "PENDING"] and live[0]["steps"] > CHECKPOINT
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = last_step(exp, first)
+
+    proc = start_driver([*args, "--resume"], ray_address)
+    wait_for(lambda: last_step(exp, last) >= 2, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    resume(args, ray_address)
+    assert table(exp) == table(reference[1])
+    (record, *_) = load_experiment(exp)
+    resumed_from = next(e["step"] for e in record.events if e["kind"] == "resume")
+    assert killed_at - resumed_from <= CHECKPOINT
+
+
+def test_kill9_with_concurrency_keeps_asha_rungs(ray_address, sweep_args, tmp_path):
+    args = [*sweep_args, "--set", "max_concurrent_trials=2", "--name", "pairs", "--storage-path", str(tmp_path)]
+    exp = tmp_path / "pairs"
+    asha = exp / STATE_DIR / ASHA_FILE
+    proc = start_driver(args, ray_address)
+    wait_for(lambda: _read(asha) is not None and any(json.loads(asha.read_text())["rungs"].values()), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = json.loads(asha.read_text())
+    resume(args, ray_address)
+    after = json.loads(asha.read_text())
+    for rung, records in before["rungs"].items():
+        assert records.items() <= after["rungs"][rung].items()
+    assert before["stopped"].items() <= after["stopped"].items()
+    assert all(r.status == "TERMINATED" for r in load_experiment(exp))
+
+
+def test_sigint_exits_nonzero_with_the_resume_command(ray_address, sweep_args, tmp_path):
+    args = [*sweep_args, "--name", "ctrl-c", "--storage-path", str(tmp_path)]
+    proc = start_driver(args, ray_address)
+    wait_for(lambda: last_step(tmp_path / "ctrl-c", "bf16-adamw-all-s42") >= 3, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    command = f"--name ctrl-c --storage-path {tmp_path} --resume"
+    assert "resume with: " in out and command in out
+    sweep = json.loads((tmp_path / "ctrl-c" / STATE_DIR / "sweep.json").read_text())
+    assert sweep["status"] == "interrupted" and command in sweep["resume_command"]
+
+
+def test_dead_worker_is_retried_from_its_checkpoint(ray_address, sweep_args, tmp_path):
+    args = [*sweep_args, "--set", "grid.formats=[e4m3]", "--name", "crash", "--storage-path", str(tmp_path)]
+    exp = tmp_path / "crash"
+    killed: list[int] = []
+
+    def kill_worker_after_first_checkpoint() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and last_step(exp, "e4m3-adamw-all-s42") < CHECKPOINT + 2:
+            time.sleep(0.1)
+        (entry,) = json.loads((exp / STATE_DIR / TRIALS_FILE).read_text()).values()
+        pid = json.loads((exp / TRIALS_DIR / entry["key"] / "worker.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    killer = threading.Thread(target=kill_worker_after_first_checkpoint, daemon=True)
+    killer.start()
+    assert sweep_main(FormatAblation, CONFIG, "test", args) == 0
+    killer.join()
+    assert killed
+    (record,) = load_experiment(exp)
+    assert (record.status, record.stop_reason, record.summary["steps"]) == ("TERMINATED", "completed", STEPS)
+    (entry,) = json.loads((exp / STATE_DIR / TRIALS_FILE).read_text()).values()
+    assert entry["failures"] == 1
+    assert [e["step"] for e in record.events if e["kind"] == "resume"] == [CHECKPOINT]

@@ -1,0 +1,140 @@
+"""The sweep's deciders without Ray running: persisted ASHA, the stability stopper, their signals."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from altgrad.experiment import ASHA_FILE, STATE_DIR, STOPPER_FILE
+from altgrad.tune.asha import PersistentASHA, asha_milestones, quantile
+from altgrad.tune.runner import _sigterm_stops_gracefully
+from altgrad.tune.stopper import StabilityStopper
+from altgrad.tune.store import StateStore
+from altgrad.tune.trainable import SweepSignals, TuneReporter
+from altgrad.tune.trial_spec import STABLE_LR, STALL_STREAK
+
+STOP, CONTINUE = "STOP", "CONTINUE"
+
+
+def asha(store: StateStore) -> PersistentASHA:
+    return PersistentASHA(store, metric="val/loss", mode="min", max_t=90, grace_period=10,
+                          reduction_factor=3)
+
+
+def feed(scheduler: PersistentASHA, trial: str, losses: dict[int, float]) -> list[tuple[int, str]]:
+    """Report `losses` (step -> val loss) for one trial; the decisions, in order."""
+    t = SimpleNamespace(trial_id=trial)
+    return [(step, scheduler.on_trial_result(None, t, {"step": step, "val/loss": v}))
+            for step, v in sorted(losses.items())]
+
+
+def test_milestones_and_quantile():
+    assert asha_milestones(10, 3, 90) == [10, 30]  # a rung at the last step could stop nothing
+    assert asha_milestones(20, 3, 60) == [20]
+    assert quantile([1.0, 2.0, 3.0], 1 / 3) == pytest.approx(1 + 2 / 3)  # Ray's rule
+    assert quantile([1.0, math.inf, math.inf], 0.5) == math.inf  # never NaN
+
+
+def test_asha_cuts_the_worse_trial_and_nan_trials(tmp_path):
+    store = StateStore(str(tmp_path))
+    s = asha(store)
+    assert feed(s, "a", {5: 3.0, 10: 2.0, 20: 1.5}) == [(5, CONTINUE), (10, CONTINUE), (20, CONTINUE)]
+    assert feed(s, "b", {10: 2.5})[-1] == (10, STOP)  # worse than the best third at rung 10
+    assert feed(s, "c", {10: 1.0})[-1] == (10, CONTINUE)
+    assert feed(s, "d", {10: math.nan})[-1] == (10, STOP)  # non-finite = worst, as +inf
+    state = json.loads((tmp_path / STATE_DIR / ASHA_FILE).read_text())
+    assert set(state["rungs"]["10"]) == {"a", "b", "c", "d"}
+    assert state["stopped"]["b"] == {"step": 10, "rung": 10, "value": 2.5, "cutoff": 2.0}
+
+
+def test_restored_asha_decides_like_the_original(tmp_path):
+    """A restore (new scheduler object, state from asha.json) makes the same decisions, and a
+    trial replaying from an older checkpoint is stopped again at the step it was stopped at."""
+    a, b = StateStore(str(tmp_path / "a")), StateStore(str(tmp_path / "b"))
+    runs = {"t1": {10: 2.0, 20: 1.9, 30: 1.5}, "t2": {10: 3.0, 20: 2.0}, "t3": {10: 1.0, 30: 0.9},
+            "t4": {10: 1.5, 30: 2.0, 40: 1.0}}
+    unbroken = asha(a)
+    expected = {t: feed(unbroken, t, losses) for t, losses in runs.items()}
+
+    before = asha(b)
+    feed(before, "t1", runs["t1"])
+    feed(before, "t2", runs["t2"])
+    restored = pickle_roundtrip(before)  # what Tuner.restore does with tuner.pkl
+    assert restored._state is None
+    assert feed(restored, "t2", {5: 3.5, 10: 3.0}) == [(5, CONTINUE), (10, STOP)]  # the replay
+    got = {t: feed(restored, t, runs[t]) for t in ("t3", "t4")}
+    assert got == {t: expected[t] for t in ("t3", "t4")}
+    assert json.loads((tmp_path / "b" / STATE_DIR / ASHA_FILE).read_text()) == \
+        json.loads((tmp_path / "a" / STATE_DIR / ASHA_FILE).read_text())
+
+
+def pickle_roundtrip(obj):
+    import pickle
+
+    return pickle.loads(pickle.dumps(obj))
+
+
+def test_stopper_stops_for_nan_and_bit_stall_and_replays(tmp_path):
+    store = StateStore(str(tmp_path))
+    stopper = StabilityStopper(store, nan_patience=3, stall_reports=4)
+    assert not stopper("n", {"step": 7, "stability/nan_streak": 2.0})
+    assert stopper("n", {"step": 8, "stability/nan_streak": 3.0})
+    assert not stopper("s", {"step": 5, STALL_STREAK: 3.0})
+    assert stopper("s", {"step": 6, STALL_STREAK: 4.0})
+    assert not stopper("ok", {"step": 6, STALL_STREAK: 0.0, "stability/nan_streak": 0.0})
+    restored = pickle_roundtrip(stopper)
+    assert not restored("n", {"step": 6, "stability/nan_streak": 0.0})  # replay before the stop
+    assert restored("n", {"step": 8, "stability/nan_streak": 0.0})  # stopped again, same step
+    state = json.loads((tmp_path / STATE_DIR / STOPPER_FILE).read_text())
+    assert state["stopped"] == {"n": {"reason": "nan", "step": 8}, "s": {"reason": "bit_stall", "step": 6}}
+
+
+def rows(n: int, stall: list[float]) -> list[dict[str, float]]:
+    return [{"step": float(s), "train/loss": 5.0 - s / 10, "val/loss": 5.0 - (s // 5) / 2,
+             "val/step": float(s // 5 * 5 or 1), "quant/bit_stall_rate": stall[s - 1]}
+            for s in range(1, n + 1)]
+
+
+def test_signals_after_resume_equal_an_unbroken_run(monkeypatch):
+    """The stall streak and first val loss are rebuilt from the run's history on resume."""
+    from altgrad.tune import trainable
+
+    reported: list[dict] = []
+    monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: reported.append(m))
+    history = rows(12, [0.999] * 3 + [0.5] + [0.999] * 8)
+    unbroken = TuneReporter(SweepSignals(0.99, 1e-3), [])
+    for row in history:
+        unbroken(row, None)
+    expected = reported[:]
+    reported.clear()
+    resumed = TuneReporter(SweepSignals(0.99, 1e-3), history[:9])  # the log as the kill left it
+    for row in history[6:]:  # resumed from the checkpoint at step 6
+        resumed(row, None)
+    assert reported == expected[6:]
+    assert expected[-1][STALL_STREAK] == 8.0
+    assert expected[-1][STABLE_LR] == 1e-3
+
+
+def test_signals_report_inf_for_broken_steps():
+    s = SweepSignals(0.99, 1e-2)
+    ok = s.observe({"step": 1.0, "val/loss": 5.0, "val/step": 1.0})
+    assert ok["val/loss"] == 5.0 and ok[STABLE_LR] == 0.0  # not below its first evaluation yet
+    nan = s.observe({"step": 2.0, "val/loss": 5.0, "val/step": 1.0, "stability/loss_is_nan": 1.0})
+    assert nan["val/loss"] == math.inf and nan[STABLE_LR] == 0.0
+    learning = s.observe({"step": 3.0, "val/loss": 4.0, "val/step": 3.0})
+    assert learning[STABLE_LR] == 1e-2
+
+
+def test_sigterm_takes_the_sigint_path():
+    seen = []
+    previous = signal.signal(signal.SIGINT, lambda *a: seen.append("sigint"))
+    try:
+        with _sigterm_stops_gracefully() as received:
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert received == [signal.SIGTERM] and seen == ["sigint"]
