@@ -69,6 +69,7 @@ class TrialRecord:
     key: str = ""  # the grid point's name, e.g. "e4m3-adamw-all-s42"
     stop_step: int | None = None  # the step at which the sweep (ASHA / stopper) stopped the trial
     error: str | None = None  # the last line of the trial's error, when it errored
+    unreadable: str | None = None  # why the trial's files could not be read (file and line)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the history, skipping rows that lack it."""
@@ -152,9 +153,13 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
     if not trial_dir.is_dir():  # remote storage: the trial's files were synced into Ray's dir
         trial_dir = exp_dir / entry["dir"]
     run = trial_dir / RUN_DIR
-    history = _by_step(read_jsonl(run / "metrics.jsonl"))
-    events = read_jsonl(run / "events.jsonl")
-    summary = read_json(run / "summary.json") or {}
+    try:
+        history = _by_step(read_jsonl(run / "metrics.jsonl"))
+        events = read_jsonl(run / "events.jsonl")
+        summary = read_json(run / "summary.json") or {}
+    except ValueError as e:  # one corrupt trial must not hide the others
+        return _record(entry, trial_id=trial_id, status="ERROR", stop_reason="error",
+                       trial_dir=trial_dir, unreadable=str(e))
     reason, stop_step = None, None
     if stop is not None:
         reason, stop_step = stop["reason"], int(stop["step"])

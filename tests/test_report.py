@@ -450,8 +450,6 @@ def test_cli_corrupt_trial_file_exits_2(tmp_path, capsys):
     assert err.startswith("error: ") and "metrics.jsonl: line 6 is not valid JSON" in err
 
 
-@pytest.mark.xfail(strict=True, reason="load_experiment raises on one corrupt trial file instead of "
-                   "returning that trial as an unreadable record (hand-over note for altgrad/experiment.py)")
 def test_cli_corrupt_trial_never_hides_the_others(tmp_path, capsys):
     exp = write_experiment(tmp_path / "exp", grid())
     (run_dir(exp, trial("e4m3")) / "summary.json").write_text("{not json")

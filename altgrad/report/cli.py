@@ -41,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         return _fail(f"cannot write the report to {out}: {e}")
     print(f"report written: {path}")
-    return 0
+    unreadable = [r for r in records if r.unreadable]
+    for r in unreadable:
+        print(f"error: {r.key}: {r.unreadable}", file=sys.stderr)
+    return 2 if unreadable else 0
 
 
 def _fail(message: str) -> int:

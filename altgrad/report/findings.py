@@ -323,6 +323,7 @@ def _verdict(cells: dict[tuple[str, str, str], Cell], has_baseline: bool) -> Ver
 def _missing(records: list[TrialRecord], axes: tuple[tuple[str, ...], ...], given: list[str]) -> list[str]:
     """Grid points the caller knows never started, unfinished trials, holes in the observed grid."""
     out = list(given)
+    out += [f"{name(r)} ({label(r)}): unreadable: {r.unreadable}" for r in records if r.unreadable]
     for r in records:
         if r.status in UNFINISHED and name(r) not in given:
             state = "not started" if r.status == "PENDING" else f"still running at step {stop_step(r)[0]}, numbers provisional"
