@@ -117,10 +117,11 @@ def load_experiment(exp_dir: str | Path) -> list[TrialRecord]:
     sweep = read_json(state / SWEEP_FILE)
     if sweep is None:
         what = "does not exist" if not exp_dir.exists() else f"has no {STATE_DIR}/{SWEEP_FILE}"
-        raise ExperimentError(
-            f"{exp_dir} is not an AltGrad experiment ({what}); pass the directory a sweep "
-            "printed, e.g. experiments/format_ablation"
-        )
+        inside = sorted(p.parent.parent.name for p in exp_dir.glob(f"*/{STATE_DIR}/{SWEEP_FILE}"))
+        hint = (f"it holds the experiments {', '.join(inside)} (one per format of a learning-rate "
+                "search): pass one of them" if inside else
+                "pass the directory a sweep printed, e.g. experiments/format_ablation")
+        raise ExperimentError(f"{exp_dir} is not an AltGrad experiment ({what}); {hint}")
     trials: dict[str, dict[str, Any]] = read_json(state / TRIALS_FILE) or {}
     stops = {tid: {**d, "reason": "asha"} for tid, d in _stopped(state / ASHA_FILE).items()}
     stops.update(_stopped(state / STOPPER_FILE))

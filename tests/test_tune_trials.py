@@ -119,3 +119,14 @@ def test_trials_table_csv_json(experiment, capsys):
     assert main(["trials", str(experiment), "--csv"]) == 0
     table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [r["stop_reason"] for r in table] == ["completed", "asha", "nan", "", "error", ""]
+
+
+def test_a_corrupt_trial_is_listed_and_exits_2(experiment, capsys):
+    metrics = experiment / TRIALS_DIR / KEYS[0] / RUN_DIR / "metrics.jsonl"
+    metrics.write_text("{broken\n" + metrics.read_text())
+    assert main(["trials", str(experiment), "--json"]) == 2
+    out, err = capsys.readouterr()
+    rows = {r["trial"]: r for r in json.loads(out)}
+    assert len(rows) == 6 and rows[KEYS[0]]["error"].startswith("unreadable: ")
+    assert rows[KEYS[1]]["stop_reason"] == "asha"
+    assert KEYS[0] in err

@@ -75,7 +75,9 @@ class FailureSettings(_Strict):
 
 
 class CheckpointSettings(_Strict):
-    num_to_keep: int = Field(2, ge=1, description="Tune checkpoints kept per trial")
+    num_to_keep: int = Field(
+        1, ge=1, description="Tune checkpoints kept per trial (the trainer keeps its own best + last N)"
+    )
 
 
 class WandbSettings(_Strict):

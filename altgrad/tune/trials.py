@@ -2,7 +2,8 @@
 
 Reads the experiment directory only (`load_experiment`), so it works while the sweep runs, after it
 was killed, and on a machine without Ray running. One row per trial: where it sits in the grid, its
-status and stop reason, and the numbers that say how it trained.
+status and stop reason, and the numbers that say how it trained. Exit 2 when the path is not an
+experiment, or when some trial's files are corrupt (the table still lists the others).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(sweep_banner(args.experiment, records))
         print(render_table(rows))
+    unreadable = [r.key for r in records if r.unreadable]
+    if unreadable:
+        print(f"error: unreadable trial files: {', '.join(unreadable)}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -77,7 +82,7 @@ def trial_row(r: TrialRecord) -> dict[str, Any]:
         "overflow": _last(r.history, "quant/overflow_rate"),
         "shadow_cos": _last(r.history, "shadow/cos_mean"),
         "wall_time_s": r.summary.get("wall_time_s"),
-        "error": r.error,
+        "error": f"unreadable: {r.unreadable}" if r.unreadable else r.error,
     }
 
 
