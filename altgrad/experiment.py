@@ -18,7 +18,8 @@ keyed by grid point so that a trial Ray re-creates after a kill finds its checkp
 sweep's state in `sweep_state/` (a sub-folder, so that Ray's restore, which copies the
 experiment root's `*.json` around, never touches it):
 
-- `sweep.json`    the validated sweep config, the grid points in order, status and resume command
+- `sweep.json`    the validated sweep config, the grid points in order, status, resume command and
+                  the driver (pid, host, `beat`: its heartbeat time)
 - `trials.json`   Ray trial id -> grid key, Ray's trial dir, status (PENDING/RUNNING/TERMINATED/ERROR)
 - `asha.json`     the ASHA rung records and which trial each rung stopped, and at which step
 - `stopper.json`  which trial the stability stopper stopped, why (`nan` / `bit_stall`) and when

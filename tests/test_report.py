@@ -274,6 +274,20 @@ def test_missing_optimizer_baseline_is_borrowed_and_noted():
     assert "bf16/manifold: no baseline trial" in f.missing
 
 
+
+def test_power_of_two_twins_are_reported_as_one_result(tmp_path):
+    """e0m7 and e1m6 train identically under amax scaling: report.md must not count them twice."""
+    same = [trial("bf16"), trial("e0m7", scale=1.1), trial("e1m6", scale=1.1), trial("e4m3", scale=1.2)]
+    twins = compute_findings(same).twins
+    assert [(t.smaller, t.larger, t.shift, t.identical, t.shared) for t in twins] == [("e0m7", "e1m6", 1, 1, 1)]
+    text = write_report(same, tmp_path / "same").read_text()
+    assert "**Not independent:** e0m7 and e1m6 are one grid up to a factor 2^1" in text
+    assert "identical in all 1 shared cells" in text
+
+    apart = [*same[:2], trial("e1m6", scale=1.15), same[3]]  # e.g. `scaling.mode: none`
+    assert "differ in 1 of 1 shared cells" in compute_findings(apart).twins[0].note()
+    assert compute_findings([same[0], same[1], same[3]]).twins == []
+
 def test_loss_plot_data_match_input(tmp_path):
     records = grid()
     f = compute_findings(records)

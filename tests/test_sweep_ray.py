@@ -3,7 +3,7 @@
 - an uninterrupted sweep (the reference): full trial table, the NaN-prone e7m0 stopped for `nan`;
 - kill -9 of the driver mid-trial, then `--resume`: the same table as the reference;
 - with two trials at a time, kill -9 then `--resume`: ASHA keeps every rung record made before;
-- SIGINT: exit 130 and the resume command;
+- SIGINT / SIGTERM: exit 130 / 143 and the resume command;
 - a trial whose worker process dies is retried from its checkpoint.
 Drivers that get killed run in subprocesses that join the shared instance through RAY_ADDRESS.
 """
@@ -174,16 +174,17 @@ def test_kill9_with_concurrency_keeps_asha_rungs(ray_address, sweep_args, tmp_pa
     assert all(r.status == "TERMINATED" for r in load_experiment(exp))
 
 
-def test_sigint_exits_nonzero_with_the_resume_command(ray_address, sweep_args, tmp_path):
-    args = [*sweep_args, "--name", "ctrl-c", "--storage-path", str(tmp_path)]
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_exits_nonzero_with_the_resume_command(ray_address, sweep_args, tmp_path, signum):
+    args = [*sweep_args, "--name", "stopped", "--storage-path", str(tmp_path)]
     proc = start_driver(args, ray_address)
-    wait_for(lambda: last_step(tmp_path / "ctrl-c", "bf16-adamw-all-s42") >= 3, proc)
-    proc.send_signal(signal.SIGINT)
+    wait_for(lambda: last_step(tmp_path / "stopped", "bf16-adamw-all-s42") >= 3, proc)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out[-3000:]
-    command = f"--name ctrl-c --storage-path {tmp_path} --resume"
+    assert proc.returncode == 128 + signum, out[-3000:]
+    command = f"--name stopped --storage-path {tmp_path} --resume"
     assert "resume with: " in out and command in out
-    sweep = json.loads((tmp_path / "ctrl-c" / STATE_DIR / "sweep.json").read_text())
+    sweep = json.loads((tmp_path / "stopped" / STATE_DIR / "sweep.json").read_text())
     assert sweep["status"] == "interrupted" and command in sweep["resume_command"]
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from altgrad.experiment import ASHA_FILE, STATE_DIR, STOPPER_FILE
 from altgrad.tune.asha import PersistentASHA, asha_milestones, quantile
+from altgrad.tune.config import SweepConfig
 from altgrad.tune.runner import _sigterm_stops_gracefully
 from altgrad.tune.stopper import StabilityStopper
 from altgrad.tune.store import StateStore
@@ -118,6 +119,49 @@ def test_signals_after_resume_equal_an_unbroken_run(monkeypatch):
     assert expected[-1][STALL_STREAK] == 8.0
     assert expected[-1][STABLE_LR] == 1e-3
 
+
+
+def cpu_sweep(stall_reports: int) -> SweepConfig:
+    """The cpu preset with diagnostics on every 5th step, as the cpu sweep runs it."""
+    return SweepConfig.validated({
+        "name": "t", "preset": "cpu", "resources": {"gpu_per_trial": 0, "cpus_per_trial": 1},
+        "base": {"train": {"diag_every": 5}}, "grid": {"formats": ["e7m0"]},
+        "stopper": {"stall_reports": stall_reports}})
+
+
+def cpu_reports(max_steps: int, diag_every: int, stall_from: int):
+    """What the trainer reports at the cpu preset: every step; bit-stall (1.0 from `stall_from`
+    on) only on step 1 and every `diag_every`-th step."""
+    for s in range(1, max_steps + 1):
+        row = {"step": float(s), "train/loss": 5.0, "val/loss": 5.0, "val/step": 1.0}
+        if s == 1 or s % diag_every == 0:
+            row["quant/bit_stall_rate"] = 1.0 if s >= stall_from else 0.2
+        yield row
+
+
+@pytest.mark.parametrize("stall_reports, stall_from, stop_step", [
+    (10, 10, 55),  # the 10th stalled diagnostic report: steps 10, 15, ..., 55
+    (13, 1, 60),  # the longest window a 60-step run can fill: all 13 diagnostic reports
+    (20, 1, None),  # cannot fill: the config warns, and indeed nothing stops
+])
+def test_bit_stall_stop_at_the_cpu_preset(tmp_path, stall_reports, stall_from, stop_step):
+    """Reports without bit-stall neither extend nor break the streak, so the window counts
+    diagnostic reports; the config warns exactly when the window cannot fill in a full run."""
+    cfg = cpu_sweep(stall_reports)
+    t = cfg.run_config({}).train
+    assert (t.max_steps, t.diag_every, t.log_interval) == (60, 5, 1)
+    stopper = StabilityStopper(StateStore(str(tmp_path)), nan_patience=5, stall_reports=stall_reports)
+    signals = SweepSignals(cfg.stopper.stall_threshold, 1e-3)
+    stopped = next((int(row["step"]) for row in cpu_reports(t.max_steps, t.diag_every, stall_from)
+                    if stopper("t1", {**row, **signals.observe(row)})), None)
+    assert stopped == stop_step
+    warning = cfg.stall_window_warning()
+    assert (warning is None) == (stop_step is not None)
+    if stop_step is None:
+        assert "stopper.stall_reports (20)" in warning and "at most 13" in warning
+    else:
+        state = json.loads((tmp_path / STATE_DIR / STOPPER_FILE).read_text())
+        assert state["stopped"] == {"t1": {"reason": "bit_stall", "step": stop_step}}
 
 def test_signals_report_inf_for_broken_steps():
     s = SweepSignals(0.99, 1e-2)

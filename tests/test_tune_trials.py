@@ -8,6 +8,9 @@ import io
 import json
 import math
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -23,6 +26,9 @@ from altgrad.experiment import (
     ExperimentError,
     load_experiment,
 )
+from altgrad.tune.heartbeat import DriverHeartbeat
+from altgrad.tune.store import StateStore
+from altgrad.tune.trials import driver_alive
 
 KEYS = ["bf16-adamw-all-s1", "e4m3-adamw-all-s1", "e7m0-adamw-all-s1", "e5m2-adamw-all-s1",
         "e2m5-adamw-all-s1", "e3m4-adamw-all-s1"]
@@ -130,3 +136,34 @@ def test_a_corrupt_trial_is_listed_and_exits_2(experiment, capsys):
     assert len(rows) == 6 and rows[KEYS[0]]["error"].startswith("unreadable: ")
     assert rows[KEYS[1]]["stop_reason"] == "asha"
     assert KEYS[0] in err
+
+
+# `python -m altgrad trials EXP`, then the names of the top-level packages it loaded on stderr.
+RUN_AS_MAIN = """
+import runpy, sys
+sys.argv = ["altgrad", "trials", sys.argv[1]]
+try:
+    runpy.run_module("altgrad", run_name="__main__", alter_sys=True)
+finally:
+    print("loaded:", *sorted({m.split(".")[0] for m in sys.modules}), file=sys.stderr)
+"""
+
+
+def test_trials_command_imports_neither_torch_nor_ray(experiment):
+    """The table is read while a sweep runs: `python -m altgrad trials` must not load torch or Ray."""
+    proc = subprocess.run([sys.executable, "-c", RUN_AS_MAIN, str(experiment)],
+                          capture_output=True, text=True, timeout=60)
+    assert "stop reason" in proc.stdout
+    loaded = proc.stderr.rsplit("loaded:", 1)[1].split()
+    assert "altgrad" in loaded
+    assert "torch" not in loaded and "ray" not in loaded
+
+
+def test_a_driver_on_another_host_is_alive_while_its_heartbeat_is_fresh(tmp_path):
+    """A sweep whose head node was lost can be resumed from a new head once the beat is stale."""
+    store = StateStore(str(tmp_path))
+    store.write(SWEEP_FILE, {"status": "running",
+                             "driver": {"pid": 1, "host": "lost-head", "beat": time.time() - 3600}})
+    assert not driver_alive(store.read(SWEEP_FILE)["driver"])
+    DriverHeartbeat(store).on_step(0, [])
+    assert driver_alive(store.read(SWEEP_FILE)["driver"])

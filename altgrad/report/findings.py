@@ -14,6 +14,7 @@ from statistics import fmean
 
 from altgrad.config import BASELINE
 from altgrad.experiment import TrialRecord
+from altgrad.report.twins import Twins, power_of_two_twins
 
 STANDARD, MANIFOLD = "adamw", "manifold"
 VERDICT_FORMAT, VERDICT_PRECISION, VERDICT_TOLERANCE = "e5m2", "all", 0.10
@@ -255,6 +256,7 @@ class Findings:
     verdict: Verdict
     missing: list[str]
     notes: list[str] = field(default_factory=list)
+    twins: list[Twins] = field(default_factory=list)  # formats whose trials are one result
 
     def baseline_best(self, optimizer: str) -> float:
         """bf16's best val loss over its whole run, as compared with `optimizer`'s trials."""
@@ -376,4 +378,19 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     return Findings(formats, optimizers, precisions, bf16, cells, spots, failures, deltas,
                     _verdict(cells, bool(bf16)),
                     _missing(records, (formats, optimizers, precisions), missing or []),
-                    notes)
+                    notes, _twins(formats, cells))
+
+
+def _twins(formats: tuple[str, ...], cells: dict[tuple[str, str, str], Cell]) -> list[Twins]:
+    """The twin formats of this grid, with how many of their shared cells trained identically."""
+    out = []
+    for t in power_of_two_twins(formats):
+        pairs = [(c, cells[t.larger, o, p]) for (f, o, p), c in cells.items()
+                 if f == t.smaller and (t.larger, o, p) in cells]
+        same = sum(_histories(a) == _histories(b) for a, b in pairs)
+        out.append(Twins(t.smaller, t.larger, t.shift, identical=same, shared=len(pairs)))
+    return out
+
+
+def _histories(cell: Cell) -> list[tuple[int, list[int], list[float]]]:
+    return sorted((t.seed, *t.val_series()) for t in cell.trials)

@@ -46,6 +46,7 @@ def _overview(records: list[TrialRecord], f: Findings) -> str:
     for p in f.precisions:
         head = f.headline(p)
         lines.append(f"- Sweet spot for **{p}** quantization: {_spot(head) if head else 'none (every format broke)'}")
+    lines += [f"- **Not independent:** {t.note()}" for t in f.twins]
     return "\n".join(lines)
 
 

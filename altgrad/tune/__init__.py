@@ -6,6 +6,7 @@
 - `asha`, `stopper`, `index`, `progress`: the driver-side deciders and bookkeepers, persisted
   in `<experiment>/sweep_state/` through `store`
 - `runner`     Ray start-up, new or restored Tuner, signals; `lifecycle` decides new/resume
+- `heartbeat`  the driver's liveness in sweep.json, for a resume from another machine
 - `cli`, `ablation`, `lr_search`: the entry points behind `sweeps/*.py`
 - `trials`     `python -m altgrad trials`: the trial table, from files only
 """

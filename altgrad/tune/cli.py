@@ -72,6 +72,7 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int
                             args.name, args.storage_path)
     experiments = kind.experiments(cfg)  # builds and validates every trial's run config
     if args.dry_run:
+        _warn_stall_window(cfg)
         print(kind.describe(cfg, experiments))
         return 0
     mode = "resume" if args.resume else "fresh" if args.fresh else "auto"
@@ -109,9 +110,12 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int
     command = resume_command(kind, cfg)
     total = sum(e.total_trials for e in experiments)
     resuming = any(status.values())
+    _warn_stall_window(cfg)  # of the config it runs with: a resumed sweep's stored one
+    table = experiments[0].path if len(experiments) == 1 else cfg.experiment_path + "/<format>"
+    if "://" in table:
+        table = f"DIR after copying {table} to local disk (e.g. `aws s3 sync`)"
     print(f"{'resuming' if resuming else 'starting'} sweep {cfg.name}: {total} trials in "
-          f"{cfg.experiment_path}\n  trial table, any time: python -m altgrad trials "
-          f"{experiments[0].path if len(experiments) == 1 else cfg.experiment_path + '/<format>'}")
+          f"{cfg.experiment_path}\n  trial table, any time: python -m altgrad trials {table}")
     start_ray(cfg)
     errored = False
     for exp in todo:
@@ -128,13 +132,21 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int
     return code
 
 
-def _refuse_if_running(stored: dict[str, Any], path: str) -> None:
-    from altgrad.tune.trials import driver_alive
+def _warn_stall_window(cfg: SweepSettings) -> None:
+    if warning := cfg.stall_window_warning():
+        print(f"warning: {warning}", file=sys.stderr)
 
-    if stored.get("status") == "running" and driver_alive(stored.get("driver", {})):
+
+def _refuse_if_running(stored: dict[str, Any], path: str) -> None:
+    from altgrad.tune.trials import STALE_S, driver_alive
+
+    driver = stored.get("driver", {})
+    if stored.get("status") == "running" and driver_alive(driver):
+        where = "a local copy of it" if "://" in path else path
         raise ConfigError(
-            f"sweep {path} is running right now (driver pid {stored['driver'].get('pid')}); watch "
-            f"it with `python -m altgrad trials {path}`"
+            f"sweep {path} is running right now (driver pid {driver.get('pid')} on "
+            f"{driver.get('host')}); watch it with `python -m altgrad trials` on {where}. A driver "
+            f"on another machine counts as gone {STALE_S:.0f} s after its last heartbeat"
         )
 
 

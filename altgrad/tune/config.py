@@ -10,9 +10,17 @@ caught.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from altgrad.config import (
     BASELINE,
@@ -26,6 +34,7 @@ from altgrad.config import (
     read_yaml,
     resolve_preset,
 )
+from altgrad.tune.trial_spec import stall_reports_in_run
 
 FORMAT_PLACEHOLDER = "{fmt}"  # in a custom policy rule: the grid point's format
 
@@ -50,6 +59,18 @@ def known_format(name: str) -> str:
     return name
 
 
+def _unique(values: list[str], what: str) -> list[str]:
+    dupes = sorted({v for v in values if values.count(v) > 1})
+    if dupes:
+        raise ValueError(f"duplicate {what}(s) {dupes}")
+    return values
+
+
+# The formats of a grid or a search: known names (lower-cased), at least one, no repeats.
+Formats = Annotated[list[str], Field(min_length=1),
+                    AfterValidator(lambda v: _unique([known_format(f) for f in v], "format"))]
+
+
 def registered_optimizers() -> list[str]:
     from altgrad.optim import OPTIMIZERS
 
@@ -67,7 +88,10 @@ class StopperSettings(_Strict):
     enabled: bool = True
     nan_patience: int = Field(5, ge=1, description="stop after this many consecutive NaN steps")
     stall_threshold: float = Field(0.99, gt=0, le=1, description="bit-stall rate that counts as stalled")
-    stall_reports: int = Field(20, ge=1, description="stop after this many consecutive stalled reports")
+    stall_reports: int = Field(
+        20, ge=1, description="stop after this many stalled reports in a row; only reports of "
+                              "diagnostic steps (train.diag_every) carry bit-stall and count"
+    )
 
 
 class FailureSettings(_Strict):
@@ -152,6 +176,22 @@ class SweepSettings(_Strict):
         except ValidationError as e:
             raise ConfigError(describe_validation_error(e, prefix="base.")) from None
 
+    def stall_window_warning(self) -> str | None:
+        """Why the stopper can never stop a trial for bit-stall (its window is longer than the
+        bit-stall reports of a whole run), else None. A warning, not an error: the sweep still
+        runs, with ASHA and the NaN stopper."""
+        if not self.stopper.enabled:
+            return None
+        run = self.run_config({})
+        available = stall_reports_in_run(run)
+        if self.stopper.stall_reports <= available:
+            return None
+        t = run.train
+        return (f"stopper.stall_reports ({self.stopper.stall_reports}) is more than the {available} "
+                f"reports that carry bit-stall in a {t.max_steps}-step run (train.diag_every "
+                f"{t.diag_every}, train.log_interval {t.log_interval}), so no trial can be stopped for "
+                f"bit_stall; set stopper.stall_reports to at most {available} or lower base.train.diag_every")
+
     @property
     def experiment_path(self) -> str:
         return f"{self.storage_path.rstrip('/')}/{self.name}"
@@ -170,7 +210,7 @@ class PolicyRule(_Strict):
 
 
 class GridSettings(_Strict):
-    formats: list[str] = Field(min_length=1)
+    formats: Formats
     optimizers: list[str] | Literal["all"] = Field(
         "all", description="optimizer names, or 'all' = every registered optimizer"
     )
@@ -180,11 +220,6 @@ class GridSettings(_Strict):
     format_overrides: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per format, RunConfig fields on top of base (e.g. its lr)"
     )
-
-    @field_validator("formats")
-    @classmethod
-    def _formats(cls, v: list[str]) -> list[str]:
-        return _unique([known_format(f) for f in v], "format")
 
     @field_validator("optimizers")
     @classmethod
@@ -258,18 +293,13 @@ class LrRange(_Strict):
 class LrSearchConfig(SweepSettings):
     """`sweeps/lr_search.py`: per format, the largest learning rate that still trains stably."""
 
-    formats: list[str] = Field(min_length=1)
+    formats: Formats
     optimizer: str = "adamw"
     precision: str = "all"
     lr: LrRange
     tolerance: float = Field(
         0.0, ge=0, description="stable = final val loss < first val loss × (1 - tolerance), no stop"
     )
-
-    @field_validator("formats")
-    @classmethod
-    def _formats(cls, v: list[str]) -> list[str]:
-        return _unique([known_format(f) for f in v], "format")
 
     @field_validator("optimizer")
     @classmethod
@@ -284,13 +314,6 @@ class LrSearchConfig(SweepSettings):
         if v not in PRECISION_PRESETS:
             raise ValueError(f"unknown precision {v!r}; use one of {list(PRECISION_PRESETS)}")
         return v
-
-
-def _unique(values: list[str], what: str) -> list[str]:
-    dupes = sorted({v for v in values if values.count(v) > 1})
-    if dupes:
-        raise ValueError(f"duplicate {what}(s) {dupes}")
-    return values
 
 
 Settings = TypeVar("Settings", bound=SweepSettings)

@@ -103,7 +103,7 @@ def write_sweep_state(exp: Experiment, status: str, resume_command: str) -> None
         "points": exp.trials,
         "total_trials": exp.total_trials,
         "resume_command": resume_command,
-        "driver": {"pid": os.getpid(), "host": socket.gethostname()},
+        "driver": {"pid": os.getpid(), "host": socket.gethostname(), "beat": time.time()},
         "updated": time.time(),
     })
 
@@ -158,6 +158,7 @@ def _trainable(exp: Experiment):
 def _new_tuner(exp: Experiment, trainable):
     from ray import tune
 
+    from altgrad.tune.heartbeat import DriverHeartbeat
     from altgrad.tune.index import TrialIndex
     from altgrad.tune.progress import SweepProgress
     from altgrad.tune.stopper import StabilityStopper
@@ -167,7 +168,7 @@ def _new_tuner(exp: Experiment, trainable):
     storage_path, name = exp.path.rstrip("/").rsplit("/", 1)
     remote = "://" in exp.path
     callbacks: list[Any] = [TrialIndex(exp.store, {k: p.labels for k, p in exp.points.items()}),
-                            SweepProgress(exp.store, exp.total_trials)]
+                            SweepProgress(exp.store, exp.total_trials), DriverHeartbeat(exp.store)]
     if s.wandb.enabled and s.wandb.mode != "disabled":
         from altgrad.tune.wandb_runs import wandb_callback
 

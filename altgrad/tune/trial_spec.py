@@ -13,11 +13,11 @@ from typing import Any
 
 from altgrad.config import RunConfig, deep_merge
 
-SEARCHED = ("lr",)
+SEARCHED = ("lr",)  # hyper-parameters a searcher may sample on top of the grid point
 
 # Metrics the trainable adds to the trainer's reports for the sweep's deciders.
-STALL_STREAK = "sweep/stall_streak"  # consecutive reports at or above the bit-stall threshold
-STABLE_LR = "sweep/stable_lr"  # the run's learning rate while it learns stably, else 0  # hyper-parameters a searcher may sample on top of the grid point
+STALL_STREAK = "sweep/stall_streak"  # consecutive bit-stall reports at or above the threshold
+STABLE_LR = "sweep/stable_lr"  # the run's learning rate while it learns stably, else 0
 
 
 def sampled(config: dict[str, Any]) -> dict[str, Any]:
@@ -32,6 +32,18 @@ def trial_limits(cpus: int, gpu_fraction: float, stall_threshold: float) -> dict
 def learning(first_val_loss: float | None, val_loss: float) -> bool:
     """A run trains stably while its val loss is finite and below its first evaluation."""
     return first_val_loss is not None and math.isfinite(val_loss) and val_loss < first_val_loss
+
+
+def stall_reports_in_run(run: RunConfig) -> int:
+    """How many reports of a full run carry `quant/bit_stall_rate`, i.e. how long the stopper's
+    stall streak can get: the trainer measures it on step 1 and every `diag_every`-th step, and
+    reports a step every `log_interval` steps, at checkpoints and at the last step."""
+    t = run.train
+    if not t.diag_every:
+        return 0
+    return sum(1 for s in range(1, t.max_steps + 1)
+               if (s == 1 or s % t.diag_every == 0)
+               and (s % t.log_interval == 0 or s % t.checkpoint_interval == 0 or s == t.max_steps))
 
 
 def trial_key(config: dict[str, Any]) -> str:

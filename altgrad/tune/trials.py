@@ -16,6 +16,7 @@ import math
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,9 @@ from altgrad.experiment import (
 
 COLUMNS = ("trial", "format", "optimizer", "precision", "status", "stop_reason", "steps",
            "best_val_loss", "bit_stall", "overflow", "shadow_cos", "wall_time_s")
+# The driver refreshes `driver.beat` in sweep.json this often (`heartbeat.DriverHeartbeat`); a
+# driver on another host whose beat is older than STALE_S is taken for gone (its node was lost).
+BEAT_S, STALE_S = 30.0, 90.0
 HEADERS = ("trial", "format", "optimizer", "precision", "status", "stop reason", "steps",
            "best val loss", "bit-stall", "overflow", "shadow cos", "wall time")
 
@@ -153,8 +157,9 @@ def sweep_banner(exp_dir: Path, records: list[TrialRecord]) -> str:
 
 
 def driver_alive(driver: dict[str, Any]) -> bool:
+    """On this host: its pid exists. On another (a cluster head): its heartbeat is recent."""
     if driver.get("host") != socket.gethostname():
-        return True  # another machine's driver: assume it runs
+        return time.time() - float(driver.get("beat", 0)) < STALE_S
     try:
         os.kill(int(driver["pid"]), 0)
     except (KeyError, ProcessLookupError, ValueError):
