@@ -2,9 +2,11 @@
 
 Both run in this one process, their steps interleaved, on the preset's GPT converted to `--format` (every linear
 quantized), with the same fixed random gradients and `found_inf` set as the trainer sets it.
-Target: manifold <= 1.3x AdamW.
+Target: manifold <= 1.3x AdamW. On a CPU shared with other work the ratio depends as much on
+thread contention as on the kernels (each kernel call is an OpenMP region that may wait for a busy
+core), so compare runs at a fixed `--threads`.
 
-    python benchmarks/optimizer_step.py [--preset cpu|gpu] [--format e5m2] [--reps N] [--smoke]
+    python benchmarks/optimizer_step.py [--preset cpu|gpu] [--format e5m2] [--reps N] [--threads N] [--smoke]
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ def main() -> None:
     ap.add_argument("--preset", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--format", default="e5m2")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--smoke", action="store_true", help="3 reps, 1 warm-up: checks it runs")
     args = ap.parse_args()
     reps, warmup = (3, 1) if args.smoke else (args.reps, 5)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     optimizers = {n: setup(n, args.preset, args.format) for n in ("adamw", "manifold")}
     times: dict[str, list[float]] = {n: [] for n in optimizers}
     for i in range(warmup + reps):  # interleaved, so a busy machine slows both alike

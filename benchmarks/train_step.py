@@ -1,6 +1,7 @@
 """Median training-step time at a preset: what fake quantization, diagnostics and the shadow cost.
 
-All variants run in this one process, against the bf16 baseline measured in the same run:
+All variants live in this one process and take their steps interleaved (A B C D, B C D A, ...),
+so machine noise lands on every variant alike; ratios are against the bf16 baseline of the run:
 
     bf16            no fake quantization (the baseline)
     e4m3            e4m3 `all`, diagnostics and shadow off
@@ -18,7 +19,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 from altgrad.config import build_run_config
 from altgrad.train import Trainer
@@ -36,20 +40,21 @@ TARGETS = {  # variant -> (reference variant, maximum ratio)
 }
 
 
-def step_times(overrides: list[str], steps: int, warmup: int, workdir: Path) -> list[float]:
-    """Per-step wall times (s) of a run, warm-up steps dropped; evaluation kept out of the way."""
-    cfg = build_run_config({}, [*overrides, f"train.max_steps={steps + warmup}", "train.warmup_steps=0",
-                                f"train.eval_interval={10 * (steps + warmup)}",
-                                f"train.checkpoint_interval={10 * (steps + warmup)}"])
-    times: list[float] = []
+def build(overrides: list[str], total_steps: int, workdir: Path) -> Trainer:
+    """A trainer whose steps never evaluate or checkpoint (step 1 and the last one would)."""
+    never = 10 * total_steps
+    workdir.mkdir(parents=True)  # train_step without fit: bit positions still go to the run dir
+    cfg = build_run_config({}, [*overrides, f"train.max_steps={never}", "train.warmup_steps=0",
+                                f"train.eval_interval={never}", f"train.checkpoint_interval={never}"])
+    return Trainer(cfg, workdir)
 
-    def record(metrics: dict[str, float], _checkpoint) -> None:
-        step = int(metrics["step"])
-        if warmup < step < steps + warmup:  # step 1 and the last step also evaluate
-            times.append(cfg.train.batch_size * cfg.model.block_size / metrics["train/tokens_per_s"])
 
-    Trainer(cfg, workdir).fit(report=record)
-    return times
+def timed_step(trainer: Trainer, step: int) -> float:
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    trainer.train_step(step)  # ends in the step's one host sync
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,12 +67,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
 
-    medians: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in VARIANTS.items():
-            times = step_times([f"preset={args.preset}", *args.overrides, *overrides], steps, warmup,
-                               Path(tmp) / name)
-            medians[name] = statistics.median(times)
+        trainers = {name: build([f"preset={args.preset}", *args.overrides, *overrides], steps + warmup,
+                                Path(tmp) / name)
+                    for name, overrides in VARIANTS.items()}
+        names = list(trainers)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for step in range(2, warmup + steps + 2):  # step 1 would evaluate
+            order = names[step % len(names):] + names[:step % len(names)]
+            for name in order:
+                t = timed_step(trainers[name], step)
+                if step > warmup + 1:
+                    times[name].append(t)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
 
     print(f"{'variant':<18} {'median step':>12} {'vs bf16':>8}  target")
     for name, t in medians.items():

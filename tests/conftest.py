@@ -13,6 +13,19 @@ os.environ["WANDB_MODE"] = "offline"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
+@pytest.fixture(params=["eager", "compiled"])
+def path(request, monkeypatch):
+    """Run a quantizer test on the eager kernels or the torch.compile'd ones (and check that they
+    really compiled). Quantizer test modules make eager the default: every graph costs seconds."""
+    from altgrad.quant import compile_status
+
+    if request.param == "compiled":
+        monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    yield request.param
+    if request.param == "compiled":
+        assert compile_status() == "compiled"
+
+
 @pytest.fixture(scope="session")
 def eurlex_dir() -> Path:
     """Real EUR-Lex text: {train,validation,test}.jsonl with a 'text' field (420 documents)."""

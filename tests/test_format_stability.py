@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from altgrad.__main__ import main
+from altgrad.config import StabilityConfig
 from altgrad.experiment import read_jsonl
 from altgrad.quant.quantize import quantize
 from altgrad.train import Trainer
+from altgrad.train.format_shift import layer_formats
+from altgrad.train.stability import NAN_UNLOCALIZED, Event, StabilityMonitor
 
 
 class Interrupt(Exception):
@@ -21,16 +25,31 @@ def events(run_dir, kind: str) -> list[dict]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == kind]
 
 
-def poison_backward(trainer: Trainer, calls: set[int]) -> None:
-    """NaN gradients of one layer on the given backward calls (1-based)."""
-    count = 0
+def losses(run_dir) -> list[tuple[int, str]]:
+    """(step, repr(train/loss)): repr round-trips a float exactly and makes NaN == NaN."""
+    return [(int(r["step"]), repr(r["train/loss"])) for r in read_jsonl(run_dir / "metrics.jsonl")]
 
-    def hook(grad):
-        nonlocal count
-        count += 1
-        return grad * math.nan if count in calls else grad
 
-    trainer.model.transformer.h[0].mlp.c_fc.weight.register_hook(hook)
+def step_counter(trainer: Trainer) -> list[int]:
+    """[the step being trained], so hooks poison by step and a resumed run poisons the same ones."""
+    current = [0]
+    train_step = trainer.train_step
+
+    def counted(step: int) -> dict[str, float]:
+        current[0] = step
+        return train_step(step)
+
+    trainer.train_step = counted
+    return current
+
+
+def poison(trainer: Trainer, weight_grad: str, weight_steps: set[int], output: str, output_steps: set[int]) -> None:
+    """NaN weight gradients of one layer and an inf output of another, on the given steps."""
+    current = step_counter(trainer)
+    trainer.layers[weight_grad].weight.register_hook(
+        lambda g: g * math.nan if current[0] in weight_steps else g)
+    trainer.layers[output].register_forward_hook(
+        lambda mod, inp, out: out * math.inf if mod.training and current[0] in output_steps else None)
 
 
 def test_format_master_weights_stay_on_the_grid(make_config, tmp_path):
@@ -48,33 +67,74 @@ def test_format_master_weights_with_the_baseline_is_a_cli_error(tmp_path, capsys
     assert "master_weights" in capsys.readouterr().err
 
 
-def test_nan_streak_shifts_formats_and_resume_keeps_them(make_config, tmp_path):
-    overrides = ("quant.format=e5m2", "stability.shift_patience=2", "train.max_steps=12",
-                 "train.checkpoint_interval=4", "train.shadow_every=0", "train.eval_interval=6")
-    trainer = Trainer(make_config(*overrides), tmp_path)
-    poison_backward(trainer, {5, 6})
-    rows = {}
+def test_nan_streaks_shift_only_their_origin_layer_and_resume_is_exact(make_config, tmp_path):
+    """Streak A (steps 2-3): NaN weight gradients of h.0.mlp.c_fc -> it alone shifts at step 3.
+    Streak B (6-7): h.1.attn.c_attn's output is inf (NaN from its consumer on) -> it alone shifts
+    at 7. The interrupted run resumes from the step-6 checkpoint, mid-streak B and after shift A,
+    and must match the straight run bit for bit."""
+    overrides = ("quant.format=e5m2", "stability.shift_patience=2", "train.max_steps=9",
+                 "train.checkpoint_interval=3", "train.shadow_every=0", "train.diag_every=0",
+                 "train.eval_interval=100")
+    a, b = "h.0.mlp.c_fc", "h.1.attn.c_attn"
 
-    def stop(metrics, ckpt):
-        rows[int(metrics["step"])] = metrics
-        if metrics["step"] == 10:
+    def trainer(name: str) -> Trainer:
+        t = Trainer(make_config(*overrides), tmp_path / name)
+        poison(t, a, {2, 3}, b, {6, 7})
+        return t
+
+    def interrupt_at_8(metrics, ckpt):
+        if metrics["step"] == 8:
             raise Interrupt
 
+    straight = trainer("straight")
+    straight.fit()
     with pytest.raises(Interrupt):
-        trainer.fit(report=stop)
-    shifts = events(tmp_path, "format_shift")
-    n_layers = len(trainer.layers)
-    assert [e["step"] for e in shifts] == [6] * n_layers  # after exactly 2 NaN steps
-    assert {(e["from"], e["to"]) for e in shifts} == {("e5m2", "e4m3")}
-    assert rows[5]["quant/format_shifts"] == 0 and rows[10]["quant/format_shifts"] == n_layers
-    assert rows[7]["stability/nan_streak"] == 0 and math.isfinite(rows[7]["train/loss"])
+        trainer("resumed").fit(report=interrupt_at_8)
+    resumed = trainer("resumed")
+    resumed.fit(resume=tmp_path / "resumed")
 
-    resumed = Trainer(make_config(*overrides), tmp_path)
-    summary = resumed.fit(resume=tmp_path)  # from step 8
-    assert summary["stop_reason"] == "completed"
-    assert {layer.policy.weight.name for layer in resumed.layers.values()} == {"e4m3"}
-    assert {layer.policy.input.name for layer in resumed.layers.values()} == {"e4m3"}
-    assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["quant/format_shifts"] == n_layers
+    run_dir = tmp_path / "straight"
+    skips = events(run_dir, "nan_skip")
+    assert [(e["step"], e["where"], e["origin"]) for e in skips] == [
+        (2, "backward", [a]), (3, "backward", [a]), (6, "forward", [b]), (7, "forward", [b])]
+    shifts = [(e["step"], e["layer"], e["from"], e["to"], e["reason"]) for e in events(run_dir, "format_shift")]
+    assert shifts == [(3, a, "e5m2", "e4m3", "nan"), (7, b, "e5m2", "e4m3", "nan")]
+    rows = {int(r["step"]): r for r in read_jsonl(run_dir / "metrics.jsonl")}
+    assert [rows[s]["quant/format_shifts"] for s in (2, 3, 6, 7, 9)] == [0, 1, 1, 2, 2]
+    assert rows[4]["stability/nan_streak"] == 0 and math.isfinite(rows[4]["train/loss"])
+    assert "stability/nan_probe" not in rows[4]
+    formats = torch.load(run_dir / "checkpoints/step_00000009/checkpoint.pt", weights_only=True)["formats"]
+    assert {n: f["weight"] for n, f in formats.items() if f["weight"] != "e5m2"} == {a: "e4m3", b: "e4m3"}
+    assert {n: f["input"] for n, f in formats.items() if f["input"] != "e5m2"} == {a: "e4m3", b: "e4m3"}
+
+    resumed_dir = tmp_path / "resumed"
+    assert [e["step"] for e in events(resumed_dir, "resume")] == [6]
+    assert losses(resumed_dir) == losses(run_dir)  # bit for bit, NaN steps included
+    for (key, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), key
+    assert layer_formats(resumed.layers) == layer_formats(straight.layers) == formats
+
+
+@pytest.mark.parametrize(("origins", "shifted"), [
+    ([["h.0.mlp.c_fc"], ["lm_head", "h.0.mlp.c_fc"]], (["h.0.mlp.c_fc", "lm_head"], "nan")),  # union
+    ([[], ["lm_head"]], (["lm_head"], "nan")),  # one traced step is enough
+    ([[], []], (None, NAN_UNLOCALIZED)),  # nothing traced: every layer, and the event says why
+])
+def test_a_nan_streak_shifts_the_layers_traced_over_it(origins, shifted):
+    monitor = StabilityMonitor(StabilityConfig(shift_patience=2))
+    calls = []
+
+    def shift(names, reason):
+        calls.append((names, reason))
+        return [Event("format_shift", reason)]
+
+    bad = {"stability/loss_is_nan": 0.0, "stability/grad_has_nan": 1.0}
+    monitor.observe_step(1, {"stability/loss_is_nan": 0.0, "stability/grad_has_nan": 0.0}, shift, [])
+    for step, origin in enumerate(origins, start=2):
+        events, stop = monitor.observe_step(step, bad, shift, origin)
+        assert stop is None and events[0].extra["origin"] == origin
+    assert calls == [shifted]
+    assert monitor.nan_streak == 0 and monitor.nan_origins == [] and monitor.format_shifts == 1
 
 
 def test_bit_stall_streak_shifts_the_stalled_layers(make_config, tmp_path):
@@ -110,13 +170,32 @@ def test_partition_clipping_bounds_each_layer(make_config, tmp_path):
     assert checked and any(checked)  # something was actually clipped
 
 
-def test_e7m0_runs_to_its_end_or_records_why_it_stopped(make_config, tmp_path):
+@pytest.mark.parametrize(("extra", "expected"), [
+    ((), ("completed", 8, None, None)),  # e7m0 + manifold at the cpu preset survives 8 steps
+    (("optim.lr=1e30",), ("nan", 3, 2, "forward")),  # embeddings overflow: the loss is NaN at once
+], ids=["default", "forced_collapse"])
+def test_e7m0_runs_to_its_end_or_records_why_it_stopped(make_config, tmp_path, extra, expected):
+    """Both outcomes, each checked against events.jsonl and metrics.jsonl."""
     cfg = make_config("quant.format=e7m0", "quant.master_weights=format", "optim.name=manifold",
-                      "train.max_steps=8", "train.shadow_every=0", "stability.nan_patience=2")
+                      "train.max_steps=8", "train.shadow_every=0", "train.diag_every=0",
+                      "train.eval_interval=100", "stability.nan_patience=2", *extra)
     summary = Trainer(cfg, tmp_path).fit()
-    assert summary["stop_reason"] in ("completed", "nan")
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert (summary["stop_reason"], summary["steps"], summary["collapse_step"], summary["collapse_where"]) == expected
+
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [int(r["step"]) for r in rows] == list(range(1, summary["steps"] + 1))
+    bad = [int(r["step"]) for r in rows if r["stability/loss_is_nan"] or r["stability/grad_has_nan"]]
+    skips = events(tmp_path, "nan_skip")
+    assert [e["step"] for e in skips] == bad
+    stops = [e["step"] for e in events(tmp_path, "nan_stop")]
     if summary["stop_reason"] == "nan":
-        assert summary["collapse_step"] is not None
+        assert bad[0] == summary["collapse_step"] and skips[0]["where"] == summary["collapse_where"]
+        assert bad == list(range(summary["collapse_step"], summary["steps"] + 1))  # the fatal streak
+        assert stops == [summary["steps"]] and not math.isfinite(rows[-1]["train/loss"])
+        assert (tmp_path / f"checkpoints/anomaly_step_{summary['collapse_step']:08d}").is_dir()
+    else:
+        assert bad == [] and stops == [] and all(math.isfinite(r["train/loss"]) for r in rows)
 
 
 def test_bit_positions_are_written_per_diagnostic_step(make_config, tmp_path):

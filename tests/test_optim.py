@@ -8,14 +8,14 @@ from torch import nn
 
 from altgrad.config import ConfigError
 from altgrad.experiment import read_jsonl
-from altgrad.optim import build_optimizer
+from altgrad.optim import build_optimizer, manifold
 from altgrad.optim.manifold import ManifoldAdamW
+from altgrad.quant.codes import ordinal
 from altgrad.quant.formats import FORMATS, FormatSpec
 from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
 from altgrad.quant.quantize import quantize
 from altgrad.quant.stall import bit_stall_mask, stiffness
 from altgrad.train import Trainer
-from altgrad.train.bit_tracking import ordinal
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**-3], ids=["s1", "s2^-3"])
@@ -67,6 +67,28 @@ def test_manifold_step_moves_each_weight_n_codes(fmt, n_codes):
     torch.optim.AdamW([adamw_layer.weight], lr=1e-3, weight_decay=0).step()
     stalled = bit_stall_mask(w0, adamw_layer.weight.detach() - w0, spec).float().mean()
     assert stalled > 0.9, stalled  # 1e-3 is far below half an ULP in the middle binades
+
+
+def test_batched_small_weights_match_one_call_per_weight(monkeypatch):
+    """Small weights share one kernel call per format; it must not change a single bit."""
+
+    def run() -> list[torch.Tensor]:
+        layers = [quantized_linear(FORMATS[f], 1, seed=i) for i, f in enumerate(("e5m2", "e3m4", "e5m2"))]
+        layers[2].scalers["weight"].scale.fill_(2.0**-3)
+        opt = ManifoldAdamW([layer.weight for layer in layers], {layer.weight: layer for layer in layers},
+                            lr=1e-3, weight_decay=0.1, lr_ulp=1.5)
+        g = torch.Generator().manual_seed(7)
+        for found in (0.0, 1.0, 0.0):
+            for layer in layers:
+                layer.weight.grad = torch.randn(layer.weight.shape, generator=g)
+            opt.found_inf = torch.tensor(found)
+            opt.step()
+        return [t for layer in layers for t in (layer.weight.detach(), *opt.state[layer.weight].values())]
+
+    batched = run()
+    monkeypatch.setattr(manifold, "BATCH_NUMEL", 0)  # every weight its own call
+    single = run()
+    assert all(torch.equal(a, b) for a, b in zip(batched, single, strict=True))
 
 
 def test_found_inf_skips_the_step_exactly():

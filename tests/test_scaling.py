@@ -117,6 +117,18 @@ def test_dynamic_mode_scales_by_the_current_tensor():
     assert sc.amax.item() == 0.0
 
 
+@pytest.mark.parametrize("mode", ["none", "dynamic", "delayed"])
+def test_current_reads_the_scale_without_advancing_the_state(mode):
+    sc = TensorScaler("e4m3", mode=mode, history_len=3)
+    for v in (3.0, 100.0):
+        sc.update(torch.tensor([v]))
+    state = {k: v.clone() for k, v in sc.state_dict().items()}
+    x = torch.tensor([0.5, -7.0])
+    expected = {"none": 1.0, "dynamic": 64.0, "delayed": 128.0}[mode]  # delayed: the last step's scale, not one from the new history
+    assert sc.current(x).item() == expected
+    assert all(torch.equal(v, sc.state_dict()[k]) for k, v in state.items())
+
+
 def test_delayed_mode_scales_by_the_history_before_the_tensor():
     sc = TensorScaler("e4m3", mode="delayed", history_len=2, algo="max")
     assert sc.update(torch.tensor([3.0])).item() == 128  # empty history: bootstrap from x

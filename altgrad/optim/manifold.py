@@ -6,7 +6,8 @@ current weight format and scale (`stiffness`). Plain AdamW steps of ~lr stall on
 whatever its binade. The trainer sets `group["lr"]` from the warmup + cosine schedule each step;
 dividing by the peak lr (`base_lr`) carries that schedule over to the ULP step, so `lr_ulp` is the
 ULP count per unit Adam direction at peak lr. Parameters that are not quantized weights
-(embeddings, LayerNorm, biases, every parameter of the bf16 baseline) get plain AdamW steps.
+(embeddings, LayerNorm, biases, every parameter of the bf16 baseline) get plain AdamW steps, from
+torch's fused AdamW itself.
 
 Like fused AdamW under AMP, it honours `found_inf` (a 0-dim tensor): when > 0 nothing changes
 (parameters, moments, step counts), decided on the device with gates instead of a host branch.
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 
 from altgrad.optim.adamw import param_groups
+from altgrad.quant.formats import FormatSpec
 from altgrad.quant.linear import QuantizedLinear
 from altgrad.quant.quantize import _Kernel, _magic, _params
 
@@ -33,7 +36,8 @@ class ManifoldAdamW(torch.optim.Optimizer):
         if lr <= 0 or lr_ulp <= 0:
             raise ValueError(f"lr and lr_ulp must be > 0, got lr={lr}, lr_ulp={lr_ulp}")
         defaults = {"lr": lr, "base_lr": lr, "betas": betas, "eps": eps,
-                    "weight_decay": weight_decay, "lr_ulp": lr_ulp}
+                    "weight_decay": weight_decay, "lr_ulp": lr_ulp,
+                    "fused": True}  # as for fused AdamW: load_state_dict moves `step` to the param's device
         super().__init__(params, defaults)
         self.layers = layers
         self.found_inf: torch.Tensor | None = None
@@ -45,60 +49,98 @@ class ManifoldAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group, beta1, beta2)
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_group(group, params)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict, beta1: float, beta2: float) -> None:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        found = self.found_inf
-        go = torch.ones((), device=p.device) if found is None else (found.to(p.device) <= 0).float()
-        step = state["step"].add_(go)
-        n = step.clamp_min(1)  # a skipped first step must not divide by a zero bias correction
+    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Plain parameters in one fused AdamW call; quantized weights in fused ULP kernels.
+
+        Per-parameter work on the host is what made this slower than fused AdamW, so the gate,
+        step counts and bias corrections of the ULP steps are a handful of group-wide tensor ops.
+        """
+        device = params[0].device
+        for p in params:
+            if not self.state[p]:
+                self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=device),
+                                     exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                     exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+        found = None if self.found_inf is None else self.found_inf.to(device=device, dtype=torch.float32)
+        beta1, beta2 = group["betas"]
         lr = group["lr"]
-        layer = self.layers.get(p)
-        rate = lr if layer is None else group["lr_ulp"] * lr / group["base_lr"]
-        h = torch.stack([go, go * (1 - beta1), go * (1 - beta2), 1 - beta1**n, 1 - beta2**n,
-                         torch.full_like(go, group["eps"]), 1 - go * (lr * group["weight_decay"]),
-                         go * rate])
-        if layer is None:
-            _ADAMW(p, p.grad, state["exp_avg"], state["exp_avg_sq"], h)
-        else:
-            fmt = layer.policy.weight
-            scale = layer.scalers["weight"].scale.to(p)
-            _ADAMW_ULP(p, p.grad, state["exp_avg"], state["exp_avg_sq"], h, scale,
-                       _params(fmt, True, torch.float32, p.device), not fmt.subnormals)
+        plain = [p for p in params if p not in self.layers]
+        if plain:
+            states = [self.state[p] for p in plain]
+            adamw([p.detach() for p in plain], [p.grad for p in plain], [s["exp_avg"] for s in states],
+                  [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True,
+                  found_inf=found, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        quantized = [p for p in params if p in self.layers]
+        if not quantized:
+            return
+        states = [self.state[p] for p in quantized]
+        go = torch.ones((), device=device) if found is None else (found <= 0).float()
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, go)
+        n = torch.stack(steps).clamp_min(1)  # a skipped first step must not divide by a zero bias correction
+        scales = torch.stack([self.layers[p].scalers["weight"].scale for p in quantized])
+        coef = torch.stack([scales, 1 / (1 - beta1**n), (1 - beta2**n).rsqrt()])  # (3, params)
+        h = torch.stack([go, go * (1 - beta1), go * (1 - beta2), torch.full_like(go, group["eps"]),
+                         1 - go * (lr * group["weight_decay"]), go * (group["lr_ulp"] * lr / group["base_lr"])])
+        batches: dict[FormatSpec, list[int]] = {}
+        for i, p in enumerate(quantized):
+            fmt = self.layers[p].policy.weight
+            if p.numel() > BATCH_NUMEL:
+                s = states[i]
+                _ulp_step(fmt, p.detach().view(-1), p.grad.reshape(-1), s["exp_avg"].view(-1),
+                          s["exp_avg_sq"].view(-1), h, coef[:, i:i + 1])
+            else:
+                batches.setdefault(fmt, []).append(i)
+        for fmt, index in batches.items():  # small weights: one call over their concatenation
+            sizes = tuple(quantized[i].numel() for i in index)
+            tensors = [[t.view(-1) for t in ts] for ts in (
+                [quantized[i].detach() for i in index], [states[i]["exp_avg"] for i in index],
+                [states[i]["exp_avg_sq"] for i in index])]
+            flat = [torch.cat(ts) for ts in tensors]
+            grads = torch.cat([quantized[i].grad.reshape(-1) for i in index])
+            columns = torch.cat([coef[:, i:i + 1].expand(-1, size) for i, size in zip(index, sizes, strict=True)], 1)
+            _ulp_step(fmt, flat[0], grads, flat[1], flat[2], h, columns)
+            torch._foreach_copy_([t for ts in tensors for t in ts],
+                                 [part for f in flat for part in f.split(sizes)])
 
 
-def _adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
-           ulp: torch.Tensor | float = 1.0) -> None:
-    """In place: p <- p * decay - rate * ulp * m_hat / (sqrt(v_hat) + eps), moments gated by h[0].
+BATCH_NUMEL = 1 << 16
+"""Quantized weights up to this size share one kernel call per format (a call costs more than
+their update); larger ones are updated in place by their own call."""
 
-    h = [go, gated 1-beta1, gated 1-beta2, bias corrections 1 and 2, eps, decay, gated rate].
-    A skipped step may carry NaN grads: they are zeroed, so the weight-0 updates stay exact.
-    """
-    g = torch.where(h[0] > 0, g, 0)
-    m.lerp_(g, h[1])
-    v.lerp_(g * g, h[2])
-    direction = (m / h[3]) / ((v / h[4]).sqrt() + h[5])
-    p.mul_(h[6]).sub_(direction * ulp * h[7])
+
+def _ulp_step(fmt: FormatSpec, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+              h: torch.Tensor, coef: torch.Tensor) -> None:
+    """1-D views, updated in place; p is a plain tensor, so one compiled graph serves every size."""
+    _ADAMW_ULP(p, g, m, v, h, coef, _params(fmt, True, torch.float32, p.device), not fmt.subnormals)
 
 
 def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
-               scale: torch.Tensor, fmt_params: torch.Tensor, ftz: bool) -> None:
-    """`_adamw` with the step measured in the ULP S(w) of the weight before the step."""
-    ulp = _magic((p * scale).abs(), fmt_params, ftz) * 2.0**-23 / scale
-    _adamw(p, g, m, v, h, ulp)
+               coef: torch.Tensor, fmt_params: torch.Tensor, ftz: bool) -> None:
+    """In place: p <- p * decay - rate * S(p) * m_hat / (sqrt(v_hat) + eps), moments gated by h[0].
+
+    S is the ULP of the weight before the step. h = [go, gated 1-beta1, gated 1-beta2, eps, decay,
+    gated ULP rate]; coef rows (one column per element, or one for all) = [weight scale,
+    1 / (1 - beta1^t), 1 / sqrt(1 - beta2^t)]. Scalars are folded into one factor, so each element
+    costs a single division. A skipped step may carry NaN grads: they are zeroed, so the weight-0
+    updates stay exact.
+    """
+    scale = coef[0]
+    ulp = _magic((p * scale).abs(), fmt_params, ftz)
+    g = torch.where(h[0] > 0, g, 0)
+    m.lerp_(g, h[1])
+    v.lerp_(g * g, h[2])
+    factor = h[5] * coef[1] * 2.0**-23 / scale  # rate, bias correction 1 and magic-number -> ULP
+    p.mul_(h[4]).sub_(m / (v.sqrt() * coef[2] + h[3]) * ulp * factor)
 
 
-_ADAMW = _Kernel(_adamw)  # one fused pointwise kernel each (compiled when it compiles)
-_ADAMW_ULP = _Kernel(_adamw_ulp)
+_ADAMW_ULP = _Kernel(_adamw_ulp)  # one fused pointwise kernel (compiled when it compiles)
 
 
 def quantized_weights(model: nn.Module) -> dict[nn.Parameter, QuantizedLinear]:

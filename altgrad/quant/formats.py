@@ -153,23 +153,9 @@ class FormatSpec:
         ('none'). NaN maps to the NaN code with its sign; a 'none' format has no NaN code and
         encodes NaN as +0 (code 0), so a code histogram counts it as a zero.
         """
-        from altgrad.quant.quantize import quantize
+        from altgrad.quant.codes import encode
 
-        q = quantize(x, self).float()
-        bits = q.view(torch.int32)
-        sign = torch.where(bits < 0, 0x80, 0)
-        a = q.abs()
-        normal_code = ((((bits >> 23) & 0xFF) - 127 + self.bias) << self.mbits) | (
-            (bits >> (23 - self.mbits)) & ((1 << self.mbits) - 1))
-        sub_code = (a * 2.0 ** (self.mbits - self.emin)).to(torch.int32)
-        code = torch.where(a >= self.min_normal, normal_code, sub_code) | sign
-        if self.specials != "none":
-            inf_code = self.inf_code if self.specials == "ieee" else self.nan_code
-            code = torch.where(x.isinf(), inf_code | sign, code)
-            code = torch.where(q.isnan(), self.nan_code | sign, code)
-        else:
-            code = torch.where(q.isnan(), 0, code)
-        return code.to(torch.uint8)
+        return encode(x, self)
 
     def next_mantissa_format(self) -> FormatSpec | None:
         """The registered format with one exponent bit traded for a mantissa bit (SPEC §6 shift)."""

@@ -114,10 +114,13 @@ def _stochastic(x: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, ftz: bool
 class _Kernel:
     """A pointwise kernel, compiled on first use; eager when compiling is off or has failed."""
 
+    registry: list[_Kernel] = []  # every kernel, for `compile_status`
+
     def __init__(self, fn: Callable[..., torch.Tensor]):
         self.fn = fn
         self.compiled: Callable[..., torch.Tensor] | None = None
         self.error: str | None = None
+        _Kernel.registry.append(self)
 
     def __call__(self, x: torch.Tensor, *args) -> torch.Tensor:
         # 0/1-element tensors would each specialise a new graph; they are not worth compiling.
@@ -143,7 +146,7 @@ def compile_status() -> str:
     """'compiled', 'eager (ALTGRAD_NO_COMPILE=1)' or 'eager (<why compiling failed>)'."""
     if os.environ.get("ALTGRAD_NO_COMPILE") == "1":
         return "eager (ALTGRAD_NO_COMPILE=1)"
-    errors = [k.error for k in (_NEAREST, _NEAREST_SCALED, _STOCHASTIC) if k.error]
+    errors = [k.error for k in _Kernel.registry if k.error]
     return f"eager ({errors[0]})" if errors else "compiled"
 
 

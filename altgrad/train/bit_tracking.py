@@ -1,11 +1,12 @@
 """Bit-position tracking (SPEC §6): how many codes each quantized weight moved in a step.
 
-On diagnostic steps, per quantized layer: a histogram of |ordinal(code_new) - ordinal(code_old)|
-(ordinal makes sign-magnitude codes monotone in value) over the bins 0, 1, 2, 3, 4-7, 8-15, 16+,
-and the codes of a fixed seeded sample of weights (their trajectory across steps). Both codes use
-the layer's current weight format and scale, so the count is in the grid the forward pass uses.
-Everything is one device tensor, read in the trainer's one host sync, then written as one row per
-diagnostic step to `bit_positions.jsonl`.
+On diagnostic steps, per quantized layer: a histogram of code distances |ordinal(code_new) -
+ordinal(code_old)| over the bins of `MOVE_BINS` (0, 1, 2, 3, 4-7, 8-15, 16+), and the codes of a
+fixed seeded sample of weights (their trajectory across steps). The histogram comes from
+`Diagnostics.update_metrics` (`code_moves` of the raw update, in the layer's current weight format
+and scale: the grid the forward pass uses, rounded to nearest like the bit-stall rate); the sample
+codes are those of the weights as stored after the step. Everything is one device tensor, read in
+the trainer's one host sync, then written as one row per diagnostic step to `bit_positions.jsonl`.
 """
 
 from __future__ import annotations
@@ -14,18 +15,11 @@ from pathlib import Path
 
 import torch
 
+from altgrad.quant.codes import MOVE_BINS, encode
 from altgrad.quant.linear import QuantizedLinear
 from altgrad.train.run_files import RunFiles
 
-BIN_EDGES = (1, 2, 3, 4, 8, 16)
-BIN_LABELS = ("0", "1", "2", "3", "4-7", "8-15", "16+")
 FILE = "bit_positions.jsonl"
-
-
-def ordinal(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 sign-magnitude codes -> integers monotone in the value they decode to."""
-    c = codes.long()
-    return torch.where(c >= 0x80, -(c & 0x7F), c)
 
 
 class BitTracker:
@@ -37,28 +31,23 @@ class BitTracker:
             for n, m in layers.items()
         }
 
-    def _codes(self, layer: QuantizedLinear, w: torch.Tensor) -> torch.Tensor:
-        return layer.policy.weight.encode(w.detach().float() * layer.scalers["weight"].scale)
-
     @torch.no_grad()
-    def observe(self, before: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[layers, bins + sample] float tensor: move histogram, then the sampled new codes."""
+    def observe(self, histograms: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[layers, bins + sample] float tensor: each layer's move histogram, then the sample's codes."""
         rows = []
         for name, layer in self.layers.items():
-            old, new = self._codes(layer, before[name]), self._codes(layer, layer.weight)
-            moved = (ordinal(new) - ordinal(old)).abs().flatten()
-            edges = torch.tensor(BIN_EDGES, device=moved.device)
-            hist = torch.bincount(torch.bucketize(moved, edges, right=True), minlength=len(BIN_LABELS))
-            rows.append(torch.cat([hist, new.flatten()[self.samples[name]].long()]))
-        return torch.stack(rows).float()
+            sample = layer.weight.detach().flatten()[self.samples[name]]
+            codes = encode(sample, layer.policy.weight, layer.scalers["weight"].scale)
+            rows.append(torch.cat([histograms[name].float(), codes.float()]))
+        return torch.stack(rows)
 
     def rows(self, step: int, values: list[float]) -> dict:
         """The jsonl row of one step from `observe`'s values, as read in the host sync."""
-        width = len(BIN_LABELS) + len(next(iter(self.samples.values())))
-        out = {"step": step, "bins": list(BIN_LABELS), "layers": {}}
+        width = len(MOVE_BINS) + len(next(iter(self.samples.values())))
+        out = {"step": step, "bins": list(MOVE_BINS), "layers": {}}
         for i, name in enumerate(self.layers):
             row = [int(v) for v in values[i * width:(i + 1) * width]]
-            out["layers"][name] = {"moved": row[:len(BIN_LABELS)], "sample_codes": row[len(BIN_LABELS):]}
+            out["layers"][name] = {"moved": row[:len(MOVE_BINS)], "sample_codes": row[len(MOVE_BINS):]}
         return out
 
 

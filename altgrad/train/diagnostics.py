@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from altgrad.quant.codes import code_moves
 from altgrad.quant.convert import linear_layers
 from altgrad.quant.formats import FormatSpec
 from altgrad.quant.linear import ROLES, QuantizedLinear
 from altgrad.quant.quantize import quantize
-from altgrad.quant.scaling import compute_scale
-from altgrad.quant.stall import bit_stall_mask
+from altgrad.quant.scaling import abs_max, compute_scale
 
 Metrics = dict[str, torch.Tensor]
 
@@ -31,12 +31,17 @@ def kurtosis(x: torch.Tensor) -> torch.Tensor:
     return d.square().square().mean() / var.square().clamp_min(1e-30)
 
 
-def quantization_snr_db(g: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
-    """SQNR (dB) of a tensor under `fmt` with per-tensor amax scaling: how much the format loses."""
+def quantization_snr_db(g: torch.Tensor, fmt: FormatSpec, amax: torch.Tensor | None = None,
+                        norm: torch.Tensor | None = None) -> torch.Tensor:
+    """SQNR (dB) of a tensor under `fmt` with per-tensor amax scaling: how much the format loses.
+
+    `amax` and `norm` (its max |g| and L2 norm), when the caller has them, save a pass each.
+    """
     g = g.detach().float()
-    scale = compute_scale(g.abs().amax(), fmt)
-    noise = (g - quantize(g, fmt, scale)).square().sum()
-    return 10 * torch.log10(g.square().sum().clamp_min(1e-30) / noise.clamp_min(1e-30))
+    amax = abs_max(g) if amax is None else amax
+    norm = torch.linalg.vector_norm(g) if norm is None else norm
+    noise = torch.dist(g, quantize(g, fmt, compute_scale(amax, fmt)))
+    return 20 * torch.log10(norm.clamp_min(1e-30) / noise.clamp_min(1e-30))
 
 
 def finite_code_count(fmt: FormatSpec) -> int:
@@ -92,10 +97,11 @@ class Diagnostics:
             if g is None:
                 continue
             g = g.detach().float()
-            out[f"grad/l2/{name}"] = g.norm()
-            out[f"grad/linf/{name}"] = g.abs().amax()
-            out[f"grad/dead_frac/{name}"] = (g == 0).float().mean()
-            out[f"grad/snr/{name}"] = quantization_snr_db(g, self.grad_format)
+            l2, linf = torch.linalg.vector_norm(g), abs_max(g)
+            out[f"grad/l2/{name}"] = l2
+            out[f"grad/linf/{name}"] = linf
+            out[f"grad/dead_frac/{name}"] = 1 - torch.count_nonzero(g) / g.numel()  # 4x a bool sum
+            out[f"grad/snr/{name}"] = quantization_snr_db(g, self.grad_format, linf, l2)
         return out
 
     # -- quantizer counters ------------------------------------------------------------
@@ -128,26 +134,32 @@ class Diagnostics:
         """Weights before the optimizer step (all linears; the baseline measures zero updates)."""
         return {n: m.weight.detach().clone() for n, m in self.linears.items()}
 
-    def update_metrics(self, before: dict[str, torch.Tensor]) -> Metrics:
-        """Bit-stall over the quantized layers' moved weights; zero-update fraction over all."""
+    def update_metrics(self, before: dict[str, torch.Tensor]) -> tuple[Metrics, dict[str, torch.Tensor]]:
+        """Bit-stall over the quantized layers' moved weights; zero-update fraction over all.
+
+        Also returns each quantized layer's code-move histogram (`code_moves`), for bit tracking.
+        """
         out: Metrics = {}
+        histograms: dict[str, torch.Tensor] = {}
         dev = self._device()
         stalled_total, moved_q, moved_all, elements = (torch.zeros((), device=dev) for _ in range(4))
         for name, w_old in before.items():
-            layer = self.linears[name]
-            delta = layer.weight.detach() - w_old
-            moved = (delta != 0).sum()
-            moved_all = moved_all + moved
-            elements = elements + delta.numel()
+            w_new = self.linears[name].weight.detach()
             if name in self.quantized:
-                scale = layer.scalers["weight"].scale
-                stalled = bit_stall_mask(w_old, delta, layer.policy.weight, scale).sum()
-                out[f"quant/bit_stall_rate/{name}"] = stalled / moved.clamp_min(1)
-                stalled_total = stalled_total + stalled
+                layer = self.quantized[name]
+                moves = code_moves(w_old, w_new, layer.policy.weight, layer.scalers["weight"].scale)
+                moved = moves["changed"]
+                out[f"quant/bit_stall_rate/{name}"] = moves["stalled"] / moved.clamp_min(1)
+                stalled_total = stalled_total + moves["stalled"]
                 moved_q = moved_q + moved
+                histograms[name] = moves["histogram"]
+            else:
+                moved = torch.count_nonzero(w_new - w_old)  # (finite weights: w_new != w_old)
+            moved_all = moved_all + moved
+            elements = elements + w_old.numel()
         out["quant/bit_stall_rate"] = stalled_total / moved_q.clamp_min(1)
         out["quant/zero_update_frac"] = 1 - moved_all / elements.clamp_min(1)
-        return out
+        return out, histograms
 
     def _device(self) -> torch.device:
         return next(iter(self.linears.values())).weight.device

@@ -31,6 +31,9 @@ class Event:
 ShiftFn = Callable[[list[str] | None, str], list[Event]]
 """Shift the named layers (None: every quantized layer) for a reason; the shifts that happened."""
 
+NAN_UNLOCALIZED = "nan_unlocalized"
+"""Shift reason when no step of a NaN streak could be traced to a layer: every layer shifts."""
+
 STALL_PREFIX = "quant/bit_stall_rate/"
 
 
@@ -45,14 +48,17 @@ class StabilityMonitor:
     rising_evals: int = 0
     format_shifts: int = 0
     stall_streaks: dict[str, int] = field(default_factory=dict)
+    nan_origins: list[str] = field(default_factory=list)
 
-    def observe_step(self, step: int, m: dict[str, float],
-                     shift: ShiftFn | None = None) -> tuple[list[Event], str | None]:
+    def observe_step(self, step: int, m: dict[str, float], shift: ShiftFn | None = None,
+                     origin: list[str] | None = None) -> tuple[list[Event], str | None]:
         """Events for this step, and the stop reason (`nan`) if the run must end here.
 
         With `shift_patience` set and a `shift` function, a NaN streak or a layer's bit-stall
         streak of that length first tries an emergency mantissa shift; a shift resets the streak
-        so training continues, and the NaN stop still applies once no layer can shift.
+        so training continues, and the NaN stop still applies once no layer can shift. A NaN
+        streak shifts the layers its steps were traced to (`origin`, see `nan_origin`), collected
+        over the streak; only when none was traced does every layer shift (`NAN_UNLOCALIZED`).
         """
         events: list[Event] = []
         patience = self.cfg.shift_patience if shift is not None else None
@@ -63,18 +69,23 @@ class StabilityMonitor:
             where = "forward" if loss_bad else "backward"
             if self.nan_streak == 1:
                 self.collapse_step, self.collapse_where = step, where
+                self.nan_origins = []
+            origin = origin or []
+            self.nan_origins += [name for name in origin if name not in self.nan_origins]
             events.append(Event(
                 "nan_skip",
                 f"non-finite {'loss' if loss_bad else 'gradient'} ({where}); optimizer step skipped "
-                f"(streak {self.nan_streak}/{self.cfg.nan_patience})",
-                {"streak": self.nan_streak, "where": where},
+                f"(streak {self.nan_streak}/{self.cfg.nan_patience}); origin: {', '.join(origin) or 'unknown'}",
+                {"streak": self.nan_streak, "where": where, "origin": origin},
             ))
             if patience and self.nan_streak >= patience:
-                shifted = shift(None, "nan")
+                localized = bool(self.nan_origins)
+                shifted = shift(list(self.nan_origins) if localized else None, "nan" if localized else NAN_UNLOCALIZED)
                 events += shifted
                 if shifted:
                     self.format_shifts += len(shifted)
                     self.nan_streak = 0
+                    self.nan_origins = []
                     return events, None
             if self.nan_streak >= self.cfg.nan_patience:
                 events.append(Event("nan_stop", f"{self.nan_streak} consecutive non-finite steps: stopping"))
@@ -139,6 +150,7 @@ class StabilityMonitor:
             "rising_evals": self.rising_evals,
             "format_shifts": self.format_shifts,
             "stall_streaks": dict(self.stall_streaks),
+            "nan_origins": list(self.nan_origins),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

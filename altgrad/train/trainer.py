@@ -36,8 +36,10 @@ from altgrad.train.checkpoint import (
     load_checkpoint,
     resume_candidates,
 )
+from altgrad.train.cpu_allocator import retain_freed_memory
 from altgrad.train.diagnostics import Diagnostics, Metrics, short_name
 from altgrad.train.format_shift import layer_formats, restore_formats, shift_layers
+from altgrad.train.nan_origin import NAN_PROBE, NanOrigin
 from altgrad.train.partition_clip import PartitionClipper
 from altgrad.train.run_files import RunFiles
 from altgrad.train.schedule import lr_at
@@ -77,6 +79,8 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.device = resolve_device(cfg.train.device)
+        if self.device.type == "cpu":
+            retain_freed_memory()
         data_dir = prepare_dataset(cfg.data)  # DataError on a user problem, before anything is written
         t = cfg.train
         self.batches = TokenBatches(data_dir, cfg.model.block_size, t.batch_size, t.seed, device=self.device)
@@ -90,6 +94,7 @@ class Trainer:
         self.layers = {short_name(n): m for n, m in quantized_layers(self.model).items()}
         k = cfg.optim.partition_clip_k
         self.clipper = PartitionClipper(self.layers, k, cfg.quant.scaling.history_len) if k and self.layers else None
+        self.nan_origin = NanOrigin(self.layers, self.model)
         self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format))
         self.shadow = FP32Shadow(cfg.model, self.device) if t.shadow_every else None
         self.monitor = StabilityMonitor(cfg.stability)
@@ -117,7 +122,7 @@ class Trainer:
         step = start
         t_last = time.perf_counter()
         for step in range(start + 1, max_steps + 1):
-            metrics = self._train_step(step)
+            metrics = self.train_step(step)
             now = time.perf_counter()
             self.wall_time += now - t_last
             metrics["train/tokens_per_s"] = self.cfg.train.batch_size * self.cfg.model.block_size / (now - t_last)
@@ -139,7 +144,8 @@ class Trainer:
         return summary
 
     # -- one step -------------------------------------------------------------------------
-    def _train_step(self, step: int) -> dict[str, float]:
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step (1-based) and its metrics; `fit` adds the policy, files and checkpoints."""
         t = self.cfg.train
         x, y = self.batches.train_batch(step - 1)
         lr = lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, t.max_steps, self.cfg.optim.min_lr_ratio)
@@ -165,17 +171,22 @@ class Trainer:
         if self.clipper is not None:
             self.clipper.clip_()
         clip = self.cfg.optim.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norms = torch._foreach_norm([p.grad for p in params])  # per parameter: also locate NaNs
+        grad_norm = torch.linalg.vector_norm(torch.stack(norms))  # what clip_grad_norm_ computes
+        torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
         loss_ok, grad_ok = torch.isfinite(loss.detach()), torch.isfinite(grad_norm)
         self.optimizer.found_inf = (~(loss_ok & grad_ok)).float()  # the step is skipped on device
+        m[NAN_PROBE] = self.nan_origin.first_bad(loss, dict(zip(params, norms, strict=True)))
         self.optimizer.step()
         if diag:
-            m.update(self.diagnostics.update_metrics(before))  # the raw update, before re-quantizing
+            update, moves = self.diagnostics.update_metrics(before)  # the raw update, before re-quantizing
+            m.update(update)
             m.update(self.diagnostics.quant_metrics())
             self.diagnostics.end()
         if self.cfg.quant.master_weights == "format":
             self._requantize_weights()
-        bits = self.bit_tracker.observe(before) if diag and self.bit_tracker is not None else None
+        bits = self.bit_tracker.observe(moves) if diag and self.bit_tracker is not None else None
         self.optimizer.zero_grad(set_to_none=True)
 
         m["train/loss"] = loss.detach()
@@ -225,7 +236,8 @@ class Trainer:
 
     # -- stability policy -----------------------------------------------------------------
     def _apply_policy(self, step: int, metrics: dict[str, float]) -> str | None:
-        events, stop = self.monitor.observe_step(step, metrics, self._shift)
+        origin = self.nan_origin.blame(int(metrics.pop(NAN_PROBE)))  # internal, not a metric
+        events, stop = self.monitor.observe_step(step, metrics, self._shift, origin)
         if metrics["val/step"] == step:
             events += self.monitor.observe_eval(metrics["val/loss"])
         if self.monitor.nan_streak == 1:  # first NaN of a streak: the step was skipped, so this

@@ -1,0 +1,151 @@
+"""From values to 8-bit codes, and how many codes a weight moved: compiled like the quantizer.
+
+The diagnostics ask two questions of every quantized weight on every diagnostic step -- which code
+does it sit on, and how many codes did the optimizer step move it -- so these run over the whole
+model (3.2M elements for the tied GPT-2 head alone). Both reuse the quantizer's exact rounding and
+read a code's magnitude off its ULP instead of assembling bit fields:
+
+    ordinal(|q|) = |q| / ulp(q) + k * 2^mbits,   ulp(q) = 2^(max(e, emin) - mbits),
+    k = log2(ulp(q) / ulp_min)  (the binade above the subnormals; its exponent bits, no log2)
+
+which is the code of |q| for every finite grid value (subnormals: k = 0 and |q| / ulp = m;
+normals: (field - 1) * 2^mbits + 2^mbits + m). Signed ordinals are monotone in value, so the code
+distance between two weights is a subtraction, and Q(w_new) == Q(w_old) is distance zero.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from altgrad.quant.formats import FormatSpec, get_format
+from altgrad.quant.quantize import (
+    _MANTISSA_BITS,
+    Scale,
+    _Kernel,
+    _magic,
+    _params,
+    _round,
+    _scale_tensor,
+)
+
+MOVE_BINS = ("0", "1", "2", "3", "4-7", "8-15", "16+")
+_MOVE_EDGES = (1, 2, 3, 4, 8, 16)  # lower edges of the bins after "0"
+_P = _MANTISSA_BITS[torch.float32]
+
+
+@cache
+def _code_params(fmt: FormatSpec, device: torch.device) -> torch.Tensor:
+    """[0] 2^mbits; [1] float32 exponent field of the smallest ULP 2^(emin - mbits); [2] the code
+    of +inf (-1 where inf saturates to max like any overflow); [3] the NaN code, [4] its sign bit
+    (0x80, or 0 for 'none' formats, which encode NaN as +0)."""
+    inf = fmt.inf_code if fmt.specials == "ieee" else fmt.nan_code if fmt.specials == "fn" else -1
+    nan, nan_sign = (fmt.nan_code, 0x80) if fmt.nan_code is not None else (0, 0)
+    values = [2.0 ** fmt.mbits, fmt.emin - fmt.mbits + 127, inf, nan, nan_sign]
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _magnitude(a: torch.Tensor, p: torch.Tensor, c: torch.Tensor, ftz: bool) -> torch.Tensor:
+    """Code of the non-negative grid value `a`, as an exact float32 integer."""
+    ulp = _magic(a, p, ftz) * 2.0 ** -_P
+    k = (ulp.view(torch.int32) >> 23).to(torch.float32) - c[1]
+    return torch.where(a == 0, 0.0, a / ulp + k * c[0])
+
+
+def _negative(y: torch.Tensor) -> torch.Tensor:
+    """The sign bit, -0 and NaN included (`torch.signbit` does not vectorize in inductor)."""
+    return y.view(torch.int32) < 0
+
+
+def _encode(x: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tensor, m0: bool,
+            ftz: bool) -> torch.Tensor:
+    y = x.to(torch.float32) * scale
+    q = _round(y, p, m0, ftz)
+    code = _magnitude(q.abs(), p, c, ftz) + torch.where(_negative(q), 128.0, 0.0)
+    sign = torch.where(_negative(y), 128.0, 0.0)
+    code = torch.where(torch.isinf(y) & (c[2] >= 0), c[2] + sign, code)
+    code = torch.where(torch.isnan(q), c[3] + torch.where(_negative(q), c[4], 0.0), code)
+    return code.to(torch.uint8)
+
+
+def _ordinal(w: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tensor, m0: bool,
+             ftz: bool) -> torch.Tensor:
+    q = _round(w.to(torch.float32) * scale, p, m0, ftz)
+    return torch.copysign(_magnitude(q.abs(), p, c, ftz), q)
+
+
+def _moves(w_old: torch.Tensor, w_new: torch.Tensor, scale: torch.Tensor, p: torch.Tensor,
+           c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
+    distance = (_ordinal(w_new, scale, p, c, m0, ftz) - _ordinal(w_old, scale, p, c, m0, ftz)).abs()
+    changed = w_new != w_old
+    at_least = [(distance >= edge).sum() for edge in _MOVE_EDGES]
+    return torch.stack([changed.sum(), (changed & (distance == 0)).sum(), *at_least])
+
+
+def _counts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tensor,
+            m0: bool, ftz: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    overflow = ((x.to(torch.float32) * scale).abs() > p[3]).sum()
+    underflow = ((x != 0) & (q == 0)).sum()
+    codes = _encode(q, scale, p, c, m0, ftz).to(torch.int64)
+    return torch.stack([overflow, underflow]), codes
+
+
+_ENCODE = _Kernel(_encode)
+_MOVES = _Kernel(_moves)
+_COUNTS = _Kernel(_counts)
+
+
+def encode(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None) -> torch.Tensor:
+    """uint8 codes of quantize(x * s), round-to-nearest-even, finite overflow saturating.
+
+    ±inf becomes the inf code ('ieee'), the NaN code ('fn', as ml_dtypes casts) or ±max ('none');
+    NaN becomes the NaN code with its sign, or +0 in a 'none' format, which has no NaN.
+    """
+    fmt = get_format(fmt)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"encode expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    p = _params(fmt, True, torch.float32, x.device)
+    s = _scale_tensor(scale, torch.float32, x.device)
+    with torch.no_grad():
+        codes = _ENCODE(x.reshape(-1).detach(), s, p, _code_params(fmt, x.device), fmt.mbits == 0,
+                        not fmt.subnormals)
+    return codes.view(x.shape)
+
+
+def ordinal(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 sign-magnitude codes -> integers monotone in the value they decode to (±0 -> 0)."""
+    c = codes.long()
+    return torch.where(c >= 0x80, -(c & 0x7F), c)
+
+
+def code_moves(w_old: torch.Tensor, w_new: torch.Tensor, fmt: str | FormatSpec,
+               scale: Scale = None) -> dict[str, torch.Tensor]:
+    """How a step moved each weight through fmt's codes (under scale s), in one pass, on device.
+
+    Returns 0-dim `changed` (w_new != w_old), `stalled` (changed, yet quantize(w_new) ==
+    quantize(w_old): the bit-stall of SPEC §2) and `histogram`, the count of weights per code
+    distance bin of MOVE_BINS.
+    """
+    fmt = get_format(fmt)
+    if w_old.shape != w_new.shape:
+        raise ValueError(f"code_moves: shapes differ, {tuple(w_old.shape)} vs {tuple(w_new.shape)}")
+    p = _params(fmt, True, torch.float32, w_old.device)
+    s = _scale_tensor(scale, torch.float32, w_old.device)
+    with torch.no_grad():
+        counts = _MOVES(w_old.reshape(-1).detach(), w_new.reshape(-1).detach(), s, p,
+                        _code_params(fmt, w_old.device), fmt.mbits == 0, not fmt.subnormals)
+    at_least = torch.cat([counts.new_full((1,), w_old.numel()), counts[2:], counts.new_zeros(1)])
+    return {"changed": counts[0], "stalled": counts[1], "histogram": at_least[:-1] - at_least[1:]}
+
+
+def quantizer_counts(x: torch.Tensor, q: torch.Tensor, fmt: str | FormatSpec,
+                     scale: Scale = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What quantizing x to q = quantize(x, fmt, s) did, in one pass: [overflow, underflow] counts
+    (|x * s| > max, inf included; x != 0 that became 0) and the int64 code of each element of q."""
+    fmt = get_format(fmt)
+    p = _params(fmt, True, torch.float32, x.device)
+    s = _scale_tensor(scale, torch.float32, x.device)
+    with torch.no_grad():
+        return _COUNTS(x.reshape(-1).detach(), q.reshape(-1).detach(), s, p, _code_params(fmt, x.device),
+                       fmt.mbits == 0, not fmt.subnormals)

@@ -1,0 +1,84 @@
+"""encode and code_moves: the compiled code kernels against gfloat / ml_dtypes codes, every format."""
+
+import gfloat
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from bitwise import edge_values, random_values
+
+from altgrad.quant import FORMATS, FormatSpec, bit_stall_mask, code_moves, encode, quantize
+from altgrad.quant.codes import MOVE_BINS, ordinal
+
+ALL = sorted(FORMATS)
+ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "e3m4": ml_dtypes.float8_e3m4}
+MOVE_EDGES = (1, 2, 3, 4, 8, 16)
+
+
+@pytest.fixture(autouse=True)
+def eager_by_default(monkeypatch):
+    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
+
+
+def gfloat_codes(f: FormatSpec, x: torch.Tensor) -> torch.Tensor:
+    """The reference: gfloat's saturating round and its encoding; for ±inf and NaN in the
+    ml_dtypes formats, ml_dtypes' cast (an 'fn' format has no inf: ±inf becomes NaN)."""
+    fi = f.to_gfloat()
+    finite = x.isfinite()
+    codes = torch.zeros(x.shape, dtype=torch.uint8)
+    rounded = gfloat.round_ndarray(fi, x[finite].double().numpy(), sat=True)
+    codes[finite] = torch.from_numpy(gfloat.encode_ndarray(fi, rounded).astype(np.uint8))
+    if f.name in ML_DTYPES:
+        codes[~finite] = torch.from_numpy(x[~finite].numpy().astype(ML_DTYPES[f.name]).view(np.uint8))
+    else:
+        codes[~finite] = torch.where(x[~finite] > 0, f.max_code, f.max_code | 0x80).to(torch.uint8)
+    return codes
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_encode_matches_the_reference_on_edges_and_random_values(name, path):
+    f = FORMATS[name]
+    x = torch.cat([edge_values(f), random_values(f, n=1 << 16, seed=3)])
+    if f.specials == "none":  # no NaN code: NaN encodes as +0; ±inf saturates
+        assert (encode(x[x.isnan()], f) == 0).all()
+        x = x[~x.isnan()]
+    assert torch.equal(encode(x, f), gfloat_codes(f, x))
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e7m0", "e0m7"])
+def test_encode_with_a_scale_is_encode_of_the_scaled_values(name, path):
+    f = FORMATS[name]
+    x = random_values(f, n=1 << 14, seed=4)
+    s = torch.tensor(2.0**-3)
+    assert torch.equal(encode(x, f, s), encode(x * s, f))
+
+
+def reference_moves(w_old: torch.Tensor, w_new: torch.Tensor, f: FormatSpec, s: torch.Tensor):
+    """changed, stalled (SPEC §2, through the eager quantizer) and the histogram, in plain Python."""
+    distance = (ordinal(gfloat_codes(f, w_new * s)) - ordinal(gfloat_codes(f, w_old * s))).abs()
+    bins = [sum(int(d) >= e for e in MOVE_EDGES) for d in distance.tolist()]
+    histogram = torch.bincount(torch.tensor(bins), minlength=len(MOVE_BINS))
+    changed = w_new != w_old
+    stalled = changed & (quantize(w_new, f, s) == quantize(w_old, f, s))
+    return changed, stalled, histogram
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_code_moves_counts_codes_moved_and_stalls(name, path):
+    f = FORMATS[name]
+    gen = torch.Generator().manual_seed(5)
+    s = torch.tensor(2.0**-2)
+    w_old = quantize(random_values(f, n=1 << 14, seed=6), f) / s  # on the grid ...
+    w_old[::7] += torch.randn(w_old[::7].shape, generator=gen) * w_old[::7] * 0.1  # ... and off it
+    ulps = torch.randint(-40, 41, w_old.shape, generator=gen).float()
+    step = ulps * w_old.abs().clamp_min(f.min_subnormal / s.item()) * 2.0**-f.mbits / 4
+    w_new = torch.where(torch.arange(w_old.numel()) % 5 == 0, w_old, w_old + step)  # some unchanged
+    w_new[:8] = -w_old[:8]  # through zero
+    changed, stalled, histogram = reference_moves(w_old, w_new, f, s)
+    got = code_moves(w_old, w_new, f, s)
+    assert int(got["changed"]) == int(changed.sum())
+    assert int(got["stalled"]) == int(stalled.sum())
+    assert torch.equal(got["histogram"], histogram)
+    assert 0 < int(got["stalled"]) < int(changed.sum()) and histogram[1:].sum() > 0  # both kinds seen
+    exact = w_old + (w_new - w_old) == w_new  # there bit_stall_mask's w + delta is w_new
+    assert torch.equal(bit_stall_mask(w_old, w_new - w_old, f, s)[exact], stalled[exact])
