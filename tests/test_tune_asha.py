@@ -107,18 +107,35 @@ def test_signals_after_resume_equal_an_unbroken_run(monkeypatch):
     reported: list[dict] = []
     monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: reported.append(m))
     history = rows(12, [0.999] * 3 + [0.5] + [0.999] * 8)
-    unbroken = TuneReporter(SweepSignals(0.99, 1e-3), [])
+    unbroken = TuneReporter(SweepSignals(0.99, 1e-3), [], attach_checkpoints=False)
     for row in history:
         unbroken(row, None)
     expected = reported[:]
     reported.clear()
-    resumed = TuneReporter(SweepSignals(0.99, 1e-3), history[:9])  # the log as the kill left it
+    resumed = TuneReporter(SweepSignals(0.99, 1e-3), history[:9], attach_checkpoints=False)  # as the kill left it
     for row in history[6:]:  # resumed from the checkpoint at step 6
         resumed(row, None)
     assert reported == expected[6:]
     assert expected[-1][STALL_STREAK] == 8.0
     assert expected[-1][STABLE_LR] == 1e-3
 
+
+
+@pytest.mark.parametrize("attach", [True, False], ids=["remote", "local"])
+def test_checkpoints_go_to_tune_only_on_remote_storage(monkeypatch, tmp_path, attach):
+    """On local storage the run dir is the durable copy; a Tune checkpoint there could be rotated
+    away before Tune saves its experiment state, and a restore from that state would then fail."""
+    from altgrad.tune import trainable
+
+    sent: list = []
+    monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: sent.append(checkpoint))
+    reporter = TuneReporter(SweepSignals(0.99, 1e-3), [], attach_checkpoints=attach)
+    (tmp_path / "step_000005").mkdir()
+    for row, ckpt in zip(rows(6, [0.5] * 6), [None] * 4 + [tmp_path / "step_000005", None], strict=True):
+        reporter(row, ckpt)
+    assert [c is not None for c in sent] == [False] * 4 + [attach, False]
+    if attach:
+        assert sent[4].path == str(tmp_path / "step_000005")
 
 
 def cpu_sweep(stall_reports: int) -> SweepConfig:

@@ -4,8 +4,14 @@ Per trial it builds the RunConfig from the trial config, holds torch to its shar
 (threads = its CPUs, GPU memory = its GPU fraction), keeps `trial.log` and `worker.json` next to
 the run directory in the trial directory, and resumes from the newest checkpoint it can find: its
 own run directory first (after a driver kill that is at most one checkpoint interval old), else
-Tune's checkpoint (a retry on another node). Every trainer report goes to `tune.report` with the
-checkpoint attached, plus what the sweep's deciders need (`SweepSignals`).
+Tune's checkpoint (a retry on another node). Every trainer report goes to `tune.report`, plus
+what the sweep's deciders need (`SweepSignals`).
+
+Checkpoints are attached to the reports only on remote storage, where a node's trial directory
+dies with the node. On local storage the run directory is itself durable, and a Tune checkpoint
+would only add a hazard: Tune deletes its older checkpoints before it next saves the experiment
+state, so a driver killed in between leaves a state whose checkpoint is gone, and Ray then
+refuses to restore that trial.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None
         (trial_dir / "worker.json").write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
         reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr),
-                                read_jsonl(run_dir / "metrics.jsonl"))  # read before the trainer trims it
+                                read_jsonl(run_dir / "metrics.jsonl"),  # read before the trainer trims it
+                                attach_checkpoints=not storage_is_local())
         with resume_point(run_dir) as resume:
             log.info("trial %s: %s", trial_key(config), f"resuming from {resume}" if resume else "starting")
             summary = Trainer(cfg, run_dir).fit(report=reporter, resume=resume)
@@ -58,7 +65,7 @@ def local_trial_dir(key: str) -> Path:
     point, even when Ray re-creates the trial under a new directory after a kill. On remote
     storage, the working directory that Tune syncs into its trial directory."""
     storage = tune.get_context().get_storage()
-    if storage.storage_filesystem.type_name == "local":
+    if storage_is_local():
         path = Path(storage.experiment_fs_path) / TRIALS_DIR / key
     else:
         path = Path.cwd()
@@ -66,6 +73,10 @@ def local_trial_dir(key: str) -> Path:
             _fetch_run_dir(storage, path / RUN_DIR)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def storage_is_local() -> bool:
+    return tune.get_context().get_storage().storage_filesystem.type_name == "local"
 
 
 def _fetch_run_dir(storage, destination: Path) -> None:
@@ -155,9 +166,10 @@ class SweepSignals:
 class TuneReporter:
     """The `report` callback of `Trainer.fit`: forwards to `tune.report` with `SweepSignals`."""
 
-    def __init__(self, signals: SweepSignals, history: list[dict[str, Any]]):
+    def __init__(self, signals: SweepSignals, history: list[dict[str, Any]], attach_checkpoints: bool):
         self.signals = signals
         self._history: list[dict[str, Any]] | None = history
+        self.attach_checkpoints = attach_checkpoints
 
     def __call__(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
         step = metrics["step"]
@@ -173,5 +185,6 @@ class TuneReporter:
         if metrics["val/step"] == step or checkpoint_dir is not None:
             log.info("step %d: train loss %.4f, val loss %.4f%s", step, metrics["train/loss"],
                      metrics["val/loss"], f", checkpoint {checkpoint_dir.name}" if checkpoint_dir else "")
-        checkpoint = tune.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        attach = checkpoint_dir is not None and self.attach_checkpoints
+        checkpoint = tune.Checkpoint.from_directory(str(checkpoint_dir)) if attach else None
         tune.report(out, checkpoint=checkpoint)
