@@ -8,7 +8,8 @@
   (Ray: actors, scheduling, reporting, checkpoint persistence, the driver's bookkeeping).
 - time to first result: Tune run start to the first metrics row of any trial.
 - checkpoint cost: the time Tune adds to a report that carries a checkpoint (persisting it into
-  the experiment), per checkpoint and spread over all reports.
+  the experiment), per checkpoint and spread over all reports. Reports carry checkpoints only on
+  remote storage (see altgrad/tune/trainable.py); this is the local copy's cost, a lower bound.
 ASHA is off so that every trial runs its full length; W&B and the dashboard are off.
 """
 
