@@ -43,3 +43,9 @@ def random_values(f: FormatSpec, n: int = 1 << 20, seed: int = 0) -> torch.Tenso
     lo, hi = f.emin - f.mbits - 6, max(f.emax, f.emin) + 4
     x = rng.choice([-1.0, 1.0], n) * np.exp2(rng.uniform(lo, hi, n)) * rng.uniform(1, 2, n)
     return torch.from_numpy(x.astype(np.float32))
+
+
+def ordinal(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 sign-magnitude codes -> integers monotone in the value they decode to (±0 -> 0)."""
+    c = codes.long()
+    return torch.where(c >= 0x80, -(c & 0x7F), c)

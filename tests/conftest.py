@@ -13,10 +13,17 @@ os.environ["WANDB_MODE"] = "offline"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
+@pytest.fixture
+def eager_kernels(monkeypatch):
+    """The quantizer kernels run eagerly: every compiled graph costs seconds. Quantizer test modules
+    make this their default (`pytestmark`); the compiled kernels are tested through `path`."""
+    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
+
+
 @pytest.fixture(params=["eager", "compiled"])
-def path(request, monkeypatch):
+def path(request, monkeypatch, eager_kernels):
     """Run a quantizer test on the eager kernels or the torch.compile'd ones (and check that they
-    really compiled). Quantizer test modules make eager the default: every graph costs seconds."""
+    really compiled)."""
     from altgrad.quant import compile_status
 
     if request.param == "compiled":

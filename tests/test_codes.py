@@ -5,19 +5,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from bitwise import edge_values, random_values
+from bitwise import edge_values, ordinal, random_values
 
 from altgrad.quant import FORMATS, FormatSpec, bit_stall_mask, code_moves, encode, quantize
-from altgrad.quant.codes import MOVE_BINS, ordinal
+from altgrad.quant.codes import MOVE_BINS
 
 ALL = sorted(FORMATS)
 ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "e3m4": ml_dtypes.float8_e3m4}
 MOVE_EDGES = (1, 2, 3, 4, 8, 16)
 
 
-@pytest.fixture(autouse=True)
-def eager_by_default(monkeypatch):
-    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
+pytestmark = pytest.mark.usefixtures("eager_kernels")
 
 
 def gfloat_codes(f: FormatSpec, x: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,7 @@ ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn,
 CODES = torch.arange(256, dtype=torch.uint8)
 
 
-@pytest.fixture(autouse=True)
-def eager(monkeypatch):
-    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")  # the kernels are tested in test_quantize
+pytestmark = pytest.mark.usefixtures("eager_kernels")
 
 
 def test_registry_matches_the_spec_table():

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bitwise import ordinal
 from torch import nn
 
 from altgrad.config import ConfigError
 from altgrad.experiment import read_jsonl
 from altgrad.optim import build_optimizer, manifold
 from altgrad.optim.manifold import ManifoldAdamW
-from altgrad.quant.codes import ordinal
 from altgrad.quant.formats import FORMATS, FormatSpec
 from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
 from altgrad.quant.quantize import quantize

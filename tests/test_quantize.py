@@ -26,9 +26,7 @@ ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn,
              "e3m4": ml_dtypes.float8_e3m4}
 
 
-@pytest.fixture(autouse=True)
-def eager_by_default(monkeypatch):
-    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
+pytestmark = pytest.mark.usefixtures("eager_kernels")
 
 
 def gfloat_round(f: FormatSpec, x: torch.Tensor) -> torch.Tensor:

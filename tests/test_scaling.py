@@ -9,10 +9,7 @@ import torch
 from altgrad.quant import FORMATS, quantize
 from altgrad.quant.scaling import AmaxHistory, TensorScaler, compute_scale
 
-
-@pytest.fixture(autouse=True)
-def eager(monkeypatch):
-    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")  # the kernels are tested in test_quantize
+pytestmark = pytest.mark.usefixtures("eager_kernels")
 
 
 @contextmanager

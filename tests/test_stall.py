@@ -12,9 +12,7 @@ ALL = sorted(FORMATS)
 CODES = torch.arange(256, dtype=torch.uint8)
 
 
-@pytest.fixture(autouse=True)
-def eager(monkeypatch):
-    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")  # the kernels are tested in test_quantize
+pytestmark = pytest.mark.usefixtures("eager_kernels")
 
 
 @pytest.mark.parametrize("name", ALL)

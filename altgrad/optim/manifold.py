@@ -24,7 +24,7 @@ from torch.optim.adamw import adamw
 from altgrad.optim.adamw import param_groups
 from altgrad.quant.formats import FormatSpec
 from altgrad.quant.linear import QuantizedLinear
-from altgrad.quant.quantize import _Kernel, _magic, _params
+from altgrad.quant.quantize import _MANTISSA_BITS, _Kernel, _magic, _params
 
 
 class ManifoldAdamW(torch.optim.Optimizer):
@@ -136,7 +136,7 @@ def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     g = torch.where(h[0] > 0, g, 0)
     m.lerp_(g, h[1])
     v.lerp_(g * g, h[2])
-    factor = h[5] * coef[1] * 2.0**-23 / scale  # rate, bias correction 1 and magic-number -> ULP
+    factor = h[5] * coef[1] * 2.0**-_MANTISSA_BITS[p.dtype] / scale  # rate, bias correction 1, magic -> ULP
     p.mul_(h[4]).sub_(m / (v.sqrt() * coef[2] + h[3]) * ulp * factor)
 
 

@@ -113,12 +113,6 @@ def encode(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None) -> torch
     return codes.view(x.shape)
 
 
-def ordinal(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 sign-magnitude codes -> integers monotone in the value they decode to (±0 -> 0)."""
-    c = codes.long()
-    return torch.where(c >= 0x80, -(c & 0x7F), c)
-
-
 def code_moves(w_old: torch.Tensor, w_new: torch.Tensor, fmt: str | FormatSpec,
                scale: Scale = None) -> dict[str, torch.Tensor]:
     """How a step moved each weight through fmt's codes (under scale s), in one pass, on device.
