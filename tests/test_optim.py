@@ -9,7 +9,7 @@ from torch import nn
 
 from altgrad.config import ConfigError
 from altgrad.experiment import read_jsonl
-from altgrad.optim import build_optimizer, manifold
+from altgrad.optim import build_optimizer
 from altgrad.optim.manifold import ManifoldAdamW
 from altgrad.quant.formats import FORMATS, FormatSpec
 from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
@@ -69,26 +69,31 @@ def test_manifold_step_moves_each_weight_n_codes(fmt, n_codes):
     assert stalled > 0.9, stalled  # 1e-3 is far below half an ULP in the middle binades
 
 
-def test_batched_small_weights_match_one_call_per_weight(monkeypatch):
-    """Small weights share one kernel call per format; it must not change a single bit."""
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_one_call_per_format_matches_one_call_per_weight(path, monkeypatch):
+    """All weights of a format update in one kernel call; it must not change a single bit against
+    a call per weight (two formats, a non-unit scale, a skipped step in between)."""
+    if path == "compiled":
+        monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
 
-    def run() -> list[torch.Tensor]:
+    def run(together: bool) -> list[torch.Tensor]:
         layers = [quantized_linear(FORMATS[f], 1, seed=i) for i, f in enumerate(("e5m2", "e3m4", "e5m2"))]
         layers[2].scalers["weight"].scale.fill_(2.0**-3)
-        opt = ManifoldAdamW([layer.weight for layer in layers], {layer.weight: layer for layer in layers},
-                            lr=1e-3, weight_decay=0.1, lr_ulp=1.5)
+        groups = [layers] if together else [[layer] for layer in layers]
+        opts = [ManifoldAdamW([layer.weight for layer in group], {layer.weight: layer for layer in group},
+                              lr=1e-3, weight_decay=0.1, lr_ulp=1.5) for group in groups]
         g = torch.Generator().manual_seed(7)
         for found in (0.0, 1.0, 0.0):
             for layer in layers:
                 layer.weight.grad = torch.randn(layer.weight.shape, generator=g)
-            opt.found_inf = torch.tensor(found)
-            opt.step()
-        return [t for layer in layers for t in (layer.weight.detach(), *opt.state[layer.weight].values())]
+            for opt in opts:
+                opt.found_inf = torch.tensor(found)
+                opt.step()
+        state = {p: s for opt in opts for p, s in opt.state.items()}
+        return [t for layer in layers for t in (layer.weight.detach(), *state[layer.weight].values())]
 
-    batched = run()
-    monkeypatch.setattr(manifold, "BATCH_NUMEL", 0)  # every weight its own call
-    single = run()
-    assert all(torch.equal(a, b) for a, b in zip(batched, single, strict=True))
+    together, apart = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
 
 
 def test_found_inf_skips_the_step_exactly():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bitwise import same_values
 from torch import nn
 
 from altgrad.config import ModelConfig
@@ -11,6 +12,9 @@ from altgrad.model import GPT
 from altgrad.quant import get_format
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, linear_layers, quantized_layers
 from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+from altgrad.quant.quantize import quantize
+from altgrad.quant.scaling import TensorScaler
+from altgrad.quant.step import STATS_SAMPLE, TensorStats, quantize_step
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 
@@ -125,3 +129,33 @@ def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
     layer(x)
     overflow, _, n = layer.stats["input"].counts.tolist()
     assert n < x.numel() and abs(overflow / n - hot.float().mean().item()) < 0.005
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e7m0", "e0m7"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("mode", ["delayed", "dynamic", "none"])
+def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
+    """quantize_step (one kernel) against scaler.update + quantize, over steps that grow, zero and
+    poison the amax; the counters see the same q and scale (one tensor counted whole, one sampled)."""
+    f = get_format(fmt)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 48, generator=gen) * 3, torch.randn(64, 48, generator=gen) * 1e4,
+          torch.zeros(64, 48), torch.full((64, 48), float("nan")),
+          torch.randn(300, 300, generator=gen) * 1e-3]
+    fused, separate = (TensorScaler(f, mode, history_len=3) for _ in range(2))
+    fused_stats, separate_stats = TensorStats(), TensorStats()
+    for i, x in enumerate(xs):
+        torch.manual_seed(i)
+        q, s = quantize_step(x, f, fused, rounding)
+        fused_stats.observe(x, q, f, s)
+        torch.manual_seed(i)
+        s_ref = separate.update(x)
+        q_ref = quantize(x, f, s_ref, rounding=rounding)
+        separate_stats.observe(x, q_ref, f, s_ref)
+        assert same_values(q, q_ref) and same_values(s, s_ref), i
+        for a, b in [(fused.amax_history, separate.amax_history), (fused.scale, separate.scale),
+                     (fused_stats.counts, separate_stats.counts),
+                     (fused_stats.histogram, separate_stats.histogram)]:
+            assert same_values(a, b), i
+    assert fused_stats.counts[2] == 4 * 64 * 48 + STATS_SAMPLE  # the 90k tensor was sampled
+

@@ -209,3 +209,21 @@ def test_checkpoint_retention_and_corrupt_fallback(make_config, tmp_path):
         (p / CHECKPOINT_FILE).write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=CHECKPOINT_FILE):
         Trainer(make_config(*overrides), tmp_path).fit(resume=tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["e5m2", "e2m5", "e7m0"])
+def test_gradient_stats_match_their_definitions(fmt, path):
+    """The fused gradient statistics against plain torch: norms, dead fraction and the SQNR of the
+    gradient quantized at its own amax scale."""
+    from altgrad.quant import compute_scale, get_format, quantize
+    from altgrad.train.diagnostics import gradient_stats
+
+    f = get_format(fmt)
+    g = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * 1e-3
+    g[::7] = 0
+    l2, linf, dead, snr = gradient_stats(g, f).tolist()
+    q = quantize(g, f, compute_scale(g.abs().max(), f))
+    want_snr = 20 * math.log10(g.norm() / (g - q).norm())
+    assert linf == g.abs().max().item() and dead == pytest.approx((g == 0).float().mean().item())
+    assert l2 == pytest.approx(g.norm().item(), rel=1e-5)
+    assert snr == pytest.approx(want_snr, rel=1e-4)

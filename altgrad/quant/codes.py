@@ -87,8 +87,7 @@ def _counts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: torch.Tens
             m0: bool, ftz: bool) -> tuple[torch.Tensor, torch.Tensor]:
     overflow = ((x.to(torch.float32) * scale).abs() > p[3]).sum()
     underflow = ((x != 0) & (q == 0)).sum()
-    codes = _encode(q, scale, p, c, m0, ftz).to(torch.int64)
-    return torch.stack([overflow, underflow]), codes
+    return torch.stack([overflow, underflow]), _encode(q, scale, p, c, m0, ftz)
 
 
 _ENCODE = _Kernel(_encode)
@@ -136,10 +135,19 @@ def code_moves(w_old: torch.Tensor, w_new: torch.Tensor, fmt: str | FormatSpec,
 def quantizer_counts(x: torch.Tensor, q: torch.Tensor, fmt: str | FormatSpec,
                      scale: Scale = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What quantizing x to q = quantize(x, fmt, s) did, in one pass: [overflow, underflow] counts
-    (|x * s| > max, inf included; x != 0 that became 0) and the int64 code of each element of q."""
+    (|x * s| > max, inf included; x != 0 that became 0) and the uint8 code of each element of q."""
     fmt = get_format(fmt)
     p = _params(fmt, True, torch.float32, x.device)
     s = _scale_tensor(scale, torch.float32, x.device)
     with torch.no_grad():
         return _COUNTS(x.reshape(-1).detach(), q.reshape(-1).detach(), s, p, _code_params(fmt, x.device),
                        fmt.mbits == 0, not fmt.subnormals)
+
+
+def code_histogram(codes: torch.Tensor) -> torch.Tensor:
+    """How often each of the 256 codes occurs (uint8 codes). `bincount` is fastest on CPU, but on
+    CUDA it sizes its output from max(codes), a host sync; a scatter-add is not."""
+    if codes.device.type == "cpu":
+        return torch.bincount(codes, minlength=256)
+    index = codes.long()
+    return torch.zeros(256, dtype=torch.int64, device=codes.device).index_add_(0, index, torch.ones_like(index))

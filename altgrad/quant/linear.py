@@ -6,7 +6,7 @@ delayed-scaling history is kept per tensor and checkpointed with the model's sta
 
 Diagnostics (overflow / underflow counts and a 256-bin code histogram per tensor) are collected
 only while `collect_stats` is on, into on-device buffers the trainer reads in its one host sync;
-tensors larger than STATS_SAMPLE elements are counted on an evenly spread sample.
+tensors larger than `step.STATS_SAMPLE` elements are counted on an evenly spread sample.
 """
 
 from __future__ import annotations
@@ -17,23 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from altgrad.quant.codes import quantizer_counts
 from altgrad.quant.formats import FormatSpec
-from altgrad.quant.quantize import fake_quantize, quantize
+from altgrad.quant.quantize import quantize, straight_through
 from altgrad.quant.scaling import TensorScaler
+from altgrad.quant.step import TensorStats, quantize_step
 
 ROLES = ("input", "weight", "grad_output")
-STATS_SAMPLE = 1 << 16
-STATS_RUNS = 64
-
-
-def _sample(x: torch.Tensor) -> torch.Tensor:
-    """x itself up to STATS_SAMPLE elements, else STATS_RUNS evenly spaced contiguous runs (a view)."""
-    flat = x.detach().reshape(-1)
-    if flat.numel() <= STATS_SAMPLE:
-        return flat
-    period = flat.numel() // STATS_RUNS
-    return flat[:STATS_RUNS * period].view(STATS_RUNS, period)[:, :STATS_SAMPLE // STATS_RUNS]
 
 
 @dataclass(frozen=True)
@@ -58,35 +47,6 @@ class LinearQuantPolicy:
 
     def format_of(self, role: str) -> FormatSpec:
         return getattr(self, role)
-
-
-class TensorStats(nn.Module):
-    """On-device counters for one quantized tensor: overflow, underflow, elements, histogram."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("counts", torch.zeros(3), persistent=False)  # overflow, underflow, n
-        self.register_buffer("histogram", torch.zeros(256), persistent=False)
-
-    @torch.no_grad()
-    def observe(self, x: torch.Tensor, q: torch.Tensor, fmt: FormatSpec, scale: torch.Tensor) -> None:
-        """Count overflow (|x * s| > max, inf included: it saturates), underflow (x != 0 that
-        quantized to 0) and the codes, over a sample of at most STATS_SAMPLE elements.
-
-        Tensors up to that size are counted exactly; larger ones (the logits gradient has
-        B * T * vocab elements) on STATS_RUNS evenly spaced runs of contiguous elements, which
-        estimates the rates without bias for a fraction of the cost (contiguous runs, not a
-        stride: one element per cache line over 100 MB costs more than counting them all).
-        """
-        x, q = _sample(x), _sample(q)
-        counts, codes = quantizer_counts(x, q, fmt, scale)
-        self.counts[:2] += counts
-        self.counts[2] += x.numel()
-        self.histogram += torch.bincount(codes, minlength=256)
-
-    def reset(self) -> None:
-        self.counts.zero_()
-        self.histogram.zero_()
 
 
 class _QuantizeGradOutput(torch.autograd.Function):
@@ -133,20 +93,17 @@ class QuantizedLinear(nn.Linear):
         self.scalers[role].fmt = fmt
 
     def _quantize(self, role: str, x: torch.Tensor, ste: bool = True) -> torch.Tensor:
-        fmt = self.policy.format_of(role)
-        scale = self._scale(role, x)
-        if ste:
-            q = fake_quantize(x, fmt, scale, rounding=self.policy.rounding, clip_ste=self.policy.clip_ste)
+        """Training steps advance the scaling state (one fused kernel call); evaluation only reads it."""
+        fmt, rounding = self.policy.format_of(role), self.policy.rounding
+        stats = self.stats[role] if self.collect_stats else None
+        if self.training:
+            q, scale = quantize_step(x, fmt, self.scalers[role], rounding)
         else:
-            q = quantize(x, fmt, scale, rounding=self.policy.rounding)
-        if self.collect_stats:
-            self.stats[role].observe(x, q, fmt, scale)
-        return q
-
-    def _scale(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        """Training steps advance the scaling state; evaluation only reads it."""
-        scaler = self.scalers[role]
-        return scaler.update(x) if self.training else scaler.current(x)
+            scale = self.scalers[role].current(x)
+            q = quantize(x, fmt, scale, rounding=rounding)
+        if stats is not None:
+            stats.observe(x, q, fmt, scale)
+        return straight_through(x, q, fmt, scale, self.policy.clip_ste) if ste else q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(self._quantize("input", x), self._quantize("weight", self.weight), self.bias)

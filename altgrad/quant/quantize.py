@@ -6,7 +6,7 @@ magic number 2^(e + P - mbits) exactly -- clamp |y| * 2^(P - mbits) to the forma
 its leading bit with a Veltkamp split, halve if that rounded up. Then (|y| + magic) - magic is |y|
 rounded by the FPU to a multiple of the format's ULP 2^(e - mbits), ties to even: exact, and the
 same ops in eager and in the inductor kernel (compiled with FP contraction and unsafe-math
-reassociation pinned off). Only E?M0 needs a fix-up: there the even *multiple* is not always the
+reassociation pinned off, and on CUDA with IEEE division and subnormals kept). Only E?M0 needs a fix-up: there the even *multiple* is not always the
 even *code* (1.5 * 2^e must go to whichever of 2^e, 2^(e+1) has the even exponent field).
 Overflow then saturates or becomes inf/NaN, and the sign is copied back, so -0 stays -0 and NaN
 propagates. Stochastic rounding uses the same ULP: floor(|y| / ULP + U) * ULP.
@@ -38,7 +38,21 @@ Rounding = Literal["nearest", "stochastic"]
 Scale = float | torch.Tensor | None
 
 _MANTISSA_BITS = {torch.float32: 23, torch.float64: 52}
-_EXACT = {"cpp.enable_unsafe_math_opt_flag": False, "cpp.enable_floating_point_contract_flag": "off"}
+
+
+@cache
+def _exact_options() -> dict[str, object]:
+    """Inductor options under which a compiled kernel computes exactly what eager does, op by op:
+    no FP contraction (an FMA breaks the Veltkamp split; `emulate_precision_casts` turns off
+    Triton's fp fusion), IEEE division (Triton's `/` is approximate), subnormals kept. Options this
+    torch does not know are left out; tests/test_cuda.py checks the result bit for bit."""
+    from torch._inductor import config
+
+    wanted = {"cpp.enable_unsafe_math_opt_flag": False, "cpp.enable_floating_point_contract_flag": "off",
+              "emulate_precision_casts": True, "eager_numerics.division_rounding": True,
+              "eager_numerics.disable_ftz": True}
+    known = config.get_config_copy()
+    return {k: v for k, v in wanted.items() if k in known}
 
 
 def _container(dtype: torch.dtype) -> torch.dtype:
@@ -111,6 +125,9 @@ def _stochastic(x: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, ftz: bool
     return (torch.copysign(q, y) / scale).to(x.dtype)
 
 
+_GRAPHS_PER_KERNEL = 64
+
+
 class _Kernel:
     """A pointwise kernel, compiled on first use; eager when compiling is off or has failed."""
 
@@ -127,8 +144,17 @@ class _Kernel:
         if self.error is None and x.numel() > 1 and os.environ.get("ALTGRAD_NO_COMPILE") != "1":
             try:
                 if self.compiled is None:
+                    # A kernel has one graph per format family (m0, ftz) x dtype x rounding x
+                    # sampled-or-whole input: more than dynamo's default of 8, past which it fails.
+                    limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_KERNEL)
+                    torch._dynamo.config.recompile_limit = limit
                     self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
-                                                  options=_EXACT)
+                                                  options=_exact_options())
+                # Autocast is part of a graph's guards: called from both forward (autocast on) and
+                # backward (off), each kernel would compile twice and soon hit the recompile limit.
+                if torch.is_autocast_enabled(x.device.type):
+                    with torch.autocast(x.device.type, enabled=False):
+                        return self.compiled(x, *args)
                 return self.compiled(x, *args)
             except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager
                 self.error = f"{type(err).__name__}: {err}".splitlines()[0]
@@ -168,12 +194,11 @@ def _scale_tensor(scale: Scale, dtype: torch.dtype, device: torch.device) -> tor
             raise ValueError(f"scale must be a single float, got shape {tuple(scale.shape)} "
                              f"{scale.dtype}")
         s = scale.detach().reshape(()).to(device=device, dtype=dtype)
-        ok = torch.isfinite(s) & (s > 0)
         if s.device.type == "cpu" and not torch.compiler.is_compiling():
-            if not ok:
+            if not 0 < s.item() < math.inf:  # NaN fails too
                 raise ValueError(f"scale must be finite and > 0, got {s.item()}")
         else:
-            torch._assert_async(ok, "altgrad quantize: scale must be finite and > 0")
+            torch._assert_async((s > 0) & (s < math.inf), "altgrad quantize: scale must be finite and > 0")
         return s
     if isinstance(scale, bool) or not isinstance(scale, int | float):
         raise TypeError(f"scale must be a float or a tensor, got {type(scale).__name__}")
@@ -212,16 +237,17 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None,
     return out.view(x.shape)
 
 
-class _FakeQuantize(torch.autograd.Function):
-    """Straight-through estimator: forward quantizes, backward passes the gradient through."""
+class _StraightThrough(torch.autograd.Function):
+    """Forward returns q = quantize(x); backward passes the gradient to x unchanged (STE), or, with
+    `clip_ste`, zeroed where |x * s| > fmt.max, i.e. where the forward saturated."""
 
     @staticmethod
-    def forward(ctx, x, fmt, scale, rounding, clip_ste, generator):
+    def forward(ctx, x, q, fmt, scale, clip_ste):
         ctx.fmt, ctx.clip_ste = fmt, clip_ste
         if clip_ste:
             ctx.save_for_backward(x, scale if isinstance(scale, torch.Tensor) else None)
             ctx.py_scale = None if isinstance(scale, torch.Tensor) else scale
-        return quantize(x, fmt, scale, rounding, generator=generator)
+        return q.view_as(q)
 
     @staticmethod
     def backward(ctx, grad):
@@ -232,7 +258,13 @@ class _FakeQuantize(torch.autograd.Function):
             if scale is not None:
                 y = y * scale
             grad = grad.masked_fill(y.abs() > ctx.fmt.max, 0)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None
+
+
+def straight_through(x: torch.Tensor, q: torch.Tensor, fmt: FormatSpec, scale: Scale = None,
+                     clip_ste: bool = False) -> torch.Tensor:
+    """q (already quantize(x, fmt, scale)) in forward, x's gradient in backward: the STE."""
+    return _StraightThrough.apply(x, q.detach(), fmt, scale, clip_ste)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None,
@@ -243,4 +275,5 @@ def fake_quantize(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None,
     With `clip_ste` the gradient is zeroed where |x * s| > fmt.max, i.e. where the forward
     saturated, as in PACT/LSQ-style clipped estimators.
     """
-    return _FakeQuantize.apply(x, get_format(fmt), scale, rounding, clip_ste, generator)
+    fmt = get_format(fmt)
+    return straight_through(x, quantize(x, fmt, scale, rounding, generator=generator), fmt, scale, clip_ste)

@@ -9,12 +9,14 @@ bad step cannot poison the history.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Literal
 
 import torch
 from torch import nn
 
 from altgrad.quant.formats import FormatSpec, get_format
+from altgrad.quant.quantize import _Kernel
 
 ScalingMode = Literal["none", "dynamic", "delayed"]
 AmaxAlgo = Literal["max", "most_recent"]
@@ -23,8 +25,11 @@ AmaxAlgo = Literal["max", "most_recent"]
 def abs_max(x: torch.Tensor) -> torch.Tensor:
     """0-dim float32 max |x| (NaN if any element is NaN): one `aminmax` pass and no |x| temporary,
     2x faster than abs().amax() on CPU (and 5x faster than vector_norm(x, inf))."""
-    lo, hi = torch.aminmax(x.detach())
-    return torch.maximum(-lo, hi).float()
+    return _amax_of(*torch.aminmax(x.detach()))
+
+
+def _amax_of(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(-lo, hi).abs().float()  # abs: +0, never -0, for an all-zero x
 
 
 def compute_scale(amax: torch.Tensor, fmt: str | FormatSpec, margin: float = 0, pow2: bool = True,
@@ -34,17 +39,62 @@ def compute_scale(amax: torch.Tensor, fmt: str | FormatSpec, margin: float = 0, 
     Where that is not a positive finite (normal) float -- amax zero, inf, NaN or so small that s
     overflows -- the result is `prev_scale` (1 when None).
     """
-    fmt = get_format(fmt)
     amax = torch.as_tensor(amax).detach().to(torch.float32)
-    target = torch.full_like(amax, fmt.max * 2.0**-margin)
+    prev = torch.ones_like(amax) if prev_scale is None else prev_scale.detach().to(amax)
+    return scale_for(amax, _target(get_format(fmt), margin), pow2, prev)
+
+
+def _target(fmt: FormatSpec, margin: float) -> float:
+    return fmt.max * 2.0**-margin
+
+
+def scale_for(amax: torch.Tensor, target: float | torch.Tensor, pow2: bool | torch.Tensor,
+              prev: torch.Tensor) -> torch.Tensor:
+    """compute_scale with the target fmt.max * 2^-margin given, as a float or a 0-dim tensor (inside
+    a compiled kernel, where the format's Python properties cannot be traced); `pow2` likewise."""
     s = target / amax
-    if pow2:  # keep sign and exponent bits: 2^floor(log2 s); a subnormal s becomes 0 (rejected)
-        s = (s.view(torch.int32) & -0x800000).view(torch.float32)
-        # s was rounded before flooring: if it rounded up onto a power of two, step back down
-        s = torch.where(amax * s > target, s * 0.5, s)
-    prev = torch.ones_like(s) if prev_scale is None else prev_scale.detach().to(s)
+    # keep sign and exponent bits: 2^floor(log2 s); a subnormal s becomes 0 (rejected). s was
+    # rounded before flooring: if it rounded up onto a power of two, step back down.
+    floor2 = (s.view(torch.int32) & -0x800000).view(torch.float32)
+    floor2 = torch.where(amax * floor2 > target, floor2 * 0.5, floor2)
+    s = torch.where(pow2, floor2, s) if isinstance(pow2, torch.Tensor) else floor2 if pow2 else s
     ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(s) & (s >= torch.finfo(s.dtype).tiny)
     return torch.where(ok, s, prev)
+
+
+@cache
+def _step_params(fmt: FormatSpec, margin: float, pow2: bool, mode: ScalingMode, algo: AmaxAlgo,
+                 device: torch.device) -> torch.Tensor:
+    """A scaler's settings as one float32 tensor, so one compiled graph serves every scaler:
+    [0] target fmt.max * 2^-margin, [1] pow2, [2] scaled (mode != 'none'), [3] delayed,
+    [4] most_recent."""
+    flags = [pow2, mode != "none", mode == "delayed", algo == "most_recent"]
+    return torch.tensor([_target(fmt, margin), *map(float, flags)], device=device)
+
+
+def _scale_step(history: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor,
+                last_amax: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """One training step of a TensorScaler, in place on its buffers: record amax = max(-lo, hi),
+    roll the history, return the new scale. Compiled, this is one small kernel instead of ~25
+    eager launches and 3 device copies per quantized tensor. (lo, hi) come from an eager
+    `aminmax`: fused into the kernel, the reduction ran in one CUDA thread block (41 ms over a
+    154M-element logits gradient)."""
+    amax = _amax_of(lo, hi)
+    past = torch.where(p[4] > 0, history[-1], history.max())
+    for_scale = torch.where((p[3] > 0) & (past > 0), past, amax)
+    s = torch.where(p[2] > 0, scale_for(for_scale, p[0], p[1] > 0, scale), 1.0)
+    history.copy_(_roll(history, amax))
+    last_amax.copy_(amax)
+    scale.copy_(s)
+    return s
+
+
+_SCALE_STEP = _Kernel(_scale_step)
+
+
+def _roll(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The window with `amax` appended and the oldest entry dropped; unchanged if amax is not finite."""
+    return torch.where(torch.isfinite(amax), torch.cat([history[1:], amax.reshape(1)]), history)
 
 
 class AmaxHistory(nn.Module):
@@ -61,9 +111,7 @@ class AmaxHistory(nn.Module):
 
     def record(self, amax: torch.Tensor) -> None:
         """Append one amax, dropping the oldest; a non-finite amax leaves the window unchanged."""
-        amax = amax.detach().to(self.amax_history).reshape(1)
-        rolled = torch.cat([self.amax_history[1:], amax])
-        self.amax_history.copy_(torch.where(torch.isfinite(amax), rolled, self.amax_history))
+        self.amax_history.copy_(_roll(self.amax_history, amax.detach().to(self.amax_history)))
 
     def estimate(self) -> torch.Tensor:
         """The amax to scale by: the window's maximum, or its most recent entry."""
@@ -94,20 +142,12 @@ class TensorScaler(AmaxHistory):
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> torch.Tensor:
         """Record amax(x) and return the 0-dim scale to quantize x with this step."""
-        amax = abs_max(x) if x.numel() else torch.zeros_like(self.amax)
-        if self.mode == "none":
-            s = torch.ones_like(self.scale)
-        else:
-            if self.mode == "delayed":
-                past = self.estimate()
-                amax_for_scale = torch.where(past > 0, past, amax)
-            else:
-                amax_for_scale = amax
-            s = compute_scale(amax_for_scale, self.fmt, self.margin, self.pow2, self.scale)
-        self.amax.copy_(amax)
-        self.record(amax)
-        self.scale.copy_(s)
-        return s
+        lo, hi = torch.aminmax(x.detach() if x.numel() else x.new_zeros(1))  # empty: amax 0 is recorded
+        return _SCALE_STEP(self.amax_history, lo, hi, self.scale, self.amax, self.step_params())
+
+    def step_params(self) -> torch.Tensor:
+        """This scaler's settings, as the one tensor the compiled scaler step takes."""
+        return _step_params(self.fmt, self.margin, self.pow2, self.mode, self.algo, self.scale.device)
 
     @torch.no_grad()
     def current(self, x: torch.Tensor) -> torch.Tensor:

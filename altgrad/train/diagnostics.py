@@ -6,6 +6,8 @@ host sync. Layer names drop the `transformer.` prefix (`h.0.mlp.c_fc`, `lm_head`
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
 
@@ -13,8 +15,8 @@ from altgrad.quant.codes import code_moves
 from altgrad.quant.convert import linear_layers
 from altgrad.quant.formats import FormatSpec
 from altgrad.quant.linear import ROLES, QuantizedLinear
-from altgrad.quant.quantize import quantize
-from altgrad.quant.scaling import abs_max, compute_scale
+from altgrad.quant.quantize import _Kernel, _nearest_scaled, _params
+from altgrad.quant.scaling import abs_max, scale_for
 
 Metrics = dict[str, torch.Tensor]
 
@@ -31,19 +33,32 @@ def kurtosis(x: torch.Tensor) -> torch.Tensor:
     return d.square().square().mean() / var.square().clamp_min(1e-30)
 
 
-def quantization_snr_db(g: torch.Tensor, fmt: FormatSpec, amax: torch.Tensor | None = None,
-                        norm: torch.Tensor | None = None) -> torch.Tensor:
-    """SQNR (dB) of a tensor under `fmt` with per-tensor amax scaling: how much the format loses.
+def _gradient_stats(g: torch.Tensor, p: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
+    g = g.float()
+    l2, linf = torch.linalg.vector_norm(g), abs_max(g)
+    dead = 1 - torch.count_nonzero(g) / g.numel()
+    s = scale_for(linf, p[3], True, torch.ones_like(linf))  # compute_scale(linf, fmt); p[3] = fmt.max
+    noise = torch.linalg.vector_norm(g - _nearest_scaled(g, s, p, m0, ftz))
+    snr = 20 * torch.log10(l2.clamp_min(1e-30) / noise.clamp_min(1e-30))
+    return torch.stack([l2, linf, dead, snr])
 
-    `amax` and `norm` (its max |g| and L2 norm), when the caller has them, save a pass each.
+
+_GRADIENT_STATS = _Kernel(_gradient_stats)
+GRADIENT_STATS = ("l2", "linf", "dead_frac", "snr")
+
+
+def gradient_stats(g: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
+    """float32 [l2, linf, dead_frac, snr] of a gradient (GRADIENT_STATS), where snr is the SQNR
+    (dB) of g under `fmt` with per-tensor amax scaling: how much the format would lose.
+
+    One compiled call, two passes over g (five passes and ~20 eager ops before).
     """
-    g = g.detach().float()
-    amax = abs_max(g) if amax is None else amax
-    norm = torch.linalg.vector_norm(g) if norm is None else norm
-    noise = torch.dist(g, quantize(g, fmt, compute_scale(amax, fmt)))
-    return 20 * torch.log10(norm.clamp_min(1e-30) / noise.clamp_min(1e-30))
+    g = g.detach().reshape(-1)
+    return _GRADIENT_STATS(g, _params(fmt, True, torch.float32, g.device), fmt.mbits == 0,
+                           not fmt.subnormals)
 
 
+@cache
 def finite_code_count(fmt: FormatSpec) -> int:
     return int(torch.isfinite(fmt.decode(torch.arange(256, dtype=torch.uint8))).sum())
 
@@ -96,12 +111,8 @@ class Diagnostics:
             g = layer.weight.grad
             if g is None:
                 continue
-            g = g.detach().float()
-            l2, linf = torch.linalg.vector_norm(g), abs_max(g)
-            out[f"grad/l2/{name}"] = l2
-            out[f"grad/linf/{name}"] = linf
-            out[f"grad/dead_frac/{name}"] = 1 - torch.count_nonzero(g) / g.numel()  # 4x a bool sum
-            out[f"grad/snr/{name}"] = quantization_snr_db(g, self.grad_format, linf, l2)
+            stats = gradient_stats(g, self.grad_format)
+            out.update({f"grad/{stat}/{name}": v for stat, v in zip(GRADIENT_STATS, stats, strict=True)})
         return out
 
     # -- quantizer counters ------------------------------------------------------------
