@@ -1,6 +1,6 @@
 """The CUDA path: inductor's Triton kernels must be bit-identical to the CPU reference, and the
-trainer must run on the GPU at the gpu preset's settings (bf16 autocast). Skipped without CUDA;
-run these on a GPU machine (`pytest tests/test_cuda.py`)."""
+trainer must run on the GPU as the gpu preset does (bf16 autocast) with one host sync per step.
+Skipped without CUDA; run them on a GPU machine (`pytest tests/test_cuda.py`)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, re
     a tensor would each add one). And no kernel falls back to eager at dynamo's recompile limit
     (autocast state, Parameter vs Tensor or rank each made a new graph before)."""
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    trainer = Trainer(make_config("quant.format=e4m3", "train.device=cuda", "train.autocast=true", "train.diag_every=1",
-                                  "train.shadow_every=1"), tmp_path)
+    trainer = Trainer(make_config("quant.format=e4m3", "train.device=cuda", "train.autocast=true",
+                                  "train.diag_every=1", "train.shadow_every=1"), tmp_path)
     for step in (2, 3):
         trainer.train_step(step)
     torch.cuda.synchronize()
