@@ -15,6 +15,7 @@ distance between two weights is a subtraction, and Q(w_new) == Q(w_old) is dista
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import torch
@@ -64,8 +65,9 @@ def _encode(x: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tens
     q = _round(y, p, m0, ftz)
     code = _magnitude(q.abs(), p, c, ftz) + torch.where(_negative(q), 128.0, 0.0)
     sign = torch.where(_negative(y), 128.0, 0.0)
-    code = torch.where(torch.isinf(y) & (c[2] >= 0), c[2] + sign, code)
-    code = torch.where(torch.isnan(q), c[3] + torch.where(_negative(q), c[4], 0.0), code)
+    # isinf / isnan as comparisons: inductor's CPU code does not vectorize them (1.5x on encode)
+    code = torch.where((y.abs() == math.inf) & (c[2] >= 0), c[2] + sign, code)
+    code = torch.where(q != q, c[3] + torch.where(_negative(q), c[4], 0.0), code)
     return code.to(torch.uint8)
 
 
