@@ -46,6 +46,23 @@ def test_scale_keeps_amax_within_range_for_every_format():
         assert (amax * s <= f.max).all() and (2 * amax * s > f.max).all()
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_non_power_of_two_scale_is_one_correctly_rounded_division(mode, monkeypatch):
+    """s = fmt.max / amax in one IEEE division (float / tensor would be a reciprocal and a product:
+    two roundings, and amax * s > max for a third of all amax values), in compute_scale and in the
+    compiled scaler step alike."""
+    if mode == "compiled":
+        monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    amax = torch.rand(4000, generator=torch.Generator().manual_seed(0)) * 100 + 1e-3
+    for name in ("e4m3", "e5m2", "e2m5"):
+        f = FORMATS[name]
+        want = (torch.tensor(f.max, dtype=torch.float64) / amax.double()).float()  # correctly rounded
+        assert torch.equal(compute_scale(amax, f, pow2=False), want)
+        scaler = TensorScaler(f, "dynamic", pow2=False)
+        for a in amax[:20]:
+            assert scaler.update(torch.stack([a, -a / 2])) == want[amax == a][0]
+
+
 def test_margin_and_exact_scales():
     assert compute_scale(t(1.0), "e4m3", margin=2).item() == 64
     assert compute_scale(t(1.0), "e4m3", margin=-1).item() == 512

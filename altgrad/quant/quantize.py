@@ -6,18 +6,19 @@ magic number 2^(e + P - mbits) exactly -- clamp |y| * 2^(P - mbits) to the forma
 its leading bit with a Veltkamp split, halve if that rounded up. Then (|y| + magic) - magic is |y|
 rounded by the FPU to a multiple of the format's ULP 2^(e - mbits), ties to even: exact, and the
 same ops in eager and in the inductor kernel (compiled with FP contraction and unsafe-math
-reassociation pinned off, and on CUDA with IEEE division and subnormals kept). Only E?M0 needs a fix-up: there the even *multiple* is not always the
-even *code* (1.5 * 2^e must go to whichever of 2^e, 2^(e+1) has the even exponent field).
-Overflow then saturates or becomes inf/NaN, and the sign is copied back, so -0 stays -0 and NaN
-propagates. Stochastic rounding uses the same ULP: floor(|y| / ULP + U) * ULP.
+reassociation pinned off, and on CUDA with IEEE division and subnormals kept). Only E?M0 needs a
+fix-up: there the even *multiple* is not always the even *code* (1.5 * 2^e must go to whichever
+of 2^e, 2^(e+1) has the even exponent field). Overflow then saturates or becomes inf/NaN, and the
+sign is copied back, so -0 stays -0 and NaN propagates. Stochastic rounding uses the same ULP:
+floor(|y| / ULP + U) * ULP.
 
 Inputs are computed in float32 (float64 stays float64, so there is no double rounding); bf16/fp16
 are widened exactly. Results are cast back to the input dtype: every 8-bit value fits bf16, but
 fp16 cannot hold e6m1/e7m0's range. A scale s means quantize(x * s) / s in that precision.
 
-The kernels are compiled lazily with `torch.compile(dynamic=True)`; one graph serves every format,
-because the format enters as a small parameter tensor, not as constants (E?M0 and flush-to-zero
-formats add one graph each). If compiling fails, the reason is kept (`compile_status`) and the
+The kernels are compiled lazily with `torch.compile(dynamic=True)`; one graph serves every format
+of a family, because the format enters as a small parameter tensor, not as constants (E?M0 and
+flush-to-zero formats, input dtypes and the rounding mode add graphs). If compiling fails, the reason is kept (`compile_status`) and the
 eager version is used from then on; ALTGRAD_NO_COMPILE=1 forces eager. Both are bit-identical.
 """
 
@@ -146,6 +147,7 @@ class _Kernel:
                 if self.compiled is None:
                     # A kernel has one graph per format family (m0, ftz) x dtype x rounding x
                     # sampled-or-whole input: more than dynamo's default of 8, past which it fails.
+                    # The limit is process-wide (dynamo has no per-function one); it only grows.
                     limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_KERNEL)
                     torch._dynamo.config.recompile_limit = limit
                     self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
@@ -242,12 +244,14 @@ class _StraightThrough(torch.autograd.Function):
     `clip_ste`, zeroed where |x * s| > fmt.max, i.e. where the forward saturated."""
 
     @staticmethod
-    def forward(ctx, x, q, fmt, scale, clip_ste):
+    def forward(ctx, x, quantized, fmt, scale, clip_ste):
+        # quantized = (q,): inside a tuple q is not an input of the Function, so q itself becomes
+        # the output (a view of an input would be, and autograd refuses in-place ops on those).
         ctx.fmt, ctx.clip_ste = fmt, clip_ste
         if clip_ste:
             ctx.save_for_backward(x, scale if isinstance(scale, torch.Tensor) else None)
             ctx.py_scale = None if isinstance(scale, torch.Tensor) else scale
-        return q.view_as(q)
+        return quantized[0]
 
     @staticmethod
     def backward(ctx, grad):
@@ -264,7 +268,7 @@ class _StraightThrough(torch.autograd.Function):
 def straight_through(x: torch.Tensor, q: torch.Tensor, fmt: FormatSpec, scale: Scale = None,
                      clip_ste: bool = False) -> torch.Tensor:
     """q (already quantize(x, fmt, scale)) in forward, x's gradient in backward: the STE."""
-    return _StraightThrough.apply(x, q.detach(), fmt, scale, clip_ste)
+    return _StraightThrough.apply(x, (q.detach(),), fmt, scale, clip_ste)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None,

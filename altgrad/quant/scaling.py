@@ -52,6 +52,8 @@ def scale_for(amax: torch.Tensor, target: float | torch.Tensor, pow2: bool | tor
               prev: torch.Tensor) -> torch.Tensor:
     """compute_scale with the target fmt.max * 2^-margin given, as a float or a 0-dim tensor (inside
     a compiled kernel, where the format's Python properties cannot be traced); `pow2` likewise."""
+    if not isinstance(target, torch.Tensor):  # float / tensor would be reciprocal * float: 2 roundings
+        target = torch.full_like(amax, target)
     s = target / amax
     # keep sign and exponent bits: 2^floor(log2 s); a subnormal s becomes 0 (rejected). s was
     # rounded before flooring: if it rounded up onto a power of two, step back down.

@@ -85,9 +85,11 @@ def quantize_step(x: torch.Tensor, fmt: FormatSpec, scaler: TensorScaler,
                   rounding: Rounding = "nearest") -> tuple[torch.Tensor, torch.Tensor]:
     """A training step's quantization of x: advance `scaler` on x and quantize x with the scale it
     returns. Returns (q, scale), as `scaler.update` and `quantize` would one after the other."""
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if not x.numel():  # the scaler records amax 0; nothing to quantize
         return x.detach().clone(), scaler.update(x)
-    flat = x.detach().reshape(-1)
+    flat = x.reshape(-1).detach()  # detach last: no `_base` for dynamo to guard on
     dtype = _container(x.dtype)
     noise = torch.rand(flat.shape, dtype=dtype, device=x.device) if rounding == "stochastic" else None
     lo, hi = torch.aminmax(flat)
