@@ -121,6 +121,27 @@ def test_signals_after_resume_equal_an_unbroken_run(monkeypatch):
 
 
 
+def test_a_trial_resumed_at_its_end_reports_its_last_row_once(monkeypatch):
+    """Killed after its last step but before Tune recorded its end, a trial restarts, trains no
+    step, and must still give the scheduler a result with its metrics."""
+    from altgrad.tune import trainable
+
+    reported: list[dict] = []
+    monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: reported.append(m))
+    history = rows(12, [0.999] * 12)
+    unbroken = TuneReporter(SweepSignals(0.99, 1e-3), [], attach_checkpoints=False)
+    for row in history:
+        unbroken(row, None)
+    resumed = TuneReporter(SweepSignals(0.99, 1e-3), history, attach_checkpoints=False)
+    resumed.report_if_silent()
+    resumed.report_if_silent()  # once only
+    assert reported[12:] == [reported[11]]
+    trained = TuneReporter(SweepSignals(0.99, 1e-3), history[:6], attach_checkpoints=False)
+    trained(history[6], None)
+    trained.report_if_silent()  # it reported: nothing more
+    assert len(reported) == 14
+
+
 @pytest.mark.parametrize("attach", [True, False], ids=["remote", "local"])
 def test_checkpoints_go_to_tune_only_on_remote_storage(monkeypatch, tmp_path, attach):
     """On local storage the run dir is the durable copy; a Tune checkpoint there could be rotated

@@ -56,6 +56,7 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None
         with resume_point(run_dir) as resume:
             log.info("trial %s: %s", trial_key(config), f"resuming from {resume}" if resume else "starting")
             summary = Trainer(cfg, run_dir).fit(report=reporter, resume=resume)
+        reporter.report_if_silent()
         log.info("trial %s: %s after %s steps, best val loss %.4f", trial_key(config),
                  summary["stop_reason"], summary["steps"], summary["best_val_loss"])
 
@@ -169,6 +170,7 @@ class TuneReporter:
     def __init__(self, signals: SweepSignals, history: list[dict[str, Any]], attach_checkpoints: bool):
         self.signals = signals
         self._history: list[dict[str, Any]] | None = history
+        self._last = history[-1] if history else None
         self.attach_checkpoints = attach_checkpoints
 
     def __call__(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
@@ -188,3 +190,13 @@ class TuneReporter:
         attach = checkpoint_dir is not None and self.attach_checkpoints
         checkpoint = tune.Checkpoint.from_directory(str(checkpoint_dir)) if attach else None
         tune.report(out, checkpoint=checkpoint)
+        self._last = None
+
+    def report_if_silent(self) -> None:
+        """Report the run's last logged row again if this attempt reported nothing.
+
+        A driver killed after a trial's last step but before Tune recorded its end restarts the
+        trial; resumed at its end, the run trains no step, and Tune's scheduler would get a final
+        result without `val/loss` and fail the whole sweep."""
+        if self._last is not None:
+            self(self._last, None)
