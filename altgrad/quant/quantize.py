@@ -209,6 +209,16 @@ def _scale_tensor(scale: Scale, dtype: torch.dtype, device: torch.device) -> tor
     return torch.full((), scale, dtype=dtype, device=device)
 
 
+def rounding_noise(flat: torch.Tensor, rounding: Rounding,
+                   generator: torch.Generator | None = None) -> torch.Tensor | None:
+    """U[0, 1) per element of `flat` for stochastic rounding (container dtype), None for nearest."""
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding == "nearest":
+        return None
+    return torch.rand(flat.shape, generator=generator, dtype=_container(flat.dtype), device=flat.device)
+
+
 def quantize(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None,
              rounding: Rounding = "nearest", saturate: bool = True,
              generator: torch.Generator | None = None) -> torch.Tensor:
@@ -223,14 +233,12 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None,
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     dtype = _container(x.dtype)
     p = _params(fmt, bool(saturate), dtype, x.device)
     flat, ftz = x.reshape(-1).detach(), not fmt.subnormals  # detach last: no `_base` for dynamo to guard on
+    noise = rounding_noise(flat, rounding, generator)
     with torch.no_grad():
-        if rounding == "stochastic":
-            noise = torch.rand(flat.shape, generator=generator, dtype=dtype, device=x.device)
+        if noise is not None:
             out = _STOCHASTIC(flat, _scale_tensor(scale, dtype, x.device), p, ftz, noise)
         elif scale is None:
             out = _NEAREST(flat, p, fmt.mbits == 0, ftz)

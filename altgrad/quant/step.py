@@ -30,6 +30,7 @@ from altgrad.quant.quantize import (
     _nearest_scaled,
     _params,
     _stochastic,
+    rounding_noise,
 )
 from altgrad.quant.scaling import TensorScaler, _scale_step
 
@@ -85,14 +86,12 @@ def quantize_step(x: torch.Tensor, fmt: FormatSpec, scaler: TensorScaler,
                   rounding: Rounding = "nearest") -> tuple[torch.Tensor, torch.Tensor]:
     """A training step's quantization of x: advance `scaler` on x and quantize x with the scale it
     returns. Returns (q, scale), as `scaler.update` and `quantize` would one after the other."""
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    flat = x.reshape(-1).detach()  # detach last: no `_base` for dynamo to guard on
+    noise = rounding_noise(flat, rounding)
     if not x.numel():  # the scaler records amax 0; nothing to quantize
         return x.detach().clone(), scaler.update(x)
-    flat = x.reshape(-1).detach()  # detach last: no `_base` for dynamo to guard on
-    dtype = _container(x.dtype)
-    noise = torch.rand(flat.shape, dtype=dtype, device=x.device) if rounding == "stochastic" else None
     lo, hi = torch.aminmax(flat)
     q, s = _STEP(flat, lo, hi, scaler.amax_history, scaler.scale, scaler.amax, scaler.step_params(),
-                 _params(fmt, True, dtype, x.device), fmt.mbits == 0, not fmt.subnormals, noise)
+                 _params(fmt, True, _container(x.dtype), x.device), fmt.mbits == 0, not fmt.subnormals,
+                 noise)
     return q.view(x.shape), s
