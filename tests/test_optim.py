@@ -49,7 +49,7 @@ def quantized_linear(fmt: FormatSpec, n_codes: int, seed: int = 0) -> QuantizedL
 
 
 @pytest.mark.parametrize(("fmt", "n_codes"), [("e5m2", 1), ("e3m4", 1), ("e3m4", 3)])
-def test_manifold_step_moves_each_weight_n_codes(fmt, n_codes):
+def test_manifold_step_moves_each_weight_n_codes(fmt, n_codes, path):
     spec = FORMATS[fmt]
     layer = quantized_linear(spec, n_codes)
     w0 = layer.weight.detach().clone()

@@ -17,6 +17,8 @@ The ULP is computed as `altgrad.quant.stall.stiffness` does, fused into the upda
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.optim.adamw import adamw
@@ -57,9 +59,9 @@ class ManifoldAdamW(torch.optim.Optimizer):
     def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
         """Plain parameters in one fused AdamW call; quantized weights in fused ULP kernels.
 
-        Per-parameter work on the host is what made this slower than fused AdamW, so the gate,
-        step counts and bias corrections of the ULP steps are a handful of group-wide tensor ops,
-        and the updates one kernel call per weight format.
+        Per-parameter work on the host is what made this slower than fused AdamW, so the quantized
+        weights' updates, step counts, gates and bias corrections are one compiled call per
+        weight format, and nothing else runs on the host.
         """
         device = params[0].device
         for p in params:
@@ -80,53 +82,66 @@ class ManifoldAdamW(torch.optim.Optimizer):
         quantized = [p for p in params if p in self.layers]
         if not quantized:
             return
-        states = [self.state[p] for p in quantized]
-        go = torch.ones((), device=device) if found is None else (found <= 0).float()
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, go)
-        n = torch.stack(steps).clamp_min(1)  # a skipped first step must not divide by a zero bias correction
-        scales = torch.stack([self.layers[p].scalers["weight"].scale for p in quantized])
-        coef = torch.stack([scales, 1 / (1 - beta1**n), (1 - beta2**n).rsqrt()])  # (3, params)
-        h = torch.stack([go, go * (1 - beta1), go * (1 - beta2), torch.full_like(go, group["eps"]),
-                         1 - go * (lr * group["weight_decay"]), go * (group["lr_ulp"] * lr / group["base_lr"])])
-        by_format: dict[FormatSpec, list[int]] = {}
-        for i, p in enumerate(quantized):
-            by_format.setdefault(self.layers[p].policy.weight, []).append(i)
-        for fmt, index in by_format.items():  # one kernel call per format, every weight of it in place
-            _ADAMW_ULP_ALL(h, coef[:, index], _params(fmt, True, torch.float32, device), not fmt.subnormals,
-                           [quantized[i].detach().view(-1) for i in index],
-                           [quantized[i].grad.reshape(-1) for i in index],
-                           [states[i]["exp_avg"].view(-1) for i in index],
-                           [states[i]["exp_avg_sq"].view(-1) for i in index])
+        if found is None:
+            found = torch.zeros((), device=device)
+        lr_ulp = group["lr_ulp"] * lr / group["base_lr"]
+        by_format: dict[FormatSpec, list[torch.Tensor]] = {}
+        for p in quantized:
+            by_format.setdefault(self.layers[p].policy.weight, []).append(p)
+        for fmt, ps in by_format.items():  # one kernel call per format, every weight of it in place
+            states = [self.state[p] for p in ps]
+            _ADAMW_ULP_ALL(_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
+                           _Hyper(lr, beta1, beta2, group["eps"], group["weight_decay"], lr_ulp),
+                           ps, [p.grad for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                           [s["step"] for s in states], [self.layers[p].scalers["weight"].scale for p in ps])
 
 
-def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: torch.Tensor,
-               coef: torch.Tensor, fmt_params: torch.Tensor, ftz: bool) -> None:
-    """In place: p <- p * decay - rate * S(p) * m_hat / (sqrt(v_hat) + eps), moments gated by h[0].
+class _Hyper(NamedTuple):
+    """A group's hyperparameters at this step (Python floats: dynamo traces them as symbols, so the
+    scheduled lr changes no graph)."""
 
-    S is the ULP of the weight before the step. h = [go, gated 1-beta1, gated 1-beta2, eps, decay,
-    gated ULP rate]; coef rows (one column per element, or one for all) = [weight scale,
-    1 / (1 - beta1^t), 1 / sqrt(1 - beta2^t)]. Scalars are folded into one factor, so each element
-    costs a single division. A skipped step may carry NaN grads: they are zeroed, so the weight-0
-    updates stay exact.
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    lr_ulp: float  # ULPs per unit Adam direction at this step's lr
+
+
+def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, coef: torch.Tensor,
+               go: torch.Tensor, hyper: _Hyper, fmt_params: torch.Tensor, ftz: bool) -> None:
+    """In place: p <- p * decay - lr_ulp * S(p) * m_hat / (sqrt(v_hat) + eps), when `go` is 1.
+
+    S is the ULP of the weight before the step, in its format at scale coef[0]. When `go` is 0,
+    nothing changes: the gates are multipliers, not a host branch, and the grads (NaN on a skipped
+    step) are zeroed so the weight-0 updates stay exact. coef[1] folds the scalars of the update,
+    so each element costs a single division; coef[2] = 1 / sqrt(1 - beta2^t).
     """
-    scale = coef[0]
-    ulp = _magic((p * scale).abs(), fmt_params, ftz)
-    g = torch.where(h[0] > 0, g, 0)
-    m.lerp_(g, h[1])
-    v.lerp_(g * g, h[2])
-    factor = h[5] * coef[1] * 2.0**-_MANTISSA_BITS[p.dtype] / scale  # rate, bias correction 1, magic -> ULP
-    p.mul_(h[4]).sub_(m / (v.sqrt() * coef[2] + h[3]) * ulp * factor)
+    ulp = _magic((p * coef[0]).abs(), fmt_params, ftz)
+    g = torch.where(go > 0, g, 0)
+    m.lerp_(g, go * (1 - hyper.beta1))
+    v.lerp_(g * g, go * (1 - hyper.beta2))
+    decay = 1 - go * (hyper.lr * hyper.weight_decay)
+    p.mul_(decay).sub_(m / (v.sqrt() * coef[2] + hyper.eps) * ulp * coef[1])
 
 
-def _adamw_ulp_all(h: torch.Tensor, coef: torch.Tensor, fmt_params: torch.Tensor, ftz: bool,
+def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyper: _Hyper,
                    ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
-                   vs: list[torch.Tensor]) -> None:
-    """`_adamw_ulp` on every weight of one format (1-D views; column i of coef for weight i), as one
-    compiled graph: a compiled call costs ~0.1-0.3 ms of host time, more than a small weight's
-    update, and there is one per step instead of one per weight (9x AdamW on an H200 before)."""
+                   vs: list[torch.Tensor], steps: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
+    """`_adamw_ulp` on every weight of one format, as one compiled graph with its step
+    counts, gates and bias corrections: a compiled call or an eager op costs ~0.01-0.3 ms of host
+    time, more than a small weight's update, so a step is one call per format (9x AdamW on an H200
+    when it was one per weight). The per-weight scalars are computed once, as vectors over the
+    weights: inlined into the element loops, inductor would recompute their `pow`s per element."""
+    go = (found <= 0).float()  # 1: step, 0: skip
+    torch._foreach_add_(steps, go)
+    t = torch.stack(steps).clamp_min(1)  # a skipped first step must not divide by a zero bias correction
+    scale = torch.stack(scales)
+    rate = go * hyper.lr_ulp / (1 - hyper.beta1**t)  # with bias correction 1
+    coef = torch.stack([scale, rate * 2.0**-_MANTISSA_BITS[ps[0].dtype] / scale,  # magic -> ULP -> weight
+                        (1 - hyper.beta2**t).rsqrt()])
     for i in range(len(ps)):
-        _adamw_ulp(ps[i], gs[i], ms[i], vs[i], h, coef[:, i:i + 1], fmt_params, ftz)
+        _adamw_ulp(ps[i], gs[i], ms[i], vs[i], coef[:, i], go, hyper, fmt_params, ftz)
 
 
 _ADAMW_ULP_ALL = _Kernel(_adamw_ulp_all)

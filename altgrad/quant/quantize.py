@@ -56,6 +56,11 @@ def _exact_options() -> dict[str, object]:
     return {k: v for k, v in wanted.items() if k in known}
 
 
+# The generated wrapper asserts every input's size, stride and alignment on each call; dynamo's
+# guards have already checked them, and with a few dozen inputs the asserts cost ~0.1 ms a call.
+_NO_WRAPPER_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
+
 def _container(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -151,7 +156,7 @@ class _Kernel:
                     limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_KERNEL)
                     torch._dynamo.config.recompile_limit = limit
                     self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
-                                                  options=_exact_options())
+                                                  options={**_exact_options(), **_NO_WRAPPER_ASSERTS})
                 # Autocast is part of a graph's guards: called from both forward (autocast on) and
                 # backward (off), each kernel would compile twice and soon hit the recompile limit.
                 if torch.is_autocast_enabled(x.device.type):
