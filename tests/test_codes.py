@@ -8,6 +8,7 @@ import torch
 from bitwise import edge_values, ordinal, random_values
 
 from altgrad.quant import FORMATS, FormatSpec, bit_stall_mask, code_moves, encode, quantize
+from altgrad.quant.codes import code_moves_all
 from altgrad.quant.codes import MOVE_BINS
 
 ALL = sorted(FORMATS)
@@ -80,3 +81,12 @@ def test_code_moves_counts_codes_moved_and_stalls(name, path):
     assert 0 < int(got["stalled"]) < int(changed.sum()) and histogram[1:].sum() > 0  # both kinds seen
     exact = w_old + (w_new - w_old) == w_new  # there bit_stall_mask's w + delta is w_new
     assert torch.equal(bit_stall_mask(w_old, w_new - w_old, f, s)[exact], stalled[exact])
+
+    # many weights in one call, each with its own shape and scale, as the diagnostics do
+    pairs = [(w_old, w_new, s), (w_new[:999].view(27, 37), w_old[:999].view(27, 37), torch.tensor(1.0)),
+             (w_old[5:], w_old[5:] * 1.5, torch.tensor(0.375))]
+    olds, news, scales = (list(x) for x in zip(*pairs, strict=True))
+    together = code_moves_all(olds, news, f, scales)
+    for i, (a, b, scale) in enumerate(pairs):
+        alone = code_moves(a, b, f, scale)
+        assert all(torch.equal(together[k][i], alone[k]) for k in alone), i

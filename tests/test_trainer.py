@@ -211,6 +211,22 @@ def test_checkpoint_retention_and_corrupt_fallback(make_config, tmp_path):
         Trainer(make_config(*overrides), tmp_path).fit(resume=tmp_path)
 
 
+def test_kurtoses_match_their_definition(path):
+    """Pearson kurtosis of each activation, one call for all: 1.8 for a uniform, 3 for a normal,
+    and exactly 1 for two equally frequent values."""
+    from altgrad.train.diagnostics import kurtoses
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand(4096, 64, generator=g), torch.randn(512, 256, generator=g),
+          torch.tensor([-2.0, 6.0] * 50).view(10, 10)]
+    got = kurtoses(xs)
+    for x, k in zip(xs, got, strict=True):
+        d = x.double().flatten() - x.double().mean()
+        assert k.item() == pytest.approx((d**4).mean().item() / (d**2).mean().item() ** 2, rel=1e-4)
+    assert got[0].item() == pytest.approx(1.8, abs=0.02) and got[1].item() == pytest.approx(3.0, abs=0.05)
+    assert got[2].item() == pytest.approx(1.0, rel=1e-6)
+
+
 @pytest.mark.parametrize("fmt", ["e5m2", "e2m5", "e7m0"])
 def test_gradient_stats_match_their_definitions(fmt, path):
     """The fused gradient statistics against plain torch: norms, dead fraction and the SQNR of the
@@ -221,7 +237,9 @@ def test_gradient_stats_match_their_definitions(fmt, path):
     f = get_format(fmt)
     g = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * 1e-3
     g[::7] = 0
-    l2, linf, dead, snr = gradient_stats(g, f).tolist()
+    stats = gradient_stats([g, torch.tensor([0.0, 3.0, -4.0])], f)  # one call for both
+    assert stats[1, :3].tolist() == [5.0, 4.0, pytest.approx(1 / 3)]
+    l2, linf, dead, snr = stats[0].tolist()
     q = quantize(g, f, compute_scale(g.abs().max(), f))
     want_snr = 20 * math.log10(g.norm() / (g - q).norm())
     assert linf == g.abs().max().item() and dead == pytest.approx((g == 0).float().mean().item())

@@ -145,9 +145,12 @@ class _Kernel:
         self.error: str | None = None
         _Kernel.registry.append(self)
 
-    def __call__(self, x: torch.Tensor, *args) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | list[torch.Tensor], *args) -> torch.Tensor:
+        """fn(x, *args); x is what it runs over: a tensor, or a list of them (one call for many)."""
+        first = x[0] if isinstance(x, list) else x
         # 0/1-element tensors would each specialise a new graph; they are not worth compiling.
-        if self.error is None and x.numel() > 1 and os.environ.get("ALTGRAD_NO_COMPILE") != "1":
+        if (self.error is None and (first is not x or x.numel() > 1)
+                and os.environ.get("ALTGRAD_NO_COMPILE") != "1"):
             try:
                 if self.compiled is None:
                     # A kernel has one graph per format family (m0, ftz) x dtype x rounding x
@@ -159,8 +162,8 @@ class _Kernel:
                                                   options={**_exact_options(), **_NO_WRAPPER_ASSERTS})
                 # Autocast is part of a graph's guards: called from both forward (autocast on) and
                 # backward (off), each kernel would compile twice and soon hit the recompile limit.
-                if torch.is_autocast_enabled(x.device.type):
-                    with torch.autocast(x.device.type, enabled=False):
+                if torch.is_autocast_enabled(first.device.type):
+                    with torch.autocast(first.device.type, enabled=False):
                         return self.compiled(x, *args)
                 return self.compiled(x, *args)
             except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from altgrad.quant.codes import MOVE_BINS, encode
+from altgrad.quant.formats import FormatSpec
 from altgrad.quant.linear import QuantizedLinear
 from altgrad.train.run_files import RunFiles
 
@@ -34,12 +35,22 @@ class BitTracker:
     @torch.no_grad()
     def observe(self, histograms: dict[str, torch.Tensor]) -> torch.Tensor:
         """[layers, bins + sample] float tensor: each layer's move histogram, then the sample's codes."""
-        rows = []
+        codes = self._sample_codes()
+        return torch.stack([torch.cat([histograms[n].float(), codes[n].float()]) for n in self.layers])
+
+    def _sample_codes(self) -> dict[str, torch.Tensor]:
+        """Each layer's sample codes, as one `encode` call per weight format: the samples are
+        scaled first (w * s is the product encode(w, fmt, s) rounds) and concatenated."""
+        by_format: dict[FormatSpec, list[str]] = {}
         for name, layer in self.layers.items():
-            sample = layer.weight.detach().flatten()[self.samples[name]]
-            codes = encode(sample, layer.policy.weight, layer.scalers["weight"].scale)
-            rows.append(torch.cat([histograms[name].float(), codes.float()]))
-        return torch.stack(rows)
+            by_format.setdefault(layer.policy.weight, []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for fmt, names in by_format.items():
+            scaled = [self.layers[n].weight.detach().flatten()[self.samples[n]]
+                      * self.layers[n].scalers["weight"].scale for n in names]
+            codes = encode(torch.cat(scaled), fmt).split([len(x) for x in scaled])
+            out.update(zip(names, codes, strict=True))
+        return out
 
     def rows(self, step: int, values: list[float]) -> dict:
         """The jsonl row of one step from `observe`'s values, as read in the host sync."""

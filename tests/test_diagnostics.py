@@ -1,0 +1,77 @@
+"""Diagnostics over many layers at once: batched kernels must still give each layer its own numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from altgrad.quant import FORMATS, code_moves
+from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+from altgrad.train.diagnostics import Diagnostics, finite_code_count
+
+
+def quantized(fmt: str, scale: float, act: str | None = None) -> QuantizedLinear:
+    spec = FORMATS[fmt]
+    act_spec = FORMATS[act] if act else spec
+    layer = QuantizedLinear.from_float(nn.Linear(16, 16), LinearQuantPolicy(act_spec, spec, spec,
+                                                                            scaling=ScalingPolicy(mode="none")))
+    layer.scalers["weight"].scale.fill_(scale)
+    return layer
+
+
+def mixed_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(quantized("e5m2", 1.0), nn.Linear(16, 16), quantized("e3m4", 4.0, act="e2m5"),
+                         quantized("e5m2", 0.5))
+
+
+def test_diagnostics_update_metrics_over_mixed_formats():
+    """Code moves run as one call per weight format; every layer still gets its own rates and
+    histogram, and the model-wide rates count each weight once (two formats, a plain layer)."""
+    model = mixed_model()
+    diagnostics = Diagnostics(model, FORMATS["e5m2"])
+    before = diagnostics.snapshot()
+    with torch.no_grad():
+        for i, layer in enumerate(model):
+            layer.weight.add_(torch.randn_like(layer.weight) * 10.0**-(i + 1) * (torch.rand_like(layer.weight) < 0.7))
+    out, histograms = diagnostics.update_metrics(before)
+    stalled = changed = moved = 0
+    for name, layer in zip(("0", "1", "2", "3"), model, strict=True):
+        if name == "1":
+            moved += int((layer.weight != before[name]).sum())
+            continue
+        want = code_moves(before[name], layer.weight, layer.policy.weight, layer.scalers["weight"].scale)
+        assert torch.equal(histograms[name], want["histogram"]), name
+        assert out[f"quant/bit_stall_rate/{name}"].item() == pytest.approx(want["stalled"].item() / want["changed"].item())
+        stalled, changed = stalled + int(want["stalled"]), changed + int(want["changed"])
+    moved += changed
+    assert 0 < stalled < changed
+    assert out["quant/bit_stall_rate"].item() == pytest.approx(stalled / changed)
+    assert out["quant/zero_update_frac"].item() == pytest.approx(1 - moved / (4 * 16 * 16))
+
+
+def test_diagnostics_quant_metrics_per_layer_and_overall():
+    """Overflow / underflow rates and codes used, from every layer's counters at once, equal the
+    per-layer arithmetic (two formats, an activation format of its own, a plain layer between)."""
+    model = mixed_model()
+    diagnostics = Diagnostics(model, FORMATS["e5m2"])
+    diagnostics.begin()
+    model(torch.randn(64, 16) * 300).square().mean().backward()  # large: some activations overflow
+    out = diagnostics.quant_metrics()
+    diagnostics.end()
+    totals = torch.zeros(3)
+    used_all = []
+    for name, layer in zip(("0", "2", "3"), (model[0], model[2], model[3]), strict=True):
+        counts = sum(layer.stats[r].counts for r in ROLES)
+        totals += counts
+        used = sum((layer.stats[r].histogram > 0).sum().item() / finite_code_count(layer.policy.format_of(r))
+                   for r in ROLES) / len(ROLES)
+        used_all.append(used)
+        assert out[f"quant/overflow_rate/{name}"].item() == pytest.approx((counts[0] / counts[2]).item())
+        assert out[f"quant/underflow_rate/{name}"].item() == pytest.approx((counts[1] / counts[2]).item())
+        assert out[f"quant/codes_used/{name}"].item() == pytest.approx(used)
+    assert 0 < totals[0] and len({round(u, 6) for u in used_all}) == 3
+    assert out["quant/overflow_rate"].item() == pytest.approx((totals[0] / totals[2]).item())
+    assert out["quant/underflow_rate"].item() == pytest.approx((totals[1] / totals[2]).item())
+    assert out["quant/codes_used"].item() == pytest.approx(sum(used_all) / 3)
