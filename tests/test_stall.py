@@ -108,4 +108,3 @@ def test_stall_stats_counts_and_rates():
     assert quiet["bit_stall_rate"].item() == 0.0 and quiet["zero_update_frac"].item() == 1.0
     empty = stall_stats(torch.ones(0), torch.ones(0), "e4m3")
     assert empty["bit_stall_rate"].item() == 0.0 and empty["zero_update_frac"].item() == 0.0
-

@@ -92,13 +92,17 @@ class ManifoldAdamW(torch.optim.Optimizer):
             states = [self.state[p] for p in ps]
             _ADAMW_ULP_ALL(_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
                            _Hyper(lr, beta1, beta2, group["eps"], group["weight_decay"], lr_ulp),
-                           ps, [p.grad for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                           # detached: dynamo fixes a Parameter's shape (a graph per grouping)
+                           [p.detach() for p in ps], [p.grad for p in ps], [s["exp_avg"] for s in states],
+                           [s["exp_avg_sq"] for s in states],
                            [s["step"] for s in states], [self.layers[p].scalers["weight"].scale for p in ps])
 
 
 class _Hyper(NamedTuple):
-    """A group's hyperparameters at this step (Python floats: dynamo traces them as symbols, so the
-    scheduled lr changes no graph)."""
+    """A group's hyperparameters at this step. Python floats, which dynamo traces as symbols
+    (`specialize_float=False`, the default of the torch we pin, 2.13), so the scheduled lr changes
+    no graph; on a torch that specializes floats the kernel recompiles per lr and, at dynamo's
+    recompile limit, falls back to eager (a warning says so)."""
 
     lr: float
     beta1: float

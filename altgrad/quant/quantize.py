@@ -58,7 +58,12 @@ def _exact_options() -> dict[str, object]:
 
 # The generated wrapper asserts every input's size, stride and alignment on each call; dynamo's
 # guards have already checked them, and with a few dozen inputs the asserts cost ~0.1 ms a call.
-_NO_WRAPPER_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+@cache
+def _no_wrapper_asserts() -> dict[str, object]:
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    return {k: False for k in ("size_asserts", "alignment_asserts", "scalar_asserts") if k in known}
 
 
 def _container(dtype: torch.dtype) -> torch.dtype:
@@ -159,7 +164,7 @@ class _Kernel:
                     limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_KERNEL)
                     torch._dynamo.config.recompile_limit = limit
                     self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
-                                                  options={**_exact_options(), **_NO_WRAPPER_ASSERTS})
+                                                  options={**_exact_options(), **_no_wrapper_asserts()})
                 # Autocast is part of a graph's guards: called from both forward (autocast on) and
                 # backward (off), each kernel would compile twice and soon hit the recompile limit.
                 if torch.is_autocast_enabled(first.device.type):

@@ -41,7 +41,7 @@ _KURTOSES = _Kernel(_kurtoses)
 
 
 def kurtoses(xs: list[torch.Tensor]) -> torch.Tensor:
-    """`kurtosis` of each tensor, as one compiled call (eagerly, ~8 ops per layer)."""
+    """`kurtosis` of each tensor, as one compiled call (eagerly, ~8 ops per tensor)."""
     return _KURTOSES([x.detach() for x in xs])
 
 
@@ -96,11 +96,12 @@ class Diagnostics:
         }
         self.quantized = {n: m for n, m in self.linears.items() if isinstance(m, QuantizedLinear)}
         self.grad_format = grad_format
-        self._inputs: dict[str, torch.Tensor] = {}  # each linear's input this step
+        self._kurtosis: Metrics = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     # -- forward: activation kurtosis and quantizer counters --------------------------------
     def begin(self) -> None:
+        self.end()  # a step that raised before `end` left its hooks behind
         for layer in self.quantized.values():
             layer.collect_stats = True
             for stats in layer.stats.values():
@@ -110,7 +111,7 @@ class Diagnostics:
 
     def _kurtosis_hook(self, name: str):
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            self._inputs[name] = args[0]  # kept for autograd anyway; measured after the backward
+            self._kurtosis[name] = kurtoses([args[0]])[0]  # now: x need not outlive the forward
 
         return hook
 
@@ -120,14 +121,12 @@ class Diagnostics:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self._inputs = {}
+        self._kurtosis = {}
 
     def activation_metrics(self) -> Metrics:
-        if not self._inputs:
-            return {}
-        values = kurtoses(list(self._inputs.values()))
-        out = {f"act/kurtosis/{n}": k for n, k in zip(self._inputs, values, strict=True)}
-        out["act/kurtosis_max"] = values.max()
+        out = {f"act/kurtosis/{n}": k for n, k in self._kurtosis.items()}
+        if self._kurtosis:
+            out["act/kurtosis_max"] = torch.stack(list(self._kurtosis.values())).max()
         return out
 
     # -- backward: gradient statistics (before clipping) ---------------------------------
