@@ -88,12 +88,15 @@ class ManifoldAdamW(torch.optim.Optimizer):
         by_format: dict[FormatSpec, list[torch.Tensor]] = {}
         for p in quantized:
             by_format.setdefault(self.layers[p].policy.weight, []).append(p)
-        for fmt, ps in by_format.items():  # one kernel call per format, every weight of it in place
+        # One kernel call per format, every weight of it in place. The weights go in as Parameters,
+        # whose shapes dynamo compiles statically (and so the grads' and moments'): inductor's loops
+        # are ~18% faster than with symbolic sizes on the 3.2M-element head. A run's shapes never
+        # change; a format shift that regroups the layers compiles one more graph.
+        for fmt, ps in by_format.items():
             states = [self.state[p] for p in ps]
             _ADAMW_ULP_ALL(_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
                            _Hyper(lr, beta1, beta2, group["eps"], group["weight_decay"], lr_ulp),
-                           # detached: dynamo fixes a Parameter's shape (a graph per grouping)
-                           [p.detach() for p in ps], [p.grad for p in ps], [s["exp_avg"] for s in states],
+                           ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
                            [s["exp_avg_sq"] for s in states],
                            [s["step"] for s in states], [self.layers[p].scalers["weight"].scale for p in ps])
 
