@@ -77,6 +77,12 @@ def _ordinal(w: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Ten
     return torch.copysign(_magnitude(q.abs(), p, c, ftz), q)
 
 
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    """True elements, summed in int32: inductor's CPU code widens each mask to two vectors of int64
+    otherwise, which made the 8 counts of `_moves` cost a third of it. (Tensors < 2^31 elements.)"""
+    return mask.sum(dtype=torch.int32)
+
+
 def _moves(w_old: torch.Tensor, w_new: torch.Tensor, scale: torch.Tensor, p: torch.Tensor,
            c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
     """int32 [elements, changed, stalled, then how many moved >= each of _MOVE_EDGES codes]."""
@@ -91,12 +97,6 @@ def _moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], scales: l
                p: torch.Tensor, c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
     return torch.stack([_moves(a.reshape(-1), b.reshape(-1), s, p, c, m0, ftz)
                         for a, b, s in zip(w_olds, w_news, scales, strict=True)])
-
-
-def _count(mask: torch.Tensor) -> torch.Tensor:
-    """True elements, summed in int32: inductor's CPU code widens each mask to two vectors of int64
-    otherwise, which made the 8 counts of `_moves` cost a third of it. (Tensors < 2^31 elements.)"""
-    return mask.sum(dtype=torch.int32)
 
 
 def _counts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tensor,

@@ -25,24 +25,20 @@ def short_name(name: str) -> str:
     return name.removeprefix("transformer.")
 
 
-def kurtosis(x: torch.Tensor) -> torch.Tensor:
-    """Excess-free (Pearson) kurtosis E[(x-mu)^4] / var^2 of all elements; 3 for a Gaussian."""
-    x = x.detach().float().flatten()
+def _kurtosis(x: torch.Tensor) -> torch.Tensor:
+    x = x.float().flatten()
     d = x - x.mean()
     var = d.square().mean()
     return d.square().square().mean() / var.square().clamp_min(1e-30)
 
 
-def _kurtoses(xs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([kurtosis(x) for x in xs])
+_KURTOSIS = _Kernel(_kurtosis)
 
 
-_KURTOSES = _Kernel(_kurtoses)
-
-
-def kurtoses(xs: list[torch.Tensor]) -> torch.Tensor:
-    """`kurtosis` of each tensor, as one compiled call (eagerly, ~8 ops per tensor)."""
-    return _KURTOSES([x.detach() for x in xs])
+def kurtosis(x: torch.Tensor) -> torch.Tensor:
+    """Excess-free (Pearson) kurtosis E[(x-mu)^4] / var^2 of all elements; 3 for a Gaussian.
+    One compiled call (eagerly ~8 ops)."""
+    return _KURTOSIS(x.detach())
 
 
 def _gradient_stats(g: torch.Tensor, p: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
@@ -111,7 +107,7 @@ class Diagnostics:
 
     def _kurtosis_hook(self, name: str):
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            self._kurtosis[name] = kurtoses([args[0]])[0]  # now: x need not outlive the forward
+            self._kurtosis[name] = kurtosis(args[0])  # now: x need not outlive the forward
 
         return hook
 
