@@ -8,8 +8,7 @@ import torch
 from bitwise import edge_values, ordinal, random_values
 
 from altgrad.quant import FORMATS, FormatSpec, bit_stall_mask, code_moves, encode, quantize
-from altgrad.quant.codes import code_moves_all
-from altgrad.quant.codes import MOVE_BINS
+from altgrad.quant.codes import MOVE_BINS, code_moves_all
 
 ALL = sorted(FORMATS)
 ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "e3m4": ml_dtypes.float8_e3m4}

@@ -136,7 +136,9 @@ def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
 @pytest.mark.parametrize("mode", ["delayed", "dynamic", "none"])
 def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
     """quantize_step (one kernel) against scaler.update + quantize, over steps that grow, zero and
-    poison the amax; the counters see the same q and scale (one tensor counted whole, one sampled)."""
+    poison the amax; the counters see the same q and scale (one tensor counted whole, one sampled).
+    Both share `scaling._scale_step`: this checks the fusion; test_scaling.py checks the scaling
+    itself against compute_scale and the history."""
     f = get_format(fmt)
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(64, 48, generator=gen) * 3, torch.randn(64, 48, generator=gen) * 1e4,

@@ -24,8 +24,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from altgrad.optim.adamw import param_groups
-from altgrad.quant.formats import FormatSpec
-from altgrad.quant.linear import QuantizedLinear
+from altgrad.quant.linear import QuantizedLinear, by_weight_format
 from altgrad.quant.quantize import _MANTISSA_BITS, _Kernel, _magic, _params
 
 
@@ -85,20 +84,17 @@ class ManifoldAdamW(torch.optim.Optimizer):
         if found is None:
             found = torch.zeros((), device=device)
         lr_ulp = group["lr_ulp"] * lr / group["base_lr"]
-        by_format: dict[FormatSpec, list[torch.Tensor]] = {}
-        for p in quantized:
-            by_format.setdefault(self.layers[p].policy.weight, []).append(p)
         # One kernel call per format, every weight of it in place. The weights go in as Parameters,
         # whose shapes dynamo compiles statically (and so the grads' and moments'): inductor's loops
         # are ~18% faster than with symbolic sizes on the 3.2M-element head. A run's shapes never
         # change; a format shift that regroups the layers compiles one more graph.
-        for fmt, ps in by_format.items():
+        for fmt, ps in by_weight_format({p: self.layers[p] for p in quantized}).items():
             states = [self.state[p] for p in ps]
             _ADAMW_ULP_ALL(_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
                            _Hyper(lr, beta1, beta2, group["eps"], group["weight_decay"], lr_ulp),
                            ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
                            [s["exp_avg_sq"] for s in states],
-                           [s["step"] for s in states], [self.layers[p].scalers["weight"].scale for p in ps])
+                           [s["step"] for s in states], [self.layers[p].weight_scale for p in ps])
 
 
 class _Hyper(NamedTuple):

@@ -11,7 +11,9 @@ tensors larger than `step.STATS_SAMPLE` elements are counted on an evenly spread
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from altgrad.quant.scaling import TensorScaler
 from altgrad.quant.step import TensorStats, quantize_step
 
 ROLES = ("input", "weight", "grad_output")
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,11 @@ class QuantizedLinear(nn.Linear):
         ).to(device)
         self.stats = nn.ModuleDict({role: TensorStats() for role in ROLES}).to(device)
 
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """The weight's current 0-dim scale (its scaler's buffer, updated in place)."""
+        return self.scalers["weight"].scale
+
     def set_format(self, role: str, fmt: FormatSpec) -> None:
         """Move one tensor to another format (the emergency mantissa shift)."""
         self.policy = replace(self.policy, **{role: fmt})
@@ -117,3 +125,12 @@ class QuantizedLinear(nn.Linear):
             f"{super().extra_repr()}, input={p.input.name}, weight={p.weight.name}, "
             f"grad_output={p.grad_output.name}, scaling={p.scaling.mode}"
         )
+
+
+def by_weight_format(layers: Mapping[K, QuantizedLinear]) -> dict[FormatSpec, list[K]]:
+    """The keys of `layers` grouped by each layer's current weight format, for the kernels that run
+    once per format over all its weights. Read it per step: an emergency shift changes formats."""
+    groups: dict[FormatSpec, list[K]] = {}
+    for key, layer in layers.items():
+        groups.setdefault(layer.policy.weight, []).append(key)
+    return groups

@@ -18,8 +18,9 @@ fp16 cannot hold e6m1/e7m0's range. A scale s means quantize(x * s) / s in that 
 
 The kernels are compiled lazily with `torch.compile(dynamic=True)`; one graph serves every format
 of a family, because the format enters as a small parameter tensor, not as constants (E?M0 and
-flush-to-zero formats, input dtypes and the rounding mode add graphs). If compiling fails, the reason is kept (`compile_status`) and the
-eager version is used from then on; ALTGRAD_NO_COMPILE=1 forces eager. Both are bit-identical.
+flush-to-zero formats, input dtypes and the rounding mode add graphs). If compiling fails, the
+reason is kept (`compile_status`) and the eager version is used from then on;
+ALTGRAD_NO_COMPILE=1 forces eager. Both are bit-identical.
 """
 
 from __future__ import annotations
@@ -42,28 +43,21 @@ _MANTISSA_BITS = {torch.float32: 23, torch.float64: 52}
 
 
 @cache
-def _exact_options() -> dict[str, object]:
+def _compile_options() -> dict[str, object]:
     """Inductor options under which a compiled kernel computes exactly what eager does, op by op:
     no FP contraction (an FMA breaks the Veltkamp split; `emulate_precision_casts` turns off
-    Triton's fp fusion), IEEE division (Triton's `/` is approximate), subnormals kept. Options this
-    torch does not know are left out; tests/test_cuda.py checks the result bit for bit."""
+    Triton's fp fusion), IEEE division (Triton's `/` is approximate), subnormals kept; plus no
+    wrapper asserts of every input's size, stride and alignment per call (dynamo's guards checked
+    them; with a few dozen inputs they cost ~0.1 ms a call). Options this torch does not know are
+    left out; tests/test_cuda.py checks the results bit for bit."""
     from torch._inductor import config
 
     wanted = {"cpp.enable_unsafe_math_opt_flag": False, "cpp.enable_floating_point_contract_flag": "off",
               "emulate_precision_casts": True, "eager_numerics.division_rounding": True,
-              "eager_numerics.disable_ftz": True}
+              "eager_numerics.disable_ftz": True,
+              "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
     known = config.get_config_copy()
     return {k: v for k, v in wanted.items() if k in known}
-
-
-# The generated wrapper asserts every input's size, stride and alignment on each call; dynamo's
-# guards have already checked them, and with a few dozen inputs the asserts cost ~0.1 ms a call.
-@cache
-def _no_wrapper_asserts() -> dict[str, object]:
-    from torch._inductor import config
-
-    known = config.get_config_copy()
-    return {k: False for k in ("size_asserts", "alignment_asserts", "scalar_asserts") if k in known}
 
 
 def _container(dtype: torch.dtype) -> torch.dtype:
@@ -151,7 +145,8 @@ class _Kernel:
         _Kernel.registry.append(self)
 
     def __call__(self, x: torch.Tensor | list[torch.Tensor], *args) -> torch.Tensor:
-        """fn(x, *args); x is what it runs over: a tensor, or a list of them (one call for many)."""
+        """fn(x, *args). x (a tensor, or a non-empty list of them for one call over many) decides
+        whether to compile (tensors of 0/1 elements are not) and which device's autocast to leave."""
         first = x[0] if isinstance(x, list) else x
         # 0/1-element tensors would each specialise a new graph; they are not worth compiling.
         if (self.error is None and (first is not x or x.numel() > 1)
@@ -161,10 +156,11 @@ class _Kernel:
                     # A kernel has one graph per format family (m0, ftz) x dtype x rounding x
                     # sampled-or-whole input: more than dynamo's default of 8, past which it fails.
                     # The limit is process-wide (dynamo has no per-function one); it only grows.
-                    limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_KERNEL)
-                    torch._dynamo.config.recompile_limit = limit
+                    dynamo = torch._dynamo.config  # (named cache_size_limit before torch 2.6)
+                    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+                    setattr(dynamo, name, max(getattr(dynamo, name), _GRAPHS_PER_KERNEL))
                     self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
-                                                  options={**_exact_options(), **_no_wrapper_asserts()})
+                                                  options=_compile_options())
                 # Autocast is part of a graph's guards: called from both forward (autocast on) and
                 # backward (off), each kernel would compile twice and soon hit the recompile limit.
                 if torch.is_autocast_enabled(first.device.type):

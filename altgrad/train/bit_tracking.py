@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from altgrad.quant.codes import MOVE_BINS, encode
-from altgrad.quant.formats import FormatSpec
-from altgrad.quant.linear import QuantizedLinear
+from altgrad.quant.linear import QuantizedLinear, by_weight_format
 from altgrad.train.run_files import RunFiles
 
 FILE = "bit_positions.jsonl"
@@ -40,14 +39,11 @@ class BitTracker:
 
     def _sample_codes(self) -> dict[str, torch.Tensor]:
         """Each layer's sample codes, as one `encode` call per weight format: the samples are
-        scaled first (w * s is the product encode(w, fmt, s) rounds) and concatenated."""
-        by_format: dict[FormatSpec, list[str]] = {}
-        for name, layer in self.layers.items():
-            by_format.setdefault(layer.policy.weight, []).append(name)
+        scaled first (float32 w * s is the product encode(w, fmt, s) rounds) and concatenated."""
         out: dict[str, torch.Tensor] = {}
-        for fmt, names in by_format.items():
-            scaled = [self.layers[n].weight.detach().flatten()[self.samples[n]]
-                      * self.layers[n].scalers["weight"].scale for n in names]
+        for fmt, names in by_weight_format(self.layers).items():
+            scaled = [self.layers[n].weight.detach().flatten()[self.samples[n]].float()
+                      * self.layers[n].weight_scale for n in names]
             codes = encode(torch.cat(scaled), fmt).split([len(x) for x in scaled])
             out.update(zip(names, codes, strict=True))
         return out

@@ -14,7 +14,7 @@ from torch import nn
 from altgrad.quant.codes import code_moves_all
 from altgrad.quant.convert import linear_layers
 from altgrad.quant.formats import FormatSpec
-from altgrad.quant.linear import ROLES, QuantizedLinear
+from altgrad.quant.linear import ROLES, QuantizedLinear, by_weight_format
 from altgrad.quant.quantize import _Kernel, _nearest_scaled, _params
 from altgrad.quant.scaling import abs_max, scale_for
 
@@ -171,17 +171,14 @@ class Diagnostics:
         Also returns each quantized layer's code-move histogram (`code_moves`), for bit tracking.
         The code moves are one compiled call per weight format.
         """
-        by_format: dict[FormatSpec, list[str]] = {}
-        for name in before:
-            if name in self.quantized:
-                by_format.setdefault(self.quantized[name].policy.weight, []).append(name)
+        by_format = by_weight_format({n: self.quantized[n] for n in before if n in self.quantized})
         out: Metrics = {}
         histograms: dict[str, torch.Tensor] = {}
         stalled, changed = [], []
         for fmt, names in by_format.items():
             layers = [self.quantized[n] for n in names]
             moves = code_moves_all([before[n] for n in names], [m.weight.detach() for m in layers], fmt,
-                                   [m.scalers["weight"].scale for m in layers])
+                                   [m.weight_scale for m in layers])
             rates = moves["stalled"] / moves["changed"].clamp_min(1)
             out.update({f"quant/bit_stall_rate/{n}": r for n, r in zip(names, rates, strict=True)})
             histograms.update(zip(names, moves["histogram"], strict=True))

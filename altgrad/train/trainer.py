@@ -219,7 +219,7 @@ class Trainer:
         rounding = self.cfg.quant.weight_rounding
         for layer in self.layers.values():
             w = layer.weight
-            w.copy_(quantize(w, layer.policy.weight, layer.scalers["weight"].scale, rounding=rounding))
+            w.copy_(quantize(w, layer.policy.weight, layer.weight_scale, rounding=rounding))
 
     @torch.no_grad()
     def _evaluate(self) -> torch.Tensor:
