@@ -94,6 +94,49 @@ def test_one_call_per_format_matches_one_call_per_weight(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
 
 
+def test_steps_follow_adamw_measured_in_ulps(path):
+    """Over steps with a skipped one, a changing lr and weight decay: quantized weights move by
+    Δw = −lr_ulp·(lr/base_lr)·S(w)·m̂/(√v̂+eps) after AdamW's decay (checked against a float64
+    reference with its own moments and bias corrections); plain parameters get exactly
+    torch's fused AdamW."""
+    spec = FORMATS["e3m4"]
+    layer = quantized_linear(spec, 1)
+    layer.scalers["weight"].scale.fill_(2.0**-3)
+    bias = nn.Parameter(torch.randn(32))
+    twin = nn.Parameter(bias.detach().clone())
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}
+    opt = ManifoldAdamW([{"params": [layer.weight], "weight_decay": 0.1},
+                         {"params": [bias], "weight_decay": 0.0}],
+                        {layer.weight: layer}, weight_decay=0.1, lr_ulp=1.5, **hyper)
+    reference = torch.optim.AdamW([twin], weight_decay=0.0, fused=True, **hyper)
+    w = layer.weight.detach().double()
+    m, v, t = torch.zeros_like(w), torch.zeros_like(w), 0
+    gen = torch.Generator().manual_seed(3)
+    for lr, found in ((1e-3, 0.0), (5e-4, 0.0), (5e-4, 1.0), (2e-4, 0.0)):
+        g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+        layer.weight.grad = g.float() if not found else torch.full_like(layer.weight, float("nan"))
+        bias.grad = torch.randn(32, generator=gen)
+        twin.grad = bias.grad.clone()
+        for group in (*opt.param_groups, *reference.param_groups):
+            group["lr"] = lr
+        opt.found_inf = reference.found_inf = torch.tensor(found)
+        ulp = stiffness(layer.weight.detach(), spec, layer.weight_scale).double()
+        w_before = layer.weight.detach().double()
+        opt.step()
+        reference.step()
+        assert torch.equal(bias, twin)
+        if found:
+            assert torch.equal(layer.weight.detach().double(), w_before)
+            continue
+        t += 1
+        m = 0.9 * m + 0.1 * g
+        v = 0.95 * v + 0.05 * g * g
+        direction = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
+        expected = w_before * (1 - lr * 0.1) - 1.5 * (lr / 1e-3) * ulp * direction
+        torch.testing.assert_close(layer.weight.detach().double(), expected, rtol=0, atol=1e-5 * ulp.min().item())
+    assert opt.state[layer.weight]["step"] == t == 3
+
+
 def test_found_inf_skips_the_step_exactly():
     layer = quantized_linear(FORMATS["e4m3"], 1)
     bias = nn.Parameter(torch.zeros(32))

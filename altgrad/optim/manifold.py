@@ -21,7 +21,6 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.optim.adamw import adamw
 
 from altgrad.optim.adamw import param_groups
 from altgrad.quant.linear import QuantizedLinear, by_weight_format
@@ -73,11 +72,7 @@ class ManifoldAdamW(torch.optim.Optimizer):
         lr = group["lr"]
         plain = [p for p in params if p not in self.layers]
         if plain:
-            states = [self.state[p] for p in plain]
-            adamw([p.detach() for p in plain], [p.grad for p in plain], [s["exp_avg"] for s in states],
-                  [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True,
-                  found_inf=found, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            _fused_adamw(plain, [self.state[p] for p in plain], group, found)
         quantized = [p for p in params if p in self.layers]
         if not quantized:
             return
@@ -97,6 +92,23 @@ class ManifoldAdamW(torch.optim.Optimizer):
                            [s["step"] for s in states], [self.layers[p].weight_scale for p in ps])
 
 
+def _fused_adamw(params: list[torch.Tensor], states: list[dict], group: dict,
+                 found: torch.Tensor | None) -> None:
+    """torch's fused AdamW kernel, called as `torch.optim.AdamW(fused=True)` calls it (bit for bit
+    the same step) without its Python wrapper, which costs ~0.1-0.25 ms a call: more than the
+    kernel on the few small plain parameters."""
+    steps = [s["step"] for s in states]
+    torch._foreach_add_(steps, 1)
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_([p.detach() for p in params], [p.grad for p in params],
+                        [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [], steps,
+                        amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
+                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                        grad_scale=None, found_inf=found)
+    if found is not None:
+        torch._foreach_sub_(steps, [found] * len(steps))
+
+
 class _Hyper(NamedTuple):
     """A group's hyperparameters at this step. Python floats, which dynamo traces as symbols
     (`specialize_float=False`, the default of the torch we pin, 2.13), so the scheduled lr changes
@@ -112,20 +124,20 @@ class _Hyper(NamedTuple):
 
 
 def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, coef: torch.Tensor,
-               go: torch.Tensor, hyper: _Hyper, fmt_params: torch.Tensor, ftz: bool) -> None:
+               go: torch.Tensor, eps: float, fmt_params: torch.Tensor, ftz: bool) -> None:
     """In place: p <- p * decay - lr_ulp * S(p) * m_hat / (sqrt(v_hat) + eps), when `go` is 1.
 
-    S is the ULP of the weight before the step, in its format at scale coef[0]. When `go` is 0,
-    nothing changes: the gates are multipliers, not a host branch, and the grads (NaN on a skipped
-    step) are zeroed so the weight-0 updates stay exact. coef[1] folds the scalars of the update,
-    so each element costs a single division; coef[2] = 1 / sqrt(1 - beta2^t).
+    S is the ULP of the weight before the step, in its format at scale coef[0]. coef[1] folds the
+    scalars of the update, so each element costs a single division; coef[2] = 1 / sqrt(1 - beta2^t);
+    coef[3:] are the moments' weights and the decay, gated by `go` (see `_adamw_ulp_all`). When `go`
+    is 0 nothing changes, exactly: the moments keep weight 1, the step and decay are 0, and the
+    grads (NaN on a skipped step) are zeroed.
     """
     ulp = _magic((p * coef[0]).abs(), fmt_params, ftz)
     g = torch.where(go > 0, g, 0)
-    m.lerp_(g, go * (1 - hyper.beta1))
-    v.lerp_(g * g, go * (1 - hyper.beta2))
-    decay = 1 - go * (hyper.lr * hyper.weight_decay)
-    p.mul_(decay).sub_(m / (v.sqrt() * coef[2] + hyper.eps) * ulp * coef[1])
+    m.mul_(coef[3]).add_(g * coef[4])
+    v.mul_(coef[5]).add_(g * g * coef[6])
+    p.mul_(coef[7]).sub_(m / (v.sqrt() * coef[2] + eps) * ulp * coef[1])
 
 
 def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyper: _Hyper,
@@ -134,17 +146,24 @@ def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyp
     """`_adamw_ulp` on every weight of one format, as one compiled graph with its step
     counts, gates and bias corrections: a compiled call or an eager op costs ~0.01-0.3 ms of host
     time, more than a small weight's update, so a step is one call per format (9x AdamW on an H200
-    when it was one per weight). The per-weight scalars are computed once, as vectors over the
-    weights: inlined into the element loops, inductor would recompute their `pow`s per element."""
+    when it was one per weight).
+
+    Every scalar the element loops need is computed here, once, into `coef` (one column per weight).
+    Inductor inlines scalar arithmetic into the loops that use it, so computed there, the bias
+    corrections' `pow`s (2.3x slower) and the gates (~10 % slower on CPU) would run per element.
+    """
     go = (found <= 0).float()  # 1: step, 0: skip
     torch._foreach_add_(steps, go)
     t = torch.stack(steps).clamp_min(1)  # a skipped first step must not divide by a zero bias correction
     scale = torch.stack(scales)
     rate = go * hyper.lr_ulp / (1 - hyper.beta1**t)  # with bias correction 1
-    coef = torch.stack([scale, rate * 2.0**-_MANTISSA_BITS[ps[0].dtype] / scale,  # magic -> ULP -> weight
-                        (1 - hyper.beta2**t).rsqrt()])
+    w1, w2 = go * (1 - hyper.beta1), go * (1 - hyper.beta2)  # the moments' weights of the new grad
+    gates = torch.stack([1 - w1, w1, 1 - w2, w2, 1 - go * (hyper.lr * hyper.weight_decay)])
+    coef = torch.cat([torch.stack([scale, rate * 2.0**-_MANTISSA_BITS[ps[0].dtype] / scale,  # magic -> ULP -> weight
+                                   (1 - hyper.beta2**t).rsqrt()]),
+                      gates[:, None].expand(-1, len(ps))])
     for i in range(len(ps)):
-        _adamw_ulp(ps[i], gs[i], ms[i], vs[i], coef[:, i], go, hyper, fmt_params, ftz)
+        _adamw_ulp(ps[i], gs[i], ms[i], vs[i], coef[:, i], go, hyper.eps, fmt_params, ftz)
 
 
 _ADAMW_ULP_ALL = _Kernel(_adamw_ulp_all)
