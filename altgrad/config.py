@@ -134,6 +134,10 @@ class OptimConfig(_Strict):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float | None = Field(1.0, gt=0)
     lr_ulp: float = Field(1.0, gt=0, description="manifold: ULPs moved per unit Adam direction at peak lr")
+    lr_ulp_schedule: Literal["follow_lr", "constant"] = Field(
+        "follow_lr", description="manifold: the ULP step follows the lr's warmup and cosine decay, or "
+        "stays lr_ulp (SPEC §6's Δw = −lr_ulp·S(w)·adam_direction; format-mode weights keep moving late in "
+        "a run instead of stalling once the decayed step is under half an ULP)")
     partition_clip_k: float | None = Field(None, gt=0)
 
     @field_validator("name")

@@ -69,6 +69,31 @@ def test_manifold_step_moves_each_weight_n_codes(fmt, n_codes, path):
     assert stalled > 0.9, stalled  # 1e-3 is far below half an ULP in the middle binades
 
 
+@pytest.mark.parametrize("follow_lr", [True, False], ids=["follow_lr", "constant"])
+def test_ulp_step_follows_the_lr_schedule_or_not(follow_lr, path):
+    """At a tenth of the peak lr (late in the cosine decay) a 1-ULP step following the schedule is
+    0.1 ULP and rounds back everywhere; the constant one still moves every weight one code."""
+    spec = FORMATS["e5m2"]
+    layer = quantized_linear(spec, 1)
+    w0 = layer.weight.detach().clone()
+    g = torch.where(torch.rand(w0.shape, generator=torch.Generator().manual_seed(1)) < 0.5, -1.0, 1.0)
+    layer.weight.grad = g.clone()
+    opt = ManifoldAdamW([layer.weight], {layer.weight: layer}, lr=1e-3, lr_ulp=1, follow_lr=follow_lr)
+    opt.param_groups[0]["lr"] = 1e-4  # as the trainer's schedule sets it
+    opt.step()
+    moved = ordinal(spec.encode(quantize(layer.weight.detach(), spec))) - ordinal(spec.encode(w0))
+    assert torch.equal(moved, torch.zeros_like(moved) if follow_lr else -g.long())
+
+
+def test_checkpoint_from_before_the_schedule_option_follows_the_lr():
+    layer = quantized_linear(FORMATS["e5m2"], 1)
+    opt = ManifoldAdamW([layer.weight], {layer.weight: layer}, lr=1e-3, follow_lr=False)
+    saved = opt.state_dict()
+    del saved["param_groups"][0]["follow_lr"]
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["follow_lr"] is True
+
+
 def test_one_call_per_format_matches_one_call_per_weight(monkeypatch):
     """All weights of a format update in one compiled call; it must not change a single bit against
     a call per weight (two formats, a non-unit scale, a skipped step in between)."""
@@ -174,15 +199,19 @@ def test_registry_and_bad_input(make_config):
 
 
 def test_manifold_changes_bit_stall_and_loss_on_eurlex(make_config, tmp_path):
-    """e5m2 weights stored in the format: AdamW's small steps mostly stall, manifold's move.
+    """e5m2 weights stored in the format: AdamW's small steps mostly stall, manifold's move; a ULP
+    step that follows the cosine decay freezes late in the run, a constant one does not.
 
-    Measured (12 steps, cpu preset at block 32 / batch 4, lr_ulp 2): mean bit-stall adamw 0.66
-    vs manifold 0.35 (the manifold stalls left are steps with |Adam direction| x lr_ulp x the
-    warmup/cosine factor below half an ULP); final train loss adamw 10.48 vs manifold 9.07.
+    Measured (12 steps, cpu preset at block 32 / batch 4, lr_ulp 2): mean bit-stall adamw 0.66,
+    manifold 0.35, manifold with a constant ULP step 0.19; over the last 3 steps 0.81-1.0 following
+    the lr vs 0.33-0.38 constant (the stalls left are weights whose |Adam direction| x lr_ulp is
+    under half an ULP); final train loss adamw 10.48, manifold 9.07, constant 8.24.
     """
     runs = {}
-    for name in ("adamw", "manifold"):
-        cfg = make_config("quant.format=e5m2", "quant.master_weights=format", f"optim.name={name}",
+    for name, optimizer, schedule in (("adamw", "adamw", "follow_lr"), ("manifold", "manifold", "follow_lr"),
+                                      ("constant", "manifold", "constant")):
+        cfg = make_config("quant.format=e5m2", "quant.master_weights=format", f"optim.name={optimizer}",
+                          f"optim.lr_ulp_schedule={schedule}",
                           "optim.lr_ulp=2", "train.max_steps=12", "train.shadow_every=0",
                           "train.eval_interval=6")
         Trainer(cfg, tmp_path / name).fit()
@@ -190,6 +219,8 @@ def test_manifold_changes_bit_stall_and_loss_on_eurlex(make_config, tmp_path):
     stall = {n: sum(r["quant/bit_stall_rate"] for r in rows) / len(rows) for n, rows in runs.items()}
     print("mean bit-stall", stall)
     assert stall["adamw"] > stall["manifold"] + 0.15, stall
+    late = {n: [r["quant/bit_stall_rate"] for r in rows[-3:]] for n, rows in runs.items()}
+    assert max(late["manifold"]) > 0.75 and max(late["constant"]) < min(late["manifold"]) - 0.2, late
     loss = {n: [r["train/loss"] for r in rows] for n, rows in runs.items()}
     print("final loss", {n: v[-1] for n, v in loss.items()})
     assert loss["adamw"][1:] != loss["manifold"][1:]

@@ -5,7 +5,9 @@ current weight format and scale (`stiffness`). Plain AdamW steps of ~lr stall on
 (the update rounds back to the same code); here every weight moves a consistent number of codes
 whatever its binade. The trainer sets `group["lr"]` from the warmup + cosine schedule each step;
 dividing by the peak lr (`base_lr`) carries that schedule over to the ULP step, so `lr_ulp` is the
-ULP count per unit Adam direction at peak lr. Parameters that are not quantized weights
+ULP count per unit Adam direction at peak lr. With `follow_lr=False` the factor is 1 (SPEC §6's
+Δw = −lr_ulp · S(w) · adam_direction): with weights stored in the format, a decayed step under half
+an ULP rounds back every time, so a run that follows the schedule freezes late. Parameters that are not quantized weights
 (embeddings, LayerNorm, biases, every parameter of the bf16 baseline) get plain AdamW steps, from
 torch's fused AdamW itself.
 
@@ -32,15 +34,20 @@ class ManifoldAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, layers: dict[nn.Parameter, QuantizedLinear], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, lr_ulp: float = 1.0):
+                 weight_decay: float = 0.0, lr_ulp: float = 1.0, follow_lr: bool = True):
         if lr <= 0 or lr_ulp <= 0:
             raise ValueError(f"lr and lr_ulp must be > 0, got lr={lr}, lr_ulp={lr_ulp}")
         defaults = {"lr": lr, "base_lr": lr, "betas": betas, "eps": eps,
-                    "weight_decay": weight_decay, "lr_ulp": lr_ulp,
+                    "weight_decay": weight_decay, "lr_ulp": lr_ulp, "follow_lr": follow_lr,
                     "fused": True}  # as for fused AdamW: load_state_dict moves `step` to the param's device
         super().__init__(params, defaults)
         self.layers = layers
         self.found_inf: torch.Tensor | None = None
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # checkpoints from before the option followed the lr
+            group.setdefault("follow_lr", True)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -78,7 +85,7 @@ class ManifoldAdamW(torch.optim.Optimizer):
             return
         if found is None:
             found = torch.zeros((), device=device)
-        lr_ulp = group["lr_ulp"] * lr / group["base_lr"]
+        lr_ulp = group["lr_ulp"] * (lr / group["base_lr"] if group["follow_lr"] else 1.0)
         # One kernel call per format, every weight of it in place. The weights go in as Parameters,
         # whose shapes dynamo compiles statically (and so the grads' and moments'): inductor's loops
         # are ~18% faster than with symbolic sizes on the 3.2M-element head. A run's shapes never
@@ -183,4 +190,5 @@ def build_manifold(model: nn.Module, cfg) -> ManifoldAdamW:
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
         lr_ulp=cfg.lr_ulp,
+        follow_lr=cfg.lr_ulp_schedule == "follow_lr",
     )
