@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from bitwise import ordinal
@@ -85,13 +87,17 @@ def test_ulp_step_follows_the_lr_schedule_or_not(follow_lr, path):
     assert torch.equal(moved, torch.zeros_like(moved) if follow_lr else -g.long())
 
 
-def test_checkpoint_from_before_the_schedule_option_follows_the_lr():
+def test_resume_takes_the_runs_ulp_step_settings():
+    """`--resume --set optim.lr_ulp_schedule=constant` must take effect: loading a checkpoint
+    restores its groups, but not their ULP-step settings; one from before the option loads too."""
     layer = quantized_linear(FORMATS["e5m2"], 1)
-    opt = ManifoldAdamW([layer.weight], {layer.weight: layer}, lr=1e-3, follow_lr=False)
-    saved = opt.state_dict()
-    del saved["param_groups"][0]["follow_lr"]
-    opt.load_state_dict(saved)
-    assert opt.param_groups[0]["follow_lr"] is True
+    saved = ManifoldAdamW([layer.weight], {layer.weight: layer}, lr=1e-3, lr_ulp=1).state_dict()
+    old = copy.deepcopy(saved)
+    del old["param_groups"][0]["follow_lr"]
+    for state in (saved, old):
+        resumed = ManifoldAdamW([layer.weight], {layer.weight: layer}, lr=1e-3, lr_ulp=3, follow_lr=False)
+        resumed.load_state_dict(state)
+        assert (resumed.param_groups[0]["lr_ulp"], resumed.param_groups[0]["follow_lr"]) == (3, False)
 
 
 def test_one_call_per_format_matches_one_call_per_weight(monkeypatch):
@@ -131,9 +137,9 @@ def test_steps_follow_adamw_measured_in_ulps(path):
     twin = nn.Parameter(bias.detach().clone())
     hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}
     opt = ManifoldAdamW([{"params": [layer.weight], "weight_decay": 0.1},
-                         {"params": [bias], "weight_decay": 0.0}],
+                         {"params": [bias], "weight_decay": 0.05}],
                         {layer.weight: layer}, weight_decay=0.1, lr_ulp=1.5, **hyper)
-    reference = torch.optim.AdamW([twin], weight_decay=0.0, fused=True, **hyper)
+    reference = torch.optim.AdamW([twin], weight_decay=0.05, fused=True, **hyper)
     w = layer.weight.detach().double()
     m, v, t = torch.zeros_like(w), torch.zeros_like(w), 0
     gen = torch.Generator().manual_seed(3)
@@ -162,7 +168,7 @@ def test_steps_follow_adamw_measured_in_ulps(path):
     assert opt.state[layer.weight]["step"] == t == 3
 
 
-def test_found_inf_skips_the_step_exactly():
+def test_found_inf_skips_the_step_exactly(path):
     layer = quantized_linear(FORMATS["e4m3"], 1)
     bias = nn.Parameter(torch.zeros(32))
     params = [{"params": [layer.weight], "weight_decay": 0.1}, {"params": [bias], "weight_decay": 0.0}]

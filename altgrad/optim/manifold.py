@@ -6,13 +6,15 @@ current weight format and scale (`stiffness`). Plain AdamW steps of ~lr stall on
 whatever its binade. The trainer sets `group["lr"]` from the warmup + cosine schedule each step;
 dividing by the peak lr (`base_lr`) carries that schedule over to the ULP step, so `lr_ulp` is the
 ULP count per unit Adam direction at peak lr. With `follow_lr=False` the factor is 1 (SPEC §6's
-Δw = −lr_ulp · S(w) · adam_direction): with weights stored in the format, a decayed step under half
-an ULP rounds back every time, so a run that follows the schedule freezes late. Parameters that are not quantized weights
-(embeddings, LayerNorm, biases, every parameter of the bf16 baseline) get plain AdamW steps, from
-torch's fused AdamW itself.
+Δw = −lr_ulp · S(w) · adam_direction; weight decay still follows the lr): with weights stored in
+the format, a decayed step under half an ULP rounds back every time, so a run that follows the
+schedule freezes late. Parameters that are not quantized weights (embeddings, LayerNorm, biases,
+every parameter of the bf16 baseline) get plain AdamW steps, from torch's fused AdamW kernel.
 
-Like fused AdamW under AMP, it honours `found_inf` (a 0-dim tensor): when > 0 nothing changes
-(parameters, moments, step counts), decided on the device with gates instead of a host branch.
+Like fused AdamW under AMP, it honours `found_inf` (a 0-dim tensor, 1 when a gradient is not
+finite, as GradScaler sets it): then nothing changes (parameters, moments, step counts), decided
+on the device with gates instead of a host branch. Compiled and eager steps agree to float32
+rounding (~1e-7 relative), not bit for bit: inductor orders the update's arithmetic its own way.
 Formats and scales are read at each step, so an emergency mantissa shift takes effect at once.
 The ULP is computed as `altgrad.quant.stall.stiffness` does, fused into the update kernel.
 """
@@ -45,9 +47,12 @@ class ManifoldAdamW(torch.optim.Optimizer):
         self.found_inf: torch.Tensor | None = None
 
     def __setstate__(self, state: dict) -> None:
+        """Loading a checkpoint restores its groups; the ULP step's settings stay the run's own, so
+        `--resume --set optim.lr_ulp_schedule=...` (or lr_ulp) takes effect, and a checkpoint from
+        before the option loads."""
         super().__setstate__(state)
-        for group in self.param_groups:  # checkpoints from before the option followed the lr
-            group.setdefault("follow_lr", True)
+        for group in self.param_groups:
+            group["lr_ulp"], group["follow_lr"] = self.defaults["lr_ulp"], self.defaults["follow_lr"]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -101,19 +106,21 @@ class ManifoldAdamW(torch.optim.Optimizer):
 
 def _fused_adamw(params: list[torch.Tensor], states: list[dict], group: dict,
                  found: torch.Tensor | None) -> None:
-    """torch's fused AdamW kernel, called as `torch.optim.AdamW(fused=True)` calls it (bit for bit
-    the same step) without its Python wrapper, which costs ~0.1-0.25 ms a call: more than the
-    kernel on the few small plain parameters."""
-    steps = [s["step"] for s in states]
-    torch._foreach_add_(steps, 1)
+    """torch's fused AdamW kernel, called as `torch.optim.AdamW(fused=True)` calls it (one call per
+    device and dtype; bit for bit the same step), without the rest of its Python wrapper, which
+    cost ~0.1-0.25 ms a call: more than the kernel on the few small plain parameters."""
     beta1, beta2 = group["betas"]
-    torch._fused_adamw_([p.detach() for p in params], [p.grad for p in params],
-                        [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [], steps,
-                        amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
-                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                        grad_scale=None, found_inf=found)
-    if found is not None:
-        torch._foreach_sub_(steps, [found] * len(steps))
+    tensors = [[p.detach() for p in params], [p.grad for p in params], [s["exp_avg"] for s in states],
+               [s["exp_avg_sq"] for s in states], [s["step"] for s in states]]
+    grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(tensors)
+    for (device, _), ((ps, grads, exp_avgs, exp_avg_sqs, steps), _) in grouped.items():
+        device_found = None if found is None else found.to(device)
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_(ps, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
+                            lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                            eps=group["eps"], maximize=False, grad_scale=None, found_inf=device_found)
+        if device_found is not None:
+            torch._foreach_sub_(steps, [device_found] * len(steps))
 
 
 class _Hyper(NamedTuple):
@@ -137,8 +144,8 @@ def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     S is the ULP of the weight before the step, in its format at scale coef[0]. coef[1] folds the
     scalars of the update, so each element costs a single division; coef[2] = 1 / sqrt(1 - beta2^t);
     coef[3:] are the moments' weights and the decay, gated by `go` (see `_adamw_ulp_all`). When `go`
-    is 0 nothing changes, exactly: the moments keep weight 1, the step and decay are 0, and the
-    grads (NaN on a skipped step) are zeroed.
+    is 0 nothing changes, exactly: the moments keep weight 1, the step is 0, the decay factor 1, and
+    the grads (NaN on a skipped step) are zeroed.
     """
     ulp = _magic((p * coef[0]).abs(), fmt_params, ftz)
     g = torch.where(go > 0, g, 0)
@@ -156,8 +163,8 @@ def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyp
     when it was one per weight).
 
     Every scalar the element loops need is computed here, once, into `coef` (one column per weight).
-    Inductor inlines scalar arithmetic into the loops that use it, so computed there, the bias
-    corrections' `pow`s (2.3x slower) and the gates (~10 % slower on CPU) would run per element.
+    Inductor inlines scalar arithmetic into the loops that use it: computed there, the bias
+    corrections' `pow`s made the update 2.3x slower and the gates 1.25-1.35x slower on CPU.
     """
     go = (found <= 0).float()  # 1: step, 0: skip
     torch._foreach_add_(steps, go)
