@@ -73,7 +73,7 @@ def test_cuda_kernels_are_bit_identical_to_cpu(name, scale, monkeypatch):
         a, b = x.to(device), x_new.to(device)
         q = quantize(a, f, scale)
         moves = code_moves(a, b, f, scale)
-        counts, codes = quantizer_counts(a, q, f, scale)
+        counts, codes = quantizer_counts([a], [q], f, [scale])
         return {"quantize": q, "quantize_bf16": quantize(a.bfloat16(), f, scale),
                 "encode": encode(a, f, scale), "counts": counts, "codes": codes,
                 "histogram": code_histogram(codes), **moves}

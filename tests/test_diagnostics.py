@@ -63,9 +63,9 @@ def test_diagnostics_quant_metrics_per_layer_and_overall():
     totals = torch.zeros(3)
     used_all = []
     for name, layer in zip(("0", "2", "3"), (model[0], model[2], model[3]), strict=True):
-        counts = sum(layer.stats[r].counts for r in ROLES)
+        counts = sum(layer.stats[r].counts()[0] for r in ROLES)
         totals += counts
-        used = sum((layer.stats[r].histogram > 0).sum().item() / finite_code_count(layer.policy.format_of(r))
+        used = sum((layer.stats[r].counts()[1] > 0).sum().item() / finite_code_count(layer.policy.format_of(r))
                    for r in ROLES) / len(ROLES)
         used_all.append(used)
         assert out[f"quant/overflow_rate/{name}"].item() == pytest.approx((counts[0] / counts[2]).item())

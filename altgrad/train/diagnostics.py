@@ -17,6 +17,7 @@ from altgrad.quant.formats import FormatSpec
 from altgrad.quant.linear import ROLES, QuantizedLinear, by_weight_format
 from altgrad.quant.quantize import _Kernel, _nearest_scaled, _params
 from altgrad.quant.scaling import abs_max, scale_for
+from altgrad.quant.step import observed_counts
 
 Metrics = dict[str, torch.Tensor]
 
@@ -137,15 +138,15 @@ class Diagnostics:
     # -- quantizer counters ------------------------------------------------------------
     def quant_metrics(self) -> Metrics:
         """Overflow / underflow rates and code-range utilisation, per layer and model-wide, from
-        all layers' counters at once (a few ops, not ~20 per layer)."""
+        all layers' counters at once (one compiled call per format and a few ops, not ~20 per layer)."""
         names, layers = list(self.quantized), list(self.quantized.values())
         if not layers:
             zero = torch.zeros((), device=self._device())
             return {"quant/overflow_rate": zero, "quant/underflow_rate": zero, "quant/codes_used": zero}
-        stats = [layer.stats[r] for layer in layers for r in ROLES]
         shape = (len(layers), len(ROLES))
-        counts = torch.stack([s.counts for s in stats]).view(*shape, 3).sum(1)  # overflow, underflow, elements
-        codes = (torch.stack([s.histogram for s in stats]) > 0).sum(1).view(shape)
+        counts, histograms = observed_counts([layer.stats[r] for layer in layers for r in ROLES], self._device())
+        counts = counts.view(*shape, 3).sum(1)  # overflow, underflow, elements
+        codes = (histograms > 0).sum(1).view(shape)
         formats = tuple(layer.policy.format_of(r) for layer in layers for r in ROLES)
         used = (codes / finite_code_counts(formats, codes.device).view(shape)).mean(1)
         rates = counts[:, :2] / counts[:, 2:].clamp_min(1)
