@@ -116,6 +116,21 @@ def test_overflow_underflow_and_histogram_counters():
     assert hist.sum() == 4 and hist[fmt.encode(torch.tensor([448.0])).long()] == 1
 
 
+def test_counters_count_the_tensors_as_they_were_observed():
+    """Counting happens at the end of the step, on copies: a tensor changed in place after its
+    observation (a reused gradient buffer) does not change what was counted."""
+    fmt = get_format("e4m3")
+    x = torch.tensor([1000.0, 1.0, 1e-4, 0.0])
+    q = quantize(x, fmt)
+    stats = TensorStats()
+    stats.observe(x, q, fmt, torch.ones(()))
+    expected = [t.clone() for t in stats.counts()]
+    x.fill_(1e6)
+    q.zero_()
+    assert all(torch.equal(a, b) for a, b in zip(stats.counts(), expected, strict=True))
+    assert expected[0].tolist() == [1, 1, 4]
+
+
 def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
     fmt = get_format("e5m2")
     policy = LinearQuantPolicy(input=fmt, weight=fmt, grad_output=fmt, scaling=ScalingPolicy(mode="none"))
