@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -51,6 +52,15 @@ def sample(x: torch.Tensor) -> torch.Tensor:
     return flat[:STATS_RUNS * period].view(STATS_RUNS, period)[:, :STATS_SAMPLE // STATS_RUNS]
 
 
+class Observation(NamedTuple):
+    """One quantization a TensorStats saw: samples of x and of q = quantize(x, fmt, scale)."""
+
+    x: torch.Tensor
+    q: torch.Tensor
+    fmt: FormatSpec
+    scale: torch.Tensor
+
+
 class TensorStats(nn.Module):
     """What quantizing one tensor role did since `reset`: overflow, underflow, elements, histogram.
 
@@ -61,13 +71,13 @@ class TensorStats(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.observed: list[tuple[torch.Tensor, torch.Tensor, FormatSpec, torch.Tensor]] = []
+        self.observed: list[Observation] = []
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, q: torch.Tensor, fmt: FormatSpec, scale: torch.Tensor) -> None:
         """Keep x and q = quantize(x, fmt, scale), sampled (copies: the tensors themselves, such as
         the logits gradient, must not outlive their use)."""
-        self.observed.append((sample(x).clone(), sample(q).clone(), fmt, scale.detach().clone()))
+        self.observed.append(Observation(sample(x).clone(), sample(q).clone(), fmt, scale.detach().clone()))
 
     def reset(self) -> None:
         self.observed.clear()
@@ -83,18 +93,18 @@ def observed_counts(stats: Sequence[TensorStats],
     """float32 [len(stats), 3] overflow, underflow and elements, and int64 [len(stats), 256] code
     histograms, of everything each TensorStats observed since its reset: one compiled call per
     format and one histogram over all (each tensor's codes offset by 256 x its row)."""
-    by_format: dict[FormatSpec, list[tuple[int, tuple]]] = {}
+    by_format: dict[FormatSpec, list[tuple[int, Observation]]] = {}
     for row, s in enumerate(stats):
-        for entry in s.observed:
-            by_format.setdefault(entry[2], []).append((row, entry))
+        for seen in s.observed:
+            by_format.setdefault(seen.fmt, []).append((row, seen))
     if device is None:
-        device = next((e[0].device for items in by_format.values() for _, e in items), torch.device("cpu"))
+        device = next((seen.x.device for items in by_format.values() for _, seen in items), torch.device("cpu"))
     counts = torch.zeros(len(stats), 3, device=device)
     codes = []
     for fmt, items in by_format.items():
-        index, offsets = _indices(tuple(row for row, _ in items), device)
-        n, c = quantizer_counts([e[0] for _, e in items], [e[1] for _, e in items], fmt,
-                                [e[3] for _, e in items], offsets)
+        rows, seen = zip(*items, strict=True)
+        index, offsets = _indices(rows, device)
+        n, c = quantizer_counts([o.x for o in seen], [o.q for o in seen], fmt, [o.scale for o in seen], offsets)
         counts.index_add_(0, index, n.float())
         codes.append(c)
     bins = 256 * len(stats)
