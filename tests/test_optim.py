@@ -168,6 +168,22 @@ def test_steps_follow_adamw_measured_in_ulps(path):
     assert opt.state[layer.weight]["step"] == t == 3
 
 
+def test_plain_parameters_of_mixed_dtypes_step_as_fused_adamw():
+    """Plain parameters of two dtypes go through the grouped path (one fused AdamW call per
+    dtype, as torch's AdamW makes; CUDA's kernel requires it) and still equal fused AdamW exactly."""
+    params = [nn.Parameter(torch.randn(8, dtype=dtype)) for dtype in (torch.float32, torch.float64)]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = ManifoldAdamW(params, {}, lr=1e-2, weight_decay=0.1)
+    reference = torch.optim.AdamW(twins, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    for _ in range(3):
+        for p, twin in zip(params, twins, strict=True):
+            p.grad = torch.randn_like(p)
+            twin.grad = p.grad.clone()
+        opt.step()
+        reference.step()
+    assert all(torch.equal(p, twin) for p, twin in zip(params, twins, strict=True))
+
+
 def test_found_inf_skips_the_step_exactly(path):
     layer = quantized_linear(FORMATS["e4m3"], 1)
     bias = nn.Parameter(torch.zeros(32))
