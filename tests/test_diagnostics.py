@@ -1,4 +1,5 @@
-"""Diagnostics over many layers at once: batched kernels must still give each layer its own numbers."""
+"""Diagnostics over many layers at once: batched kernels must still give each layer its own numbers
+(eager and compiled: the batching, offsets included, happens inside the compiled graph)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def mixed_model() -> nn.Sequential:
                          quantized("e5m2", 0.5))
 
 
-def test_diagnostics_update_metrics_over_mixed_formats():
+def test_diagnostics_update_metrics_over_mixed_formats(path):
     """Code moves run as one call per weight format; every layer still gets its own rates and
     histogram, and the model-wide rates count each weight once (two formats, a plain layer)."""
     model = mixed_model()
@@ -51,7 +52,7 @@ def test_diagnostics_update_metrics_over_mixed_formats():
     assert out["quant/zero_update_frac"].item() == pytest.approx(1 - moved / (4 * 16 * 16))
 
 
-def test_diagnostics_quant_metrics_per_layer_and_overall():
+def test_diagnostics_quant_metrics_per_layer_and_overall(path):
     """Overflow / underflow rates and codes used, from every layer's counters at once, equal the
     per-layer arithmetic (two formats, an activation format of its own, a plain layer between)."""
     model = mixed_model()

@@ -76,7 +76,7 @@ class ManifoldAdamW(torch.optim.Optimizer):
         device = params[0].device
         for p in params:
             if not self.state[p]:
-                self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=device),
+                self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=p.device),
                                      exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
                                      exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
         found = None if self.found_inf is None else self.found_inf.to(device=device, dtype=torch.float32)
