@@ -1,0 +1,308 @@
+"""The uncertainty arithmetic of the report: intervals over seeds, ratios to bf16, ties.
+
+A sweep runs each cell with a handful of seeds, so a mean alone overstates what the report knows;
+every number it compares carries a Student-t interval, and two cells are only called different
+when their intervals are disjoint. Pure functions, no I/O, standard library only (the report must
+not need scipy), so every number can be recomputed by hand from the trial data.
+
+Non-finite values (a seed that trained to NaN or inf) are left out everywhere, and `n` counts the
+values that remain: an interval over the surviving seeds, never a NaN that poisons the mean.
+Whether a seed diverged at all is the failure table's business, not this module's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from statistics import fmean, stdev
+
+__all__ = [
+    "Comparison",
+    "Interval",
+    "difference_interval",
+    "leader_group",
+    "mean_interval",
+    "ratio_interval",
+    "t_cdf",
+    "t_quantile",
+]
+
+_EPS = 1e-15  # relative convergence of the continued fraction
+_MAX_TERMS = 100_000  # enough for df up to ~1e8; the report's df is the number of seeds
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (modified Lentz; Numerical Recipes
+    §6.4), which converges quickly for x < (a + 1) / (a + b + 2)."""
+    tiny = 1e-300
+    d = 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    c, h = 1.0, d
+    for m in range(1, _MAX_TERMS + 1):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((a + m2 - 1.0) * (a + m2)),
+                    -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1.0))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < _EPS:
+            return h
+    raise ArithmeticError(f"incomplete beta continued fraction did not converge (a={a}, b={b})")
+
+
+def _betainc(a: float, b: float, x: float, y: float) -> float:
+    """Regularized incomplete beta I_x(a, b), with y = 1 - x passed in exactly (it is t²/(df+t²)
+    for the t distribution, so near x = 1 it keeps its relative precision)."""
+    if x <= 0.0:
+        return 0.0
+    if y <= 0.0:
+        return 1.0
+    log_front = a * math.log(x) + b * math.log(y) - (math.lgamma(a) + math.lgamma(b)
+                                                     - math.lgamma(a + b))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _betacf(b, a, y) / b
+
+
+def _upper_tail(t: float, df: float) -> float:
+    """P(T > t) for t >= 0, computed directly so that small tails keep their precision."""
+    t2 = t * t
+    return 0.5 * _betainc(df / 2.0, 0.5, df / (df + t2), t2 / (df + t2))
+
+
+def _t_pdf(t: float, df: float) -> float:
+    return math.exp(math.lgamma((df + 1.0) / 2.0) - math.lgamma(df / 2.0)
+                    - 0.5 * math.log(df * math.pi) - (df + 1.0) / 2.0 * math.log1p(t * t / df))
+
+
+def _check_df(df: float) -> None:
+    if not (df > 0 and math.isfinite(df)):
+        raise ValueError(f"degrees of freedom must be positive and finite, got {df}")
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with `df` degrees of freedom (non-integer df allowed: Welch's
+    approximation produces them)."""
+    _check_df(df)
+    if math.isnan(t):
+        return math.nan
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    tail = _upper_tail(abs(t), df)
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The t with P(T <= t) = p for Student's t with `df` degrees of freedom (non-integer df
+    allowed), accurate to ~1e-9 relative; e.g. t_quantile(0.975, 2) = 4.302653, the two-sided 95 %
+    critical value of a mean over three seeds.
+
+    Solved by Newton's method on the upper tail, safeguarded by bisection, because the standard
+    library has no t distribution and the report must not depend on scipy.
+    """
+    _check_df(df)
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must lie in (0, 1), got {p}")
+    if p == 0.5:
+        return 0.0
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    q = 1.0 - p  # the upper tail to hit; tail(t) decreases from 1/2 at t = 0
+    lo, hi = 0.0, 1.0
+    while _upper_tail(hi, df) > q:
+        lo, hi = hi, 2.0 * hi
+    t = 0.5 * (lo + hi)
+    for _ in range(200):
+        excess = _upper_tail(t, df) - q
+        if excess == 0.0:
+            return t
+        if excess > 0.0:
+            lo = t
+        else:
+            hi = t
+        step = excess / _t_pdf(t, df)
+        nxt = t + step
+        if not lo < nxt < hi:  # Newton left the bracket: bisect instead
+            nxt = 0.5 * (lo + hi)
+        if abs(nxt - t) <= 1e-13 * nxt or hi - lo <= 1e-13 * hi:
+            return nxt
+        t = nxt
+    return t
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over seeds with its two-sided Student-t interval: mean ± half_width.
+
+    `half_width` is None when there is no interval: with fewer than two values there is no spread
+    to estimate, and the report says so rather than printing ± 0. `n` counts finite values only.
+    """
+
+    mean: float
+    half_width: float | None
+    n: int
+    confidence: float = 0.95
+
+    @property
+    def lo(self) -> float | None:
+        return None if self.half_width is None else self.mean - self.half_width
+
+    @property
+    def hi(self) -> float | None:
+        return None if self.half_width is None else self.mean + self.half_width
+
+    def separates(self, other: Interval) -> bool:
+        """True when both intervals exist and are disjoint: only then are the two called
+        different. Without an interval (n < 2) nothing is ever called different: one seed cannot
+        tell a real difference from seed noise. Closed intervals: touching ends overlap."""
+        if self.half_width is None or other.half_width is None:
+            return False
+        return self.hi < other.lo or other.hi < self.lo
+
+    def _counts(self) -> str:
+        return f"n = {self.n}"
+
+    def text(self, spec: str = ".4f") -> str:
+        """'6.5123 ± 0.0412 (n = 3)', '6.5123 (n = 1, no interval)', or for no finite value at all
+        'no finite value (n = 0)'; `spec` formats both numbers."""
+        if self.n == 0:
+            return f"no finite value ({self._counts()})"
+        if self.half_width is None:
+            return f"{self.mean:{spec}} ({self._counts()}, no interval)"
+        return f"{self.mean:{spec}} ± {self.half_width:{spec}} ({self._counts()})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparison(Interval):
+    """A comparison of two sets of seeds (`mean` is the ratio or the difference) with its interval.
+
+    `paired`: the seed sets were equal, so the interval is over per-seed ratios/differences (the
+    seed-to-seed noise both share cancels); otherwise the sides were compared unpaired, `n` is the
+    first side's count, `n_other` the second's, and `note` says why (for the report to print).
+    `note` also names seeds left out for non-finite values.
+    """
+
+    paired: bool
+    n_other: int
+    note: str | None = None
+
+    def _counts(self) -> str:
+        if self.paired:
+            return f"n = {self.n}, paired"
+        return f"n = {self.n} vs {self.n_other}, unpaired"
+
+
+def _check_confidence(confidence: float) -> float:
+    """The upper quantile level of a two-sided interval at `confidence`."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    return (1.0 + confidence) / 2.0
+
+
+def mean_interval(values: Iterable[float], confidence: float = 0.95) -> Interval:
+    """The mean of the finite `values` with its Student-t interval: t_{(1+c)/2, n-1} · s / √n,
+    s the sample standard deviation (n - 1). Non-finite values are left out and not counted."""
+    level = _check_confidence(confidence)
+    finite = [float(v) for v in values if math.isfinite(v)]
+    n = len(finite)
+    if n == 0:
+        return Interval(math.nan, None, 0, confidence)
+    if n == 1:
+        return Interval(finite[0], None, 1, confidence)
+    se = stdev(finite) / math.sqrt(n)
+    return Interval(fmean(finite), t_quantile(level, n - 1) * se, n, confidence)
+
+
+def _seeds(seeds: Iterable[int]) -> str:
+    return "{" + ", ".join(str(s) for s in sorted(seeds)) + "}"
+
+
+def _split(values: Mapping[int, float]) -> tuple[dict[int, float], list[int]]:
+    """The finite values by seed, and the seeds left out for non-finite values."""
+    finite = {s: float(v) for s, v in values.items() if math.isfinite(v)}
+    return finite, [s for s in values if s not in finite]
+
+
+def _left_out(sides: Iterable[tuple[str, list[int]]]) -> list[str]:
+    return [f"{label}: seed{'s' if len(dropped) > 1 else ''} {_seeds(dropped)} not finite, left out"
+            for label, dropped in sides if dropped]
+
+
+def _compare(a: Mapping[int, float], b: Mapping[int, float], confidence: float,
+             labels: tuple[str, str], ratio: bool) -> Comparison:
+    """The shared logic of `ratio_interval` and `difference_interval`: pair by seed when the
+    finite seed sets are equal, else compare the two means unpaired (Welch)."""
+    level = _check_confidence(confidence)
+    (xa, dropped_a), (xb, dropped_b) = _split(a), _split(b)
+    la, lb = labels
+    left_out = _left_out(((la, dropped_a), (lb, dropped_b)))
+    if xa.keys() == xb.keys():
+        per_seed = [xa[s] / xb[s] if ratio else xa[s] - xb[s] for s in xa]
+        est = mean_interval(per_seed, confidence)
+        return Comparison(est.mean, est.half_width, est.n, confidence, paired=True,
+                          n_other=est.n, note="; ".join(left_out) or None)
+
+    na, nb = len(xa), len(xb)
+    notes = [f"unpaired: {lb} has seeds {_seeds(xb)}, {la} {_seeds(xa)}", *left_out]
+    notes += [f"{label} has {'no finite value' if n == 0 else 'one seed'}, so no interval"
+              for label, n in ((la, na), (lb, nb)) if n < 2]
+    note = "; ".join(notes)
+    if na == 0 or nb == 0:
+        return Comparison(math.nan, None, na, confidence, paired=False, n_other=nb, note=note)
+    ma, mb = fmean(xa.values()), fmean(xb.values())
+    est = ma / mb if ratio else ma - mb
+    if na < 2 or nb < 2:  # one side's spread is unknown: an interval from the other alone lies
+        return Comparison(est, None, na, confidence, paired=False, n_other=nb, note=note)
+    # Variance components of the estimate: squared standard errors, relative ones for a ratio
+    # (delta method: var(A/B)/(A/B)² ≈ se_A²/A² + se_B²/B²).
+    ua = stdev(xa.values()) ** 2 / na / (ma * ma if ratio else 1.0)
+    ub = stdev(xb.values()) ** 2 / nb / (mb * mb if ratio else 1.0)
+    total = ua + ub
+    if total == 0.0:
+        return Comparison(est, 0.0, na, confidence, paired=False, n_other=nb, note=note)
+    df = total * total / (ua * ua / (na - 1) + ub * ub / (nb - 1))  # Welch–Satterthwaite
+    se = abs(est) * math.sqrt(total) if ratio else math.sqrt(total)
+    return Comparison(est, t_quantile(level, df) * se, na, confidence, paired=False, n_other=nb,
+                      note=note)
+
+
+def ratio_interval(cell: Mapping[int, float], baseline: Mapping[int, float],
+                   confidence: float = 0.95,
+                   labels: tuple[str, str] = ("the cell", "bf16")) -> Comparison:
+    """A cell's loss relative to the baseline's (seed -> value maps), with its interval.
+
+    Same finite seeds on both sides: the mean of the per-seed ratios x_s / b_s with their t
+    interval, because seed s fixes the data order and initialisation of both runs, and pairing
+    cancels that shared noise. Otherwise (different seeds, a seed lost to NaN, a one-seed
+    baseline): mean(x) / mean(b) with the delta-method interval (relative variance
+    se_x²/mean_x² + se_b²/mean_b², Welch–Satterthwaite df), and a note naming both seed sets
+    (`labels` name the cell and the baseline in it). Baseline values must be nonzero (losses are).
+    """
+    return _compare(cell, baseline, confidence, labels, ratio=True)
+
+
+def difference_interval(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0.95,
+                        labels: tuple[str, str] = ("a", "b")) -> Comparison:
+    """a − b (seed -> value maps) with its interval: the t interval of per-seed differences when
+    the finite seed sets are equal, else Welch's unpaired interval, with a note naming the seed
+    sets (`labels` name a and b in it)."""
+    return _compare(a, b, confidence, labels, ratio=False)
+
+
+def leader_group(estimates: Iterable[tuple[str, Interval]]) -> list[str]:
+    """The names that cannot be told apart from the best (lowest mean: losses, ratios to bf16),
+    the leader first, then in order of mean; equal means keep their input order.
+
+    An entry joins the leader unless its interval is disjoint from the leader's, so an entry
+    without an interval (one seed) always joins, and a one-seed leader ties with everything:
+    the report's "tie: e3m4 ≈ e4m3 ≈ bf16". Entries with no finite value (n = 0) are skipped.
+    """
+    ranked = sorted(((name, e) for name, e in estimates if not math.isnan(e.mean)),
+                    key=lambda item: item[1].mean)
+    if not ranked:
+        return []
+    leader = ranked[0][1]
+    return [name for name, e in ranked if not e.separates(leader)]
