@@ -69,6 +69,8 @@ class DataConfig(_Strict):
 
 
 class ScalingConfig(_Strict):
+    """Per-tensor scaling of a quantized tensor (SPEC §2): `none` is the format's raw range."""
+
     mode: Literal["none", "dynamic", "delayed"] = "delayed"
     history_len: int = Field(16, ge=1)
     algo: Literal["max", "most_recent"] = "max"
@@ -88,11 +90,41 @@ class LayerRule(_Strict):
         return _check_format(v)
 
 
+def _fields_of(section: Any) -> dict[str, Any] | None:
+    """The fields given for a config section (None or absent: none), or None when it is no mapping."""
+    if section is None:
+        return {}
+    if isinstance(section, BaseModel):
+        return section.model_dump(exclude_unset=True)
+    return dict(section) if isinstance(section, dict) else None
+
+
+class RolesConfig(_Strict):
+    """Which of a quantized layer's tensors are fake-quantized. A role switched off passes its tensor
+    through untouched (no scaling state, no counters): `grad_output: false` is forward-only
+    quantization with full-precision gradients, an ablation of what the gradient format costs."""
+
+    input: bool = True
+    weight: bool = True
+    grad_output: bool = True
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        """The roles switched on, in `altgrad.quant.linear.ROLES` order."""
+        return tuple(role for role in type(self).model_fields if getattr(self, role))
+
+
 class QuantConfig(_Strict):
     format: str = "e4m3"
     precision: Literal["all", "mlp", "attn", "no_head"] | list[LayerRule] = "all"
     grad_format: str = "e5m2"
+    roles: RolesConfig = Field(default_factory=RolesConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    grad_scaling: ScalingConfig = Field(
+        default_factory=ScalingConfig, description="scaling of grad_output alone; a field not set "
+        "here is taken from `scaling`. The literature reports that 4-exponent-bit gradients without "
+        "per-tensor scaling (mode none) fail while e5m2 survives: this tests it without changing how "
+        "activations and weights are scaled")
     rounding: Literal["nearest", "stochastic"] = "nearest"
     clip_ste: bool = False
     master_weights: Literal["fp32", "format"] = "fp32"
@@ -114,12 +146,39 @@ class QuantConfig(_Strict):
     def is_baseline(self) -> bool:
         return self.format == BASELINE
 
+    @model_validator(mode="before")
+    @classmethod
+    def _grad_scaling_inherits_scaling(cls, data: Any) -> Any:
+        """Fill grad_scaling's unset fields from scaling, so `scaling.mode=none` alone still scales
+        every role alike and `grad_scaling.mode=none` alone keeps the rest of `scaling`."""
+        if not isinstance(data, dict):
+            return data
+        scaling, grad = (_fields_of(data.get(key)) for key in ("scaling", "grad_scaling"))
+        if scaling is None or grad is None:
+            return data  # not a mapping: left for field validation to report
+        return {**data, "grad_scaling": {**scaling, **grad}}
+
     @model_validator(mode="after")
     def _format_mode_needs_a_format(self) -> QuantConfig:
         if self.master_weights == "format" and self.is_baseline:
             raise ValueError(
                 "master_weights='format' stores weights in an 8-bit format; the bf16 baseline has "
                 "none. Use master_weights='fp32' or pick a format"
+            )
+        if self.master_weights == "format" and not self.roles.weight:
+            raise ValueError(
+                "master_weights='format' stores weights in the weight role's format, but roles.weight "
+                "is off. Switch roles.weight on or use master_weights='fp32'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _some_role_is_quantized(self) -> QuantConfig:
+        if not self.is_baseline and not self.roles.enabled:
+            raise ValueError(
+                f"roles: every role is off, so format {self.format!r} would quantize nothing. Switch "
+                f"on at least one of {list(RolesConfig.model_fields)}, or use format={BASELINE!r} "
+                "for the unquantized baseline"
             )
         return self
 
@@ -215,6 +274,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": {"max_docs": 200},
     },
 }
+
+
+def leaf_field(path: str) -> str:
+    """Check that `path` (e.g. `quant.scaling.mode`) names a setting of `RunConfig`, not a section;
+    returns it unchanged, else ValueError saying what is there."""
+    model: type[BaseModel] = RunConfig
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(parts[:i]) or "the run config"
+            raise ValueError(f"{path!r}: {where} has no field {part!r}; fields: {sorted(fields)}")
+        annotation = fields[part].annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if i < len(parts) - 1:
+            if not is_section:
+                raise ValueError(f"{path!r}: {'.'.join(parts[:i + 1])} is a setting, not a section")
+            model = annotation
+        elif is_section:
+            raise ValueError(f"{path!r} is a section; name one of its settings: "
+                             f"{sorted(f'{path}.{k}' for k in annotation.model_fields)}")
+    return path
+
+
+def nested(path: str, value: Any) -> dict[str, Any]:
+    """`nested("optim.lr", 1e-3)` -> {"optim": {"lr": 1e-3}}."""
+    out: Any = value
+    for part in reversed(path.split(".")):
+        out = {part: out}
+    return out
 
 
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

@@ -21,8 +21,10 @@ experiment root's `*.json` around, never touches it):
 - `sweep.json`    the validated sweep config, the grid points in order, status, resume command and
                   the driver (pid, host, `beat`: its heartbeat time)
 - `trials.json`   Ray trial id -> grid key, Ray's trial dir, status (PENDING/RUNNING/TERMINATED/ERROR)
-- `asha.json`     the ASHA rung records and which trial each rung stopped, and at which step
-- `stopper.json`  which trial the stability stopper stopped, why (`nan` / `bit_stall`) and when
+- `asha.json`     the rung records and which trial a rung stopped, why (`asha` / `nan`), at which
+                  step and the numbers (value, reference, how far behind, tolerance)
+- `stopper.json`  which trial the stability stopper stopped, why (`nan` / `bit_stall`), when and
+                  the streak that did it
 
 `TrialRecord` is the in-memory view of one trial of a sweep: its grid coordinates plus the
 contents of its run directory. Readers (`trials`, `report`) work on records only, and
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,10 @@ class TrialRecord:
     trial_dir: Path | None = None
     key: str = ""  # the grid point's name, e.g. "e4m3-adamw-all-s42"
     stop_step: int | None = None  # the step at which the sweep (ASHA / stopper) stopped the trial
+    stop_detail: str | None = None  # why, with the numbers: "asha: 23 % behind bf16 at step 20 (...)"
+    axes: dict[str, Any] = field(default_factory=dict)  # extra grid-axis values (dotted field -> value)
+    same_as: str | None = None  # measured by this other grid point's trial (an equivalent format)
+    reference: str | None = None  # the grid key of its bf16 reference (same optimizer, seed, axes)
     error: str | None = None  # the last line of the trial's error, when it errored
     unreadable: str | None = None  # why the trial's files could not be read (file and line)
 
@@ -81,6 +87,20 @@ class TrialRecord:
         """Validation loss at the steps where it was actually evaluated."""
         rows = [r for r in self.history if "val/loss" in r and r.get("val/step") == r["step"]]
         return [int(r["step"]) for r in rows], [float(r["val/loss"]) for r in rows]
+
+
+def axis_names(paths: list[str]) -> dict[str, str]:
+    """A short name per extra grid axis for trial keys and table columns: the last part of its
+    dotted path (`rounding`), or more of it where two axes would share a name (`scaling.mode`)."""
+    out = {}
+    for path in paths:
+        parts = path.split(".")
+        for n in range(1, len(parts) + 1):
+            short = ".".join(parts[-n:])
+            if sum(p == short or p.endswith("." + short) for p in paths) == 1:
+                break
+        out[path] = short
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -124,18 +144,43 @@ def load_experiment(exp_dir: str | Path) -> list[TrialRecord]:
                 "pass the directory a sweep printed, e.g. experiments/format_ablation")
         raise ExperimentError(f"{exp_dir} is not an AltGrad experiment ({what}); {hint}")
     trials: dict[str, dict[str, Any]] = read_json(state / TRIALS_FILE) or {}
-    stops = {tid: {**d, "reason": "asha"} for tid, d in _stopped(state / ASHA_FILE).items()}
+    stops = {tid: {"reason": "asha", **d} for tid, d in _stopped(state / ASHA_FILE).items()}
     stops.update(_stopped(state / STOPPER_FILE))
     by_key = {entry["key"]: tid for tid, entry in trials.items()}
-    records = []
+    measured: dict[str, TrialRecord] = {}
     for point in sweep["points"]:
+        if point.get("same_as"):
+            continue
         tid = by_key.pop(point["key"], None)
-        if tid is None:
-            records.append(_record(point, trial_id="", status="PENDING"))
-        else:
-            records.append(_trial_record(exp_dir, tid, trials[tid], stops.get(tid)))
+        measured[point["key"]] = (_record(point, trial_id="", status="PENDING") if tid is None else
+                                  _trial_record(exp_dir, tid, {**point, **trials[tid]}, stops.get(tid)))
+    records = [measured[p["key"]] if not p.get("same_as") else _alias(measured[p["same_as"]], p)
+               for p in sweep["points"]]
     records += [_trial_record(exp_dir, tid, trials[tid], stops.get(tid)) for tid in by_key.values()]
     return records
+
+
+def _alias(record: TrialRecord, labels: dict[str, Any]) -> TrialRecord:
+    """The measured trial listed under an equivalent format's name (one measurement, two names)."""
+    return replace(record, key=labels["key"], format=labels["format"], same_as=labels["same_as"],
+                   reference=labels.get("reference"))
+
+
+def stop_detail(stop: dict[str, Any]) -> str:
+    """Why the sweep stopped a trial, with the numbers, e.g. `asha: 23 % behind bf16 at step 20`."""
+    reason, step = stop["reason"], stop["step"]
+    if "behind" not in stop and "streak" not in stop:  # written before the numbers were recorded
+        return f"{reason} at step {step}"
+    if reason == "bit_stall":
+        return (f"bit_stall: bit-stall >= {stop['threshold']:g} for {stop['streak']} reports in a row "
+                f"(patience {stop['patience']}) at step {step}")
+    if "streak" in stop:
+        return f"nan: {stop['streak']} non-finite steps in a row (patience {stop['patience']}) at step {step}"
+    if stop["behind"] is None:
+        return f"nan: val loss non-finite at rung step {step}"
+    ref = "bf16" if stop.get("reference_key") else "the rung's best"
+    return (f"asha: {100 * stop['behind']:.0f} % behind {ref} at step {step} ({stop['value']:.4f} vs "
+            f"{stop['reference']:.4f}; tolerance {100 * stop['tolerance']:.0f} %)")
 
 
 def _stopped(path: Path) -> dict[str, dict[str, Any]]:
@@ -145,7 +190,8 @@ def _stopped(path: Path) -> dict[str, dict[str, Any]]:
 def _record(labels: dict[str, Any], **kw: Any) -> TrialRecord:
     return TrialRecord(
         key=labels["key"], format=labels["format"], optimizer=labels["optimizer"],
-        precision=labels["precision"], seed=labels["seed"], params=labels.get("params", {}), **kw,
+        precision=labels["precision"], seed=labels["seed"], params=labels.get("params", {}),
+        axes=labels.get("axes", {}), reference=labels.get("reference"), **kw,
     )
 
 
@@ -162,9 +208,9 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
     except ValueError as e:  # one corrupt trial must not hide the others
         return _record(entry, trial_id=trial_id, status="ERROR", stop_reason="error",
                        trial_dir=trial_dir, unreadable=str(e))
-    reason, stop_step = None, None
+    reason, stop_step, detail = None, None, None
     if stop is not None:
-        reason, stop_step = stop["reason"], int(stop["step"])
+        reason, stop_step, detail = stop["reason"], int(stop["step"]), stop_detail(stop)
         history = [r for r in history if r["step"] <= stop_step]
         events = [e for e in events if e["step"] <= stop_step]
         summary = {**summary, **_summary_at(history), "status": "finished", "stop_reason": reason,
@@ -175,7 +221,7 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
         reason = "error"
     return _record(entry, trial_id=trial_id, status=entry["status"], stop_reason=reason,
                    history=history, events=events, summary=summary, trial_dir=trial_dir,
-                   stop_step=stop_step, error=entry.get("error"))
+                   stop_step=stop_step, stop_detail=detail, error=entry.get("error"))
 
 
 def _by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

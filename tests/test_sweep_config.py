@@ -30,13 +30,56 @@ def dry_run(capsys, *args: str, kind=FormatAblation, config=ABLATION) -> str:
 
 
 def test_default_grid(capsys, tmp_path):
-    out = dry_run(capsys, "--storage-path", str(tmp_path), "--set", "preset=cpu")
+    """Seeds by default, e1m6 measured by e0m7's trials, bf16 once per optimizer and seed, and
+    the cpu preset's own (smaller) grid from `per_preset.cpu`."""
     n_opt = len(OPTIMIZERS)
-    assert f"sweep format_ablation: {8 * n_opt * 4 + n_opt} trials" in out  # bf16 once per optimizer
+    out = dry_run(capsys, "--storage-path", str(tmp_path), "--set", "preset=cpu")
+    assert f"sweep format_ablation: {(7 * n_opt * 2 + n_opt) * 2} trials" in out
+    assert "less 8 equivalent-format points measured once" in out
+    assert "e1m6-adamw-mlp-s43" in out and "= e0m7-adamw-mlp-s43 (equivalent format" in out
     assert "per trial 1 CPU, 0 GPU" in out
     assert f"experiment dir: {tmp_path}/format_ablation" in out
-    assert out.count("bf16-") == n_opt and "e7m0-adamw-no_head-s42" in out
+    assert out.count("bf16-") == 2 * n_opt and "e7m0-adamw-mlp-s43" in out
+    assert "estimated wall time" in out and "stored: estimate.step_time_s.cpu" in out
     assert not (tmp_path / "format_ablation").exists()
+    gpu = dry_run(capsys, "--storage-path", str(tmp_path), "--set", "preset=gpu")
+    assert f"sweep format_ablation: {(7 * n_opt * 4 + n_opt) * 2} trials" in gpu
+    assert "up to 2000 steps of a 6-layer, 384-wide model" in gpu
+    assert "GPU-hours" in gpu and "$" in gpu
+
+
+def test_scaling_none_runs_both_twins(capsys, tmp_path):
+    out = dry_run(capsys, "--smoke", "--set", "grid.formats=[e0m7, e1m6, e4m3]",
+                  "--set", "base.quant.scaling.mode=none")
+    assert "3 trials" in out and "equivalent" not in out
+    out = dry_run(capsys, "--smoke", "--set", "grid.formats=[e0m7, e1m6, e4m3]")
+    assert "2 trials" in out and "= e0m7-adamw-all-s42" in out
+    # an axis over the scaling mode: twins measured once only where amax scaling is on
+    out = dry_run(capsys, "--smoke", "--set", "grid.formats=[e0m7, e1m6]",
+                  "--set", "grid.axes={quant.scaling.mode: [none, delayed]}")
+    assert "3 trials" in out
+    assert "e1m6-adamw-all-mode=delayed-s42" in out and "= e0m7-adamw-all-mode=delayed-s42" in out
+
+
+def test_extra_axes_in_the_grid(capsys, tmp_path):
+    out = dry_run(capsys, "--smoke", "--set", "grid.seeds=[1, 2]",
+                  "--set", "grid.axes={quant.rounding: [nearest, stochastic], optim.lr: [0.001, 0.002]}")
+    # bf16 runs per lr (applies) but not per rounding (quant.* does not apply to it)
+    assert "sweep format_ablation-smoke: 20 trials = 2 formats × 1 optimizer × 1 precision × 2 " \
+           "quant.rounding × 2 optim.lr + bf16 × 1 optimizer × 2 optim.lr, × 2 seeds" in out
+    assert "e4m3-adamw-all-rounding=stochastic-lr=0.002-s2" in out
+    assert "bf16-adamw-all-lr=0.001-s1" in out and "bf16-adamw-all-rounding" not in out
+    from altgrad.tune.config import SweepConfig, load_sweep_config
+    from altgrad.tune.grid import build_grid
+
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["grid.axes={quant.rounding: [nearest, stochastic]}",
+                                                    "preset=cpu"], smoke=True)
+    points = {p.key: p for p in build_grid(cfg)}
+    stochastic = points["e4m3-adamw-all-rounding=stochastic-s42"]
+    assert stochastic.run["quant"]["rounding"] == "stochastic"
+    assert stochastic.axes == {"quant.rounding": "stochastic"}
+    assert stochastic.reference == "bf16-adamw-all-s42"
+    assert points["bf16-adamw-all-s42"].axes == {}
 
 
 def test_smoke_gpu_and_custom_grids(capsys, tmp_path):
@@ -52,6 +95,7 @@ def test_smoke_gpu_and_custom_grids(capsys, tmp_path):
                     "seeds": [1, 2],
                     "policies": {"heads": [{"pattern": "lm_head", "format": "e5m2"},
                                            {"pattern": "*", "format": "{fmt}"}]}}
+    data["per_preset"] = {}  # else its cpu section's grid.precisions would win
     custom.write_text(yaml.safe_dump(data))
     out = dry_run(capsys, "--config", str(custom), "--set", "resources.cpus_per_trial=2", "--set", "preset=cpu")
     assert "8 trials = 2 formats × 1 optimizer × 2 precisions, × 2 seeds" in out
@@ -73,9 +117,14 @@ def test_smoke_gpu_and_custom_grids(capsys, tmp_path):
     (["name=a/b"], "name: String should match pattern"),
     (["stoper.nan_patience=3"], "stoper: unknown field"),
     (["base.preset=gpu"], "base: set the sweep's top-level `preset`"),
-    (["base_per_preset.gpu.train.batch_size=0"], "base.train.batch_size: Input should be greater than or equal to 1"),
+    (["per_preset.gpu.base.train.batch_size=0"], "under preset gpu (with per_preset.gpu)"),
+    (["grid.axes={quant.roundin: [nearest]}"], "grid.axes: 'quant.roundin': quant has no field 'roundin'"),
+    (["grid.axes={quant.rounding: [nearest, upward]}"], "grid.axes.quant.rounding: value 'upward' is not valid"),
+    (["grid.axes={quant.format: [e4m3, e5m2]}"], "'quant.format' is a fixed axis of the grid: set it with grid.formats"),
+    (["grid.axes={quant.scaling: [none]}"], "'quant.scaling' is a section"),
+    (["grid.axes={optim.lr: []}"], "optim.lr: give at least one value"),
     (["base.quant.grad_format=e8m8"], "base.quant.grad_format"),
-    (["base.train.warmup_steps=100"], "base: train.warmup_steps (100) must be below train.max_steps"),
+    (["base.train.warmup_steps=3000"], "base: train.warmup_steps (3000) must be below train.max_steps"),
 ])
 def test_malformed_config_exits_2_naming_the_field(overrides, field, tmp_path, capsys):
     args = ["--storage-path", str(tmp_path / "store"), "--set", "preset=cpu"]

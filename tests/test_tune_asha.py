@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from altgrad.experiment import ASHA_FILE, STATE_DIR, STOPPER_FILE
-from altgrad.tune.asha import PersistentASHA, asha_milestones, quantile
+from altgrad.experiment import ASHA_FILE, STATE_DIR, STOPPER_FILE, stop_detail
+from altgrad.tune.asha import StabilityRungs, asha_milestones
 from altgrad.tune.config import SweepConfig
 from altgrad.tune.runner import _sigterm_stops_gracefully
 from altgrad.tune.stopper import StabilityStopper
@@ -21,54 +21,81 @@ from altgrad.tune.trial_spec import STABLE_LR, STALL_STREAK
 STOP, CONTINUE = "STOP", "CONTINUE"
 
 
-def asha(store: StateStore) -> PersistentASHA:
-    return PersistentASHA(store, metric="val/loss", mode="min", max_t=90, grace_period=10,
-                          reduction_factor=3)
+# Trial key -> its bf16 reference (same optimizer and seed), as the grid builds them.
+REFERENCES = {"e4m3-s1": "bf16-s1", "e5m2-s1": "bf16-s1", "e7m0-s1": "bf16-s1", "e2m5-s1": "bf16-s1",
+              "e3m4-s1": "bf16-s1", "nan-s1": "bf16-s1", "bf16-s1": None,
+              "e4m3-s2": "bf16-s2", "bf16-s2": None}
 
 
-def feed(scheduler: PersistentASHA, trial: str, losses: dict[int, float]) -> list[tuple[int, str]]:
-    """Report `losses` (step -> val loss) for one trial; the decisions, in order."""
-    t = SimpleNamespace(trial_id=trial)
+def rungs(store: StateStore, tolerance: float = 0.10) -> StabilityRungs:
+    return StabilityRungs(store, metric="val/loss", mode="min", max_t=90, grace_period=10,
+                          reduction_factor=3, tolerance=tolerance, references=REFERENCES)
+
+
+def feed(scheduler: StabilityRungs, trial: str, losses: dict[int, float]) -> list[tuple[int, str]]:
+    """Report `losses` (step -> val loss) for one trial (its key is also its id); the decisions."""
+    t = SimpleNamespace(trial_id=trial, config={"key": trial})
     return [(step, scheduler.on_trial_result(None, t, {"step": step, "val/loss": v}))
             for step, v in sorted(losses.items())]
 
 
-def test_milestones_and_quantile():
+def test_milestones():
     assert asha_milestones(10, 3, 90) == [10, 30]  # a rung at the last step could stop nothing
     assert asha_milestones(20, 3, 60) == [20]
-    assert quantile([1.0, 2.0, 3.0], 1 / 3) == pytest.approx(1 + 2 / 3)  # Ray's rule
-    assert quantile([1.0, math.inf, math.inf], 0.5) == math.inf  # never NaN
 
 
-def test_asha_cuts_the_worse_trial_and_nan_trials(tmp_path):
+def test_only_broken_trials_stop_at_a_rung(tmp_path):
+    """1 % and 3 % behind bf16 continue, 30 % behind and NaN stop; the numbers are recorded."""
     store = StateStore(str(tmp_path))
-    s = asha(store)
-    assert feed(s, "a", {5: 3.0, 10: 2.0, 20: 1.5}) == [(5, CONTINUE), (10, CONTINUE), (20, CONTINUE)]
-    assert feed(s, "b", {10: 2.5})[-1] == (10, STOP)  # worse than the best third at rung 10
-    assert feed(s, "c", {10: 1.0})[-1] == (10, CONTINUE)
-    assert feed(s, "d", {10: math.nan})[-1] == (10, STOP)  # non-finite = worst, as +inf
+    s = rungs(store)
+    assert feed(s, "bf16-s1", {5: 6.0, 10: 5.0}) == [(5, CONTINUE), (10, CONTINUE)]
+    assert feed(s, "e4m3-s1", {10: 5.05})[-1] == (10, CONTINUE)  # 1 % behind
+    assert feed(s, "e5m2-s1", {10: 5.15})[-1] == (10, CONTINUE)  # 3 % behind
+    assert feed(s, "e7m0-s1", {10: 6.5})[-1] == (10, STOP)  # 30 % behind
+    assert feed(s, "nan-s1", {10: math.nan})[-1] == (10, STOP)
+    assert feed(s, "e4m3-s1", {30: 5.5})[-1] == (30, CONTINUE)  # nothing else at rung 30: no reference
     state = json.loads((tmp_path / STATE_DIR / ASHA_FILE).read_text())
-    assert set(state["rungs"]["10"]) == {"a", "b", "c", "d"}
-    assert state["stopped"]["b"] == {"step": 10, "rung": 10, "value": 2.5, "cutoff": 2.0}
+    assert set(state["stopped"]) == {"e7m0-s1", "nan-s1"}
+    e7m0 = state["stopped"]["e7m0-s1"]
+    assert e7m0["reason"] == "asha" and e7m0["reference_key"] == "bf16-s1"
+    assert e7m0["reference"] == 5.0 and e7m0["behind"] == pytest.approx(0.3)
+    assert state["stopped"]["nan-s1"]["reason"] == "nan"
+    detail = stop_detail(e7m0)
+    assert detail.startswith("asha: 30 % behind bf16 at step 10") and "6.5000 vs 5.0000" in detail
 
 
-def test_restored_asha_decides_like_the_original(tmp_path):
+def test_the_reference_is_bf16_of_the_same_seed_else_the_rungs_best(tmp_path):
+    s = rungs(StateStore(str(tmp_path)), tolerance=0.05)
+    feed(s, "e4m3-s1", {10: 5.0})  # first at the rung: nothing to compare with
+    assert feed(s, "e2m5-s1", {10: 5.2})[-1] == (10, CONTINUE)  # 4 % behind the rung's best
+    assert feed(s, "e3m4-s1", {10: 5.3})[-1] == (10, STOP)  # 6 % behind it (bf16-s1 not there yet)
+    feed(s, "bf16-s2", {10: 5.1})
+    assert feed(s, "e4m3-s2", {10: 5.4})[-1] == (10, STOP)  # 5.9 % behind its own seed's bf16 ...
+    assert feed(s, "bf16-s1", {10: 5.2})[-1] == (10, CONTINUE)  # bf16 itself: 4 % behind the best
+    assert feed(s, "e5m2-s1", {10: 5.45})[-1] == (10, CONTINUE)  # ... 4.8 % behind bf16-s1, 9 % the best
+    state = json.loads((tmp_path / STATE_DIR / ASHA_FILE).read_text())
+    assert state["stopped"]["e3m4-s1"]["reference_key"] is None
+    assert state["stopped"]["e3m4-s1"]["reference"] == 5.0
+
+
+def test_restored_rungs_decide_like_the_original(tmp_path):
     """A restore (new scheduler object, state from asha.json) makes the same decisions, and a
     trial replaying from an older checkpoint is stopped again at the step it was stopped at."""
     a, b = StateStore(str(tmp_path / "a")), StateStore(str(tmp_path / "b"))
-    runs = {"t1": {10: 2.0, 20: 1.9, 30: 1.5}, "t2": {10: 3.0, 20: 2.0}, "t3": {10: 1.0, 30: 0.9},
-            "t4": {10: 1.5, 30: 2.0, 40: 1.0}}
-    unbroken = asha(a)
+    runs = {"bf16-s1": {10: 5.0, 30: 4.0}, "e7m0-s1": {10: 6.0, 20: 5.5}, "e4m3-s1": {10: 5.1, 30: 4.1},
+            "e5m2-s1": {10: 5.2, 30: 4.9, 40: 4.5}, "nan-s1": {10: 5.0, 30: math.inf}}
+    unbroken = rungs(a)
     expected = {t: feed(unbroken, t, losses) for t, losses in runs.items()}
+    assert expected["e7m0-s1"][0] == (10, STOP) and expected["e5m2-s1"][1] == (30, STOP)
 
-    before = asha(b)
-    feed(before, "t1", runs["t1"])
-    feed(before, "t2", runs["t2"])
+    before = rungs(b)
+    feed(before, "bf16-s1", runs["bf16-s1"])
+    feed(before, "e7m0-s1", runs["e7m0-s1"])
     restored = pickle_roundtrip(before)  # what Tuner.restore does with tuner.pkl
     assert restored._state is None
-    assert feed(restored, "t2", {5: 3.5, 10: 3.0}) == [(5, CONTINUE), (10, STOP)]  # the replay
-    got = {t: feed(restored, t, runs[t]) for t in ("t3", "t4")}
-    assert got == {t: expected[t] for t in ("t3", "t4")}
+    assert feed(restored, "e7m0-s1", {5: 7.0, 10: 6.0}) == [(5, CONTINUE), (10, STOP)]  # the replay
+    got = {t: feed(restored, t, runs[t]) for t in ("e4m3-s1", "e5m2-s1", "nan-s1")}
+    assert got == {t: expected[t] for t in ("e4m3-s1", "e5m2-s1", "nan-s1")}
     assert json.loads((tmp_path / "b" / STATE_DIR / ASHA_FILE).read_text()) == \
         json.loads((tmp_path / "a" / STATE_DIR / ASHA_FILE).read_text())
 
@@ -81,7 +108,7 @@ def pickle_roundtrip(obj):
 
 def test_stopper_stops_for_nan_and_bit_stall_and_replays(tmp_path):
     store = StateStore(str(tmp_path))
-    stopper = StabilityStopper(store, nan_patience=3, stall_reports=4)
+    stopper = StabilityStopper(store, nan_patience=3, stall_reports=4, stall_threshold=0.9)
     assert not stopper("n", {"step": 7, "stability/nan_streak": 2.0})
     assert stopper("n", {"step": 8, "stability/nan_streak": 3.0})
     assert not stopper("s", {"step": 5, STALL_STREAK: 3.0})
@@ -91,7 +118,10 @@ def test_stopper_stops_for_nan_and_bit_stall_and_replays(tmp_path):
     assert not restored("n", {"step": 6, "stability/nan_streak": 0.0})  # replay before the stop
     assert restored("n", {"step": 8, "stability/nan_streak": 0.0})  # stopped again, same step
     state = json.loads((tmp_path / STATE_DIR / STOPPER_FILE).read_text())
-    assert state["stopped"] == {"n": {"reason": "nan", "step": 8}, "s": {"reason": "bit_stall", "step": 6}}
+    assert state["stopped"] == {
+        "n": {"reason": "nan", "step": 8, "streak": 3, "patience": 3},
+        "s": {"reason": "bit_stall", "step": 6, "streak": 4, "patience": 4, "threshold": 0.9}}
+    assert stop_detail(state["stopped"]["s"]).startswith("bit_stall: bit-stall >= 0.9 for 4 reports")
 
 
 def rows(n: int, stall: list[float]) -> list[dict[str, float]]:
@@ -188,7 +218,8 @@ def test_bit_stall_stop_at_the_cpu_preset(tmp_path, stall_reports, stall_from, s
     cfg = cpu_sweep(stall_reports)
     t = cfg.run_config({}).train
     assert (t.max_steps, t.diag_every, t.log_interval) == (60, 5, 1)
-    stopper = StabilityStopper(StateStore(str(tmp_path)), nan_patience=5, stall_reports=stall_reports)
+    stopper = StabilityStopper(StateStore(str(tmp_path)), nan_patience=5, stall_reports=stall_reports,
+                               stall_threshold=cfg.stopper.stall_threshold)
     signals = SweepSignals(cfg.stopper.stall_threshold, 1e-3)
     stopped = next((int(row["step"]) for row in cpu_reports(t.max_steps, t.diag_every, stall_from)
                     if stopper("t1", {**row, **signals.observe(row)})), None)
@@ -199,7 +230,8 @@ def test_bit_stall_stop_at_the_cpu_preset(tmp_path, stall_reports, stall_from, s
         assert "stopper.stall_reports (20)" in warning and "at most 13" in warning
     else:
         state = json.loads((tmp_path / STATE_DIR / STOPPER_FILE).read_text())
-        assert state["stopped"] == {"t1": {"reason": "bit_stall", "step": stop_step}}
+        assert state["stopped"]["t1"]["reason"] == "bit_stall"
+        assert state["stopped"]["t1"]["step"] == stop_step
 
 def test_signals_report_inf_for_broken_steps():
     s = SweepSignals(0.99, 1e-2)

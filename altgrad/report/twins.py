@@ -1,20 +1,15 @@
-"""Formats that are one grid up to a power of two: under amax scaling they train identically.
-
-A per-tensor scale s = fmt.max / (amax · 2^margin) (power of two or not) puts a tensor at the same
-place of either format when the two value sets differ only by a factor 2^k: then
-quantize(x·s_b)/s_b == quantize(x·s_a)/s_a exactly, step for step, so two such trials are one result
-shown twice. E0M7 (k/64, max 127/64) and E1M6 (k/32, max 127/32) are such a pair under the gfloat
-E ≤ 1 convention (bias 0); they differ only with `scaling.mode: none`. The report says so.
-"""
+"""The report's note on formats that are one grid up to a power of two (`quant.equivalence`):
+under amax scaling their trials are one result shown twice, and the report says so."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import combinations
 
 from altgrad.config import BASELINE
+from altgrad.quant import FORMATS
+from altgrad.quant.equivalence import power_of_two_shift
 
 
 @dataclass(frozen=True)
@@ -45,30 +40,10 @@ class Twins:
 def power_of_two_twins(formats: Iterable[str]) -> list[Twins]:
     """Every pair of the given 8-bit formats whose values (and ties-to-even code parities) are the
     same up to a power of two; bf16 and unknown names are skipped."""
-    from altgrad.quant import FORMATS
-
     specs = [FORMATS[f] for f in formats if f != BASELINE and f in FORMATS]
     pairs = []
     for a, b in combinations(sorted(specs, key=lambda s: s.max), 2):
-        shift = _shift(a, b)
+        shift = power_of_two_shift(a, b)
         if shift is not None:
             pairs.append(Twins(a.name, b.name, shift))
     return pairs
-
-
-def _shift(a, b) -> int | None:
-    """k with values(b) == values(a) · 2^k (positive k, same specials), else None."""
-    if (a.specials, a.subnormals) != (b.specials, b.subnormals):
-        return None
-    mantissa, exponent = math.frexp(b.max / a.max)
-    if mantissa != 0.5 or exponent < 2:
-        return None
-    factor = 2.0 ** (exponent - 1)
-    if [(v * factor, p) for v, p in _grid(a)] != _grid(b):
-        return None
-    return exponent - 1
-
-
-def _grid(spec) -> list[tuple[float, int]]:
-    """The non-negative finite values in order, each with its code's parity (ties go to even codes)."""
-    return sorted((v, c % 2) for c in range(128) if math.isfinite(v := spec.value_of(c)))

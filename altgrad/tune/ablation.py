@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from altgrad.experiment import load_experiment
-from altgrad.tune.asha import PersistentASHA
+from altgrad.tune.asha import StabilityRungs
 from altgrad.tune.config import SweepConfig
-from altgrad.tune.grid import build_grid, describe_grid
+from altgrad.tune.grid import build_grid, describe_grid, trials_to_run
 from altgrad.tune.runner import Experiment
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import trial_labels, trial_limits
@@ -27,17 +27,19 @@ class FormatAblation:
         from ray import tune
 
         points = build_grid(cfg)
+        runs = trials_to_run(points)
         r = cfg.resources
-        param_space = {"key": tune.grid_search([p.key for p in points]),
+        param_space = {"key": tune.grid_search([p.key for p in runs]),
                        **trial_limits(r.cpus_per_trial, r.gpu_per_trial, cfg.stopper.stall_threshold)}
         a = cfg.asha
-        scheduler = PersistentASHA(
+        scheduler = StabilityRungs(
             StateStore(cfg.experiment_path), metric=a.metric, mode=a.mode, max_t=cfg.max_t,
-            grace_period=a.grace_period, reduction_factor=a.reduction_factor,
+            grace_period=a.grace_period, reduction_factor=a.reduction_factor, tolerance=a.tolerance,
+            references={p.key: p.reference for p in runs},
         ) if a.enabled else None
-        trials = [trial_labels({"key": p.key}, p.labels) for p in points]
-        return [Experiment(cfg, FormatAblation.kind, cfg.experiment_path, {p.key: p for p in points},
-                           param_space, trials, len(points), scheduler=scheduler)]
+        trials = [trial_labels({"key": p.key}, p.labels) for p in points]  # aliases too, for readers
+        return [Experiment(cfg, FormatAblation.kind, cfg.experiment_path, {p.key: p for p in runs},
+                           param_space, trials, len(runs), scheduler=scheduler)]
 
     @staticmethod
     def describe(cfg: SweepConfig, experiments: list[Experiment]) -> str:

@@ -1,14 +1,17 @@
-"""ASHA whose rung state lives in the experiment dir, so a restored sweep decides as the original.
+"""Early stopping tied to stability, at ASHA's rungs, with its state in the experiment dir.
 
-Ray's `AsyncHyperBandScheduler` keeps its rungs in memory and `Tuner.restore` starts it empty: a
-resumed sweep would judge later trials against nothing and let through what the original run cut.
-This is asynchronous successive halving with one bracket (no random bracket choice): a trial is
-recorded at a rung when it first reports a step at or past the rung's milestone, and stopped if
-its value is worse than the 1/rf quantile of the values recorded there before it (Ray's rule).
-Non-finite values count as the worst possible, so NaN trials are cut. Each record and stop is
-written to `asha.json` before the decision takes effect and is read back on restore; a trial
-resumed from a checkpoint older than its stop is stopped again at the same step, so what it
-re-trains up to the stop is identical.
+This is an ablation: every healthy format must be measured over the full budget, so a rung does not
+keep "the best third" (Ray's ASHA rule, a hyper-parameter-search tool's). A trial is stopped at a
+rung only when it is broken: its value is non-finite (reason `nan`), or it trails the rung's
+reference by more than `tolerance` (reason `asha`). The reference is the bf16 trial of the same
+optimizer, seed and extra-axis values when it has reported at that rung, else the best value
+recorded there so far. A trial is recorded at a rung when it first reports a step at or past the
+rung's milestone. The NaN-streak and bit-stall rules live in `stopper.StabilityStopper`.
+
+Ray's `AsyncHyperBandScheduler` keeps its rungs in memory and `Tuner.restore` starts it empty;
+here each record and stop is written to `asha.json` before the decision takes effect and read back
+on restore, so a resumed sweep decides as the original. A trial resumed from a checkpoint older
+than its stop is stopped again at the same step, so what it re-trains up to the stop is identical.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
 from altgrad.experiment import ASHA_FILE
 from altgrad.tune.store import StateStore
+from altgrad.tune.trial_spec import trial_key
 
 
 def asha_milestones(grace_period: int, reduction_factor: float, max_t: int) -> list[int]:
@@ -31,25 +35,19 @@ def asha_milestones(grace_period: int, reduction_factor: float, max_t: int) -> l
     return rungs
 
 
-def quantile(values: list[float], q: float) -> float:
-    """Linear-interpolated quantile that stays +inf (never NaN) when +inf values are involved."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    if xs[lo] == xs[hi]:
-        return xs[lo]
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+class StabilityRungs(FIFOScheduler):
+    """See the module docstring. `references` maps a trial key to its bf16 reference's key."""
 
-
-class PersistentASHA(FIFOScheduler):
     def __init__(self, store: StateStore, *, metric: str, mode: str, max_t: int, grace_period: int,
-                 reduction_factor: float, time_attr: str = "step"):
+                 reduction_factor: float, tolerance: float, references: dict[str, str | None],
+                 time_attr: str = "step"):
         super().__init__()
         self._store = store
         self._metric = metric
         self._sign = 1.0 if mode == "min" else -1.0
         self._time_attr = time_attr
-        self._rf = reduction_factor
+        self.tolerance = tolerance
+        self.references = references
         self.milestones = asha_milestones(grace_period, reduction_factor, max_t)
         self._state: dict[str, Any] | None = None
 
@@ -59,22 +57,24 @@ class PersistentASHA(FIFOScheduler):
 
     @property
     def state(self) -> dict[str, Any]:
-        """{"milestones", "rungs": {milestone: {trial_id: value}}, "stopped": {trial_id: {...}}}."""
+        """{"milestones", "rungs": {milestone: {trial_id: value}}, "keys": {trial_id: key},
+        "stopped": {trial_id: {"reason", "step", "rung", "value", "reference", "behind", ...}}}."""
         if self._state is None:
             self._state = self._store.read(ASHA_FILE) or {
                 "milestones": self.milestones,
                 "rungs": {str(m): {} for m in self.milestones},
+                "keys": {},
                 "stopped": {},
             }
         return self._state
 
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
-        return self._observe(trial.trial_id, result)
+        return self._observe(trial.trial_id, trial_key(trial.config), result)
 
     def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
-        self._observe(trial.trial_id, result)  # a final result may still reach a rung, as in Ray
+        self._observe(trial.trial_id, trial_key(trial.config), result)  # a final result may reach a rung
 
-    def _observe(self, trial_id: str, result: dict) -> str:
+    def _observe(self, trial_id: str, key: str, result: dict) -> str:
         if self._time_attr not in result or self._metric not in result:
             return TrialScheduler.CONTINUE
         t = result[self._time_attr]
@@ -88,22 +88,36 @@ class PersistentASHA(FIFOScheduler):
         if trial_id in rung:
             return TrialScheduler.CONTINUE
         value = result[self._metric]
-        cutoff = quantile([self._score(v) for v in rung.values()], 1 / self._rf) if rung else None
+        decision = self._judge(key, value, rung)
         rung[trial_id] = value
-        action = TrialScheduler.CONTINUE
-        if cutoff is not None and self._score(value) > cutoff:
-            action = TrialScheduler.STOP
-            self.state["stopped"][trial_id] = {
-                "step": int(t), "rung": reached[-1], "value": value, "cutoff": self._sign * cutoff,
-            }
+        self.state["keys"][trial_id] = key
+        if decision is not None:
+            self.state["stopped"][trial_id] = {"step": int(t), "rung": reached[-1], "value": value,
+                                               "tolerance": self.tolerance, **decision}
         self._store.write(ASHA_FILE, self.state)
-        return action
+        return TrialScheduler.CONTINUE if decision is None else TrialScheduler.STOP
 
-    def _score(self, value: float) -> float:
-        """Lower is better; anything non-finite is the worst."""
-        score = self._sign * value
-        return score if math.isfinite(score) else math.inf
+    def _judge(self, key: str, value: float, rung: dict[str, float]) -> dict[str, Any] | None:
+        """None for a healthy trial, else why it is broken (reason and the numbers)."""
+        if not math.isfinite(value):
+            return {"reason": "nan", "reference": None, "reference_key": None, "behind": None}
+        ref_key = self.references.get(key)
+        keys = self.state["keys"]
+        bf16 = [v for tid, v in rung.items() if ref_key is not None and keys.get(tid) == ref_key]
+        scores = [self._sign * v for v in rung.values() if math.isfinite(v)]
+        if bf16 and math.isfinite(bf16[0]):
+            reference, ref_name = bf16[0], ref_key
+        elif scores:
+            reference, ref_name = self._sign * min(scores), None
+        else:
+            return None
+        behind = self._sign * (value - reference) / abs(reference) if reference else 0.0
+        if behind <= self.tolerance:
+            return None
+        return {"reason": "asha", "reference": reference, "reference_key": ref_name, "behind": behind}
 
     def debug_string(self) -> str:
         rungs = ", ".join(f"{m}: {len(self.state['rungs'][str(m)])} recorded" for m in self.milestones)
-        return f"Persistent ASHA on {self._metric}: {rungs}; {len(self.state['stopped'])} stopped"
+        return (f"stability rungs on {self._metric} (tolerance {self.tolerance:g}): {rungs}; "
+                f"{len(self.state['stopped'])} stopped")
+

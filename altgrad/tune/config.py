@@ -1,14 +1,16 @@
 """Sweep configuration: one pydantic model per entry point, validated whole before Ray starts.
 
 Layering, lowest priority first: the sweep preset (`cpu` / `gpu`, auto from CUDA) < the YAML file
-< its `smoke:` section (with `--smoke`) < `--set key=value`. `base` is a RunConfig-shaped mapping
-shared by every trial; it is validated here through `RunConfig` (errors say `base.optim.lr: ...`),
-and every grid point is validated when the grid is built, so nothing is written before a typo is
-caught.
+< its `per_preset.<preset>:` section < its `smoke:` section (with `--smoke`) < `--set key=value`.
+`base` is a RunConfig-shaped mapping shared by every trial; it is validated here through
+`RunConfig` (errors say `base.optim.lr: ...`), the other presets' sections are validated too (a
+gpu-only typo fails on a cpu machine), and every grid point is validated when the grid is built, so
+nothing is written before a typo is caught.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar
 
@@ -31,12 +33,18 @@ from altgrad.config import (
     apply_overrides,
     deep_merge,
     describe_validation_error,
+    leaf_field,
+    nested,
     read_yaml,
     resolve_preset,
 )
 from altgrad.tune.trial_spec import stall_reports_in_run
 
 FORMAT_PLACEHOLDER = "{fmt}"  # in a custom policy rule: the grid point's format
+# Run settings the grid sets itself (-> the grid key that sets them): not allowed as extra axes.
+FIXED_AXES = {"quant.format": "formats", "optim.name": "optimizers", "quant.precision": "precisions",
+              "train.seed": "seeds", "preset": "(the sweep's top-level preset)"}
+AxisValue = str | bool | int | float  # one value of an extra grid axis: a scalar, part of the trial key
 
 # Resources per trial by preset: a GPU is shared by 4 trials; on CPU each trial gets one core.
 SWEEP_PRESETS: dict[str, dict[str, float]] = {
@@ -123,8 +131,9 @@ class SweepSettings(_Strict):
     storage_path: str = "experiments"
     preset: Literal["cpu", "gpu"]
     base: dict[str, Any] = Field(default_factory=dict)
-    base_per_preset: dict[Literal["cpu", "gpu"], dict[str, Any]] = Field(
-        default_factory=dict, description="added to base under that preset only"
+    per_preset: dict[Literal["cpu", "gpu"], dict[str, Any]] = Field(
+        default_factory=dict, description="sweep keys layered on the file under that preset only "
+                                          "(applied by `load_sweep_config`, like `smoke`)"
     )
     resources: Resources
     max_concurrent_trials: int | None = Field(None, ge=1)
@@ -142,33 +151,24 @@ class SweepSettings(_Strict):
             raise ValueError("set the sweep's top-level `preset`, not a preset inside the run")
         return base
 
-    @field_validator("base_per_preset")
-    @classmethod
-    def _no_nested_preset(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        for section in v.values():
-            cls._no_preset_inside(section)
-        return v
-
     @classmethod
     def validated(cls, data: dict[str, Any]) -> Self:
-        """The model, with `base` validated as a RunConfig too (under every preset it names, so a
-        gpu section fails on a cpu machine already); ConfigError names the field."""
+        """The model, with `base` validated as a RunConfig too; ConfigError names the field."""
         try:
             cfg = cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(describe_validation_error(e)) from None
         cfg.run_config({})
-        for preset in set(cfg.base_per_preset) - {cfg.preset}:
-            try:
-                cfg.model_copy(update={"preset": preset}).run_config({})
-            except ConfigError as e:
-                raise ConfigError(f"under preset {preset} (base + base_per_preset.{preset}): {e}") from None
+        cfg.check()
         return cfg
 
+    def check(self) -> None:
+        """Cross-field checks that need the run config; ConfigError names the field."""
+
     def run_config(self, overrides: dict[str, Any]) -> RunConfig:
-        """Preset < base < base_per_preset[preset] < `overrides`, validated as a RunConfig."""
+        """Preset < base < `overrides`, validated as a RunConfig."""
         merged = PRESETS[self.preset]
-        for layer in (self.base, self.base_per_preset.get(self.preset, {}), overrides):
+        for layer in (self.base, overrides):
             merged = deep_merge(merged, layer)
         merged["preset"] = self.preset
         try:
@@ -220,6 +220,24 @@ class GridSettings(_Strict):
     format_overrides: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per format, RunConfig fields on top of base (e.g. its lr)"
     )
+    axes: dict[str, list[AxisValue]] = Field(
+        default_factory=dict,
+        description="extra grid axes: dotted RunConfig setting -> values, e.g. quant.rounding: "
+                    "[nearest, stochastic]; each value is one more trial per cell",
+    )
+
+    @field_validator("axes")
+    @classmethod
+    def _axes(cls, v: dict[str, list[AxisValue]]) -> dict[str, list[AxisValue]]:
+        for path, values in v.items():
+            if path in FIXED_AXES:
+                raise ValueError(f"{path!r} is a fixed axis of the grid: set it with grid.{FIXED_AXES[path]}")
+            leaf_field(path)
+            if not values:
+                raise ValueError(f"{path}: give at least one value")
+            if len({json.dumps(x) for x in values}) < len(values):
+                raise ValueError(f"{path}: duplicate values {values}")
+        return v
 
     @field_validator("optimizers")
     @classmethod
@@ -255,19 +273,48 @@ class GridSettings(_Strict):
 
 
 class AshaSettings(_Strict):
+    """Rungs at which a broken trial is stopped (see `altgrad.tune.asha`): never the best-k rule."""
+
     enabled: bool = True
     metric: str = "val/loss"
     mode: Literal["min", "max"] = "min"
     grace_period: int = Field(20, ge=1, description="steps before the first rung")
-    reduction_factor: float = Field(3.0, gt=1)
+    reduction_factor: float = Field(3.0, gt=1, description="rung spacing: rungs at grace_period × rf^k")
     max_t: int | None = Field(None, ge=1, description="default: base train.max_steps")
+    tolerance: float = Field(
+        0.10, ge=0, description="stop a trial whose metric trails the rung's reference (bf16 of the "
+                                "same optimizer and seed, else the rung's best) by more than this fraction"
+    )
+
+
+class EstimateSettings(_Strict):
+    """`--dry-run`'s time and cost estimate."""
+
+    measure_steps: int = Field(
+        12, ge=0, description="steps of the slowest trial timed in-process on this machine; 0 = use "
+                              "step_time_s")
+    step_time_s: dict[Literal["cpu", "gpu"], float] = Field(
+        default_factory=dict, description="stored seconds per step of one trial, per preset, used when "
+                                          "the preset cannot be measured here (gpu on a cpu machine)")
+    trial_overhead_s: float = Field(10.0, ge=0, description="start-up, compile and final save per trial")
+    usd_per_gpu_hour: float = Field(2.5, ge=0, description="price of one GPU-hour for the cost line")
 
 
 class SweepConfig(SweepSettings):
-    """`sweeps/format_ablation.py`: the format × optimizer × layer-precision grid under ASHA."""
+    """`sweeps/format_ablation.py`: formats × optimizers × layer precisions × seeds × extra axes."""
 
     grid: GridSettings
     asha: AshaSettings = Field(default_factory=AshaSettings)
+    estimate: EstimateSettings = Field(default_factory=EstimateSettings)
+
+    def check(self) -> None:
+        """Every extra-axis value must validate in the run config, named by its field."""
+        for path, values in self.grid.axes.items():
+            for value in values:
+                try:
+                    self.run_config(nested(path, value))
+                except ConfigError as e:
+                    raise ConfigError(f"grid.axes.{path}: value {value!r} is not valid:\n{e}") from None
 
     @property
     def max_t(self) -> int:
@@ -329,26 +376,42 @@ def load_sweep_config(
 ) -> Settings:
     """Read, layer and validate a sweep YAML; ConfigError (naming the field) on any problem."""
     data = read_yaml(path)
-    if smoke:
-        section = data.get("smoke") or {}
-        if not isinstance(section, dict):
-            raise ConfigError("smoke: expected a mapping of overrides")
-        data = deep_merge(data, section)
-        if "name" not in section and "name" in data:
-            data["name"] = f"{data['name']}-smoke"
-    data = apply_overrides(data, overrides or [])
-    if name is not None:
-        data["name"] = name
-    if storage_path is not None:
-        data["storage_path"] = storage_path
-    preset = resolve_preset(data.get("preset"))
-    data["preset"] = preset
-    resources = data.get("resources") or {}
-    if isinstance(resources, dict):
-        data["resources"] = {**SWEEP_PRESETS[preset], **resources}
-    if isinstance(data.get("storage_path"), str) and "://" not in data["storage_path"]:
-        data["storage_path"] = str(Path(data["storage_path"]).expanduser().resolve())
-    return model.validated(data)
+    overridden = apply_overrides(data, overrides or [])  # --set may name the preset and its section
+    preset = resolve_preset(overridden.get("preset"))
+    per_preset = overridden.get("per_preset") or {}
+    if not isinstance(per_preset, dict) or not all(isinstance(v, dict) for v in per_preset.values()):
+        raise ConfigError("per_preset: expected {cpu: {...}, gpu: {...}} mappings of sweep keys")
+
+    def layered(preset: str) -> dict[str, Any]:
+        out = deep_merge(data, per_preset.get(preset) or {})
+        if smoke:
+            section = out.get("smoke") or {}
+            if not isinstance(section, dict):
+                raise ConfigError("smoke: expected a mapping of overrides")
+            out = deep_merge(out, section)
+            if "name" not in section and "name" in out:
+                out["name"] = f"{out['name']}-smoke"
+        out = apply_overrides(out, overrides or [])
+        if name is not None:
+            out["name"] = name
+        if storage_path is not None:
+            out["storage_path"] = storage_path
+        out["preset"] = preset
+        resources = out.get("resources") or {}
+        if isinstance(resources, dict):
+            out["resources"] = {**SWEEP_PRESETS[preset], **resources}
+        if isinstance(out.get("storage_path"), str) and "://" not in out["storage_path"]:
+            out["storage_path"] = str(Path(out["storage_path"]).expanduser().resolve())
+        return out
+
+    for other in set(per_preset) - {preset}:  # a typo in another preset's section fails here too
+        if other not in PRESETS:
+            raise ConfigError(f"per_preset.{other}: unknown preset; choose from {sorted(PRESETS)}")
+        try:
+            model.validated(layered(other))
+        except ConfigError as e:
+            raise ConfigError(f"under preset {other} (with per_preset.{other}): {e}") from None
+    return model.validated(layered(preset))
 
 
 def absolute_data_paths(run: dict[str, Any]) -> dict[str, Any]:

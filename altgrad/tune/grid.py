@@ -1,30 +1,45 @@
-"""The grid of a format ablation: formats × optimizers × layer precisions × seeds.
+"""The grid of a format ablation: formats × optimizers × layer precisions × extra axes × seeds.
 
-bf16 is the baseline and quantizes nothing, so it runs once per optimizer (and seed), not once per
-layer precision. Every point carries its validated run config, so a bad combination fails here,
-before Ray starts, with the point and the field named.
+bf16 is the baseline and quantizes nothing, so it runs once per optimizer, seed and value of each
+extra axis that applies to it (axes under `quant.` do not), not once per layer precision. A format
+that quantizes every tensor exactly like an earlier one of the same cell (`quant.equivalence`: e1m6
+≡ e0m7 under amax scaling) is not run again: its point is an alias (`same_as`) that readers list
+under its own name, marked as one measurement. Every point carries its validated run config, so a
+bad combination fails here, before Ray starts, with the point and the field named.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from altgrad.config import BASELINE, ConfigError, deep_merge
+from altgrad.config import BASELINE, ConfigError, deep_merge, nested
+from altgrad.experiment import axis_names
+from altgrad.quant.equivalence import quantize_identically
 from altgrad.tune.asha import asha_milestones
-from altgrad.tune.config import FORMAT_PLACEHOLDER, SweepConfig, SweepSettings, absolute_data_paths
+from altgrad.tune.config import (
+    FORMAT_PLACEHOLDER,
+    AxisValue,
+    SweepConfig,
+    SweepSettings,
+    absolute_data_paths,
+)
 
 
 @dataclass(frozen=True)
 class GridPoint:
-    key: str  # e.g. "e4m3-adamw-all-s42": names the trial and its directory
+    key: str  # e.g. "e4m3-adamw-all-rounding=stochastic-s42": names the trial and its directory
     format: str
     optimizer: str
     precision: str
     seed: int
     run: dict[str, Any] = field(repr=False)  # a validated RunConfig, JSON-ready, data paths absolute
+    axes: dict[str, AxisValue] = field(default_factory=dict)  # extra-axis values that apply here
+    same_as: str | None = None  # an equivalent format's point whose trial measures this one
+    reference: str | None = None  # the bf16 point of the same optimizer, seed and axes, if any
 
     @property
     def labels(self) -> dict[str, Any]:
@@ -32,43 +47,107 @@ class GridPoint:
         return {k: v for k, v in asdict(self).items() if k != "run"}
 
 
-def point_key(fmt: str, optimizer: str, precision: str, seed: int) -> str:
-    return f"{fmt}-{optimizer}-{precision}-s{seed}"
+def applies_to_baseline(axis: str) -> bool:
+    """bf16 quantizes nothing, so the quantizer's settings (`quant.*`) do not change it."""
+    return not axis.startswith("quant.")
+
+
+def axis_text(value: AxisValue) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text.replace("/", "_")
+
+
+def point_key(fmt: str, optimizer: str, precision: str, seed: int,
+              axes: dict[str, AxisValue] | None = None, names: dict[str, str] | None = None) -> str:
+    names = names or axis_names(list(axes or {}))
+    extra = "".join(f"-{names[path]}={axis_text(v)}" for path, v in (axes or {}).items())
+    return f"{fmt}-{optimizer}-{precision}{extra}-s{seed}"
 
 
 def make_point(settings: SweepSettings, fmt: str, optimizer: str, precision: str, seed: int,
-               rules: list[dict[str, str]] | None = None, extra: dict[str, Any] | None = None) -> GridPoint:
-    """One trial's run: the base (plus `extra`) with format, precision (preset or custom `rules`)
-    and seed set."""
-    key = point_key(fmt, optimizer, precision, seed)
+               rules: list[dict[str, str]] | None = None, extra: dict[str, Any] | None = None,
+               axes: dict[str, AxisValue] | None = None, names: dict[str, str] | None = None) -> GridPoint:
+    """One trial's run: the base (plus `extra`, then the axis values) with format, precision
+    (preset or custom `rules`) and seed set."""
+    axes = axes or {}
+    key = point_key(fmt, optimizer, precision, seed, axes, names)
     quant: dict[str, Any] = {"format": fmt, "precision": rules if rules is not None else precision}
     if fmt == BASELINE:
         quant["master_weights"] = "fp32"  # the baseline has no 8-bit format to store weights in
-    point = {"quant": quant, "optim": {"name": optimizer}, "train": {"seed": seed}}
+    layers = [extra or {}, *(nested(path, v) for path, v in axes.items()),
+              {"quant": quant, "optim": {"name": optimizer}, "train": {"seed": seed}}]
+    overrides: dict[str, Any] = {}
+    for layer in layers:
+        overrides = deep_merge(overrides, layer)
     try:
-        run = settings.run_config(deep_merge(extra or {}, point))
+        run = settings.run_config(overrides)
     except ConfigError as e:
         raise ConfigError(f"grid point {key}: {e}") from None
-    return GridPoint(key, fmt, optimizer, precision, seed, absolute_data_paths(run.model_dump(mode="json")))
+    return GridPoint(key, fmt, optimizer, precision, seed, absolute_data_paths(run.model_dump(mode="json")),
+                     axes=dict(axes))
 
 
 def build_grid(cfg: SweepConfig) -> list[GridPoint]:
-    """Points in a fixed order (seed, optimizer, format, precision): the order trials start in."""
+    """Every point, in a fixed order (seed, optimizer, extra axes, format, precision): the order
+    trials start in. Points with `same_as` set are not run (`trials_to_run`)."""
     grid = cfg.grid
     seeds = grid.seeds or [cfg.run_config({}).train.seed]
-    points = []
-    for seed in seeds:
-        for optimizer in grid.optimizer_names:
-            for fmt in grid.formats:
-                for precision in ["all"] if fmt == BASELINE else grid.precisions:
-                    rules = None
-                    if precision in grid.policies:
-                        rules = [{"pattern": r.pattern,
-                                  "format": fmt if r.format == FORMAT_PLACEHOLDER else r.format}
-                                 for r in grid.policies[precision]]
-                    points.append(make_point(cfg, fmt, optimizer, precision, seed, rules,
-                                             grid.format_overrides.get(fmt)))
-    return points
+    names = axis_names(list(grid.axes))
+    combos = [dict(zip(grid.axes, values, strict=True)) for values in itertools.product(*grid.axes.values())]
+    points: dict[str, GridPoint] = {}
+    for seed, optimizer, axes in itertools.product(seeds, grid.optimizer_names, combos):
+        baseline_axes = {p: v for p, v in axes.items() if applies_to_baseline(p)}
+        reference = (point_key(BASELINE, optimizer, "all", seed, baseline_axes, names)
+                     if BASELINE in grid.formats else None)
+        for fmt in grid.formats:
+            for precision in ["all"] if fmt == BASELINE else grid.precisions:
+                rules = None
+                if precision in grid.policies:
+                    rules = [{"pattern": r.pattern,
+                              "format": fmt if r.format == FORMAT_PLACEHOLDER else r.format}
+                             for r in grid.policies[precision]]
+                point_axes = baseline_axes if fmt == BASELINE else axes
+                point = make_point(cfg, fmt, optimizer, precision, seed, rules,
+                                   grid.format_overrides.get(fmt), point_axes, names)
+                if point.key in points:  # bf16 again for an axis value that does not apply to it
+                    continue
+                twin = None if fmt == BASELINE else next(
+                    (p for p in points.values() if _same_training(p, point)), None)
+                points[point.key] = GridPoint(
+                    **{**asdict(point), "same_as": twin.key if twin else None,
+                       "reference": None if fmt == BASELINE else reference})
+    return list(points.values())
+
+
+def trials_to_run(points: list[GridPoint]) -> list[GridPoint]:
+    return [p for p in points if p.same_as is None]
+
+
+def _same_training(measured: GridPoint, other: GridPoint) -> bool:
+    """Whether `other` would train bit for bit like the already measured point: its format
+    quantizes identically under the run's scaling, and nothing else of the run differs."""
+    if measured.same_as is not None or measured.format == BASELINE:
+        return False
+    if (measured.optimizer, measured.precision, measured.seed, measured.axes) != \
+            (other.optimizer, other.precision, other.seed, other.axes):
+        return False
+    quant = other.run["quant"]
+    amax_scaled = quant["scaling"]["mode"] != "none"
+    # An emergency mantissa shift moves the two along different format chains.
+    unshifted = other.run["stability"]["shift_patience"] is None
+    return (unshifted and quantize_identically(measured.format, other.format, amax_scaled)
+            and _without_format(measured.run, measured.format) == _without_format(other.run, other.format))
+
+
+def _without_format(run: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """The run with its grid format blanked out (in `quant.format` and the precision rules)."""
+    quant = dict(run["quant"], format=None)
+    if isinstance(quant["precision"], list):
+        quant["precision"] = [{**r, "format": None if r["format"] == fmt else r["format"]}
+                              for r in quant["precision"]]
+    return {**run, "quant": quant}
 
 
 def machine_resources() -> tuple[int, int]:
@@ -110,33 +189,60 @@ def describe_resources(settings: SweepSettings, n_trials: int) -> list[str]:
 
 
 def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
-    """The `--dry-run` text: grid size, resources, early stopping, then one line per trial."""
+    """The `--dry-run` text: grid size, resources, early stopping, the estimate, one line per point."""
+    from altgrad.tune.estimate import estimate_lines
+
     grid = cfg.grid
+    runs = trials_to_run(points)
     quantized = [f for f in grid.formats if f != BASELINE]
     optimizers = grid.optimizer_names
+    axes = "".join(f" × {len(v)} {path}" for path, v in grid.axes.items())
     seeds = len(grid.seeds or [None])
     parts = []
     if quantized:
         parts.append(f"{_n(len(quantized), 'format')} × {_n(len(optimizers), 'optimizer')} × "
-                     f"{_n(len(grid.precisions), 'precision')}")
+                     f"{_n(len(grid.precisions), 'precision')}{axes}")
     if BASELINE in grid.formats:
-        parts.append(f"{BASELINE} × {_n(len(optimizers), 'optimizer')}")
-    size = " + ".join(parts) + (f", × {seeds} seeds" if seeds > 1 else "")
-    lines = [f"sweep {cfg.name}: {len(points)} trials = {size}", *describe_resources(cfg, len(points))]
+        applying = "".join(f" × {len(v)} {p}" for p, v in grid.axes.items() if applies_to_baseline(p))
+        parts.append(f"{BASELINE} × {_n(len(optimizers), 'optimizer')}{applying}")
+    size = " + ".join(parts) + f", × {_n(seeds, 'seed')}"
+    aliases = len(points) - len(runs)
+    lines = [f"sweep {cfg.name}: {len(runs)} trials = {size}"
+             + (f", less {aliases} equivalent-format points measured once" if aliases else ""),
+             *describe_resources(cfg, len(runs))]
     if cfg.asha.enabled:
-        rungs = ", ".join(str(m) for m in asha_milestones(cfg.asha.grace_period, cfg.asha.reduction_factor, cfg.max_t))
-        lines.append(f"ASHA on {cfg.asha.metric} ({cfg.asha.mode}): rungs at steps {rungs or 'none'}, "
-                     f"keeps the best 1/{cfg.asha.reduction_factor:g} at each")
+        a = cfg.asha
+        rungs = ", ".join(str(m) for m in asha_milestones(a.grace_period, a.reduction_factor, cfg.max_t))
+        lines.append(f"early stopping at rungs (steps {rungs or 'none'}) on {a.metric}: only broken "
+                     f"trials stop (non-finite, or more than {100 * a.tolerance:g} % behind bf16 of "
+                     "the same optimizer and seed, else the rung's best)")
     if cfg.stopper.enabled:
         s = cfg.stopper
         lines.append(f"stability stopper: {s.nan_patience} NaN steps in a row, or bit-stall >= "
                      f"{s.stall_threshold:g} for {s.stall_reports} reports in a row")
+    cpus, gpus = machine_resources()
+    can_measure = cfg.preset == "cpu" or gpus > 0
+    if cfg.resources.gpu_per_trial > 0 and gpus == 0:  # planning a GPU run here: one GPU, as planned
+        cpus, gpus = max(cpus, math.ceil(1 / cfg.resources.gpu_per_trial) * cfg.resources.cpus_per_trial), 1
+        lines.append("estimate for one GPU (this machine has none):")
+    lines += estimate_lines(cfg, [_run_config(p) for p in runs], concurrency(cfg, cpus, gpus), can_measure)
+    names = axis_names(list(grid.axes))
     width = max(len(p.key) for p in points)
-    lines.append("")
-    lines += [f"  {i:>3}  {p.key:<{width}}  {p.format:<6} {p.optimizer:<9} {p.precision:<8} seed {p.seed}"
-              for i, p in enumerate(points)]
+    lines += ["", f"  {'':>3}  {'trial':<{width}}  {'format':<6} {'optimizer':<9} {'precision':<9} "
+              + "".join(f"{names[a]:<12} " for a in grid.axes) + "seed"]
+    for p in points:
+        axis_cells = "".join(f"{axis_text(p.axes[a]) if a in p.axes else '-':<12} " for a in grid.axes)
+        note = f"  = {p.same_as} (equivalent format: one measurement)" if p.same_as else ""
+        index = "" if p.same_as else str(runs.index(p))
+        lines.append(f"  {index:>3}  {p.key:<{width}}  {p.format:<6} {p.optimizer:<9} {p.precision:<9} "
+                     f"{axis_cells}{p.seed}{note}")
     return "\n".join(lines)
 
+
+def _run_config(point: GridPoint):
+    from altgrad.config import RunConfig
+
+    return RunConfig.model_validate(point.run)
 
 
 def _n(count: int, noun: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ray.tune import Callback
 
-from altgrad.experiment import ASHA_FILE, STOPPER_FILE
+from altgrad.experiment import ASHA_FILE, STOPPER_FILE, stop_detail
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import trial_key
 
@@ -29,8 +29,8 @@ class SweepProgress(Callback):
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
         result: dict[str, Any] = trial.last_result or {}
         val = result.get("val/loss", math.nan)
-        self._line(trials, trial, True, f"{self._reason(trial.trial_id, result)} at step "
-                   f"{int(result.get('step', 0))}, val loss {val:.4f}{self._took(trial.trial_id)}")
+        self._line(trials, trial, True, f"{self._reason(trial.trial_id, result)}; last report "
+                   f"step {int(result.get('step', 0))}, val loss {val:.4f}{self._took(trial.trial_id)}")
 
     def on_trial_recover(self, iteration: int, trials: list, trial, **info) -> None:
         self._line(trials, trial, False, "failed, retrying from its checkpoint")
@@ -39,10 +39,10 @@ class SweepProgress(Callback):
         self._line(trials, trial, True, "ERROR after its retries (see `python -m altgrad trials`)")
 
     def _reason(self, trial_id: str, result: dict[str, Any]) -> str:
-        for name, reason in ((STOPPER_FILE, None), (ASHA_FILE, "asha")):
+        for name in (STOPPER_FILE, ASHA_FILE):
             stopped = (self._store.read(name) or {}).get("stopped", {}).get(trial_id)
             if stopped is not None:
-                return reason or stopped["reason"]
+                return stop_detail({"reason": "asha", **stopped})
         return "nan" if result.get("stability/nan_streak", 0) > 0 else "completed"
 
     def _took(self, trial_id: str) -> str:

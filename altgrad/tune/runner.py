@@ -177,7 +177,8 @@ def _new_tuner(exp: Experiment, trainable):
     stopper = None
     if s.stopper.enabled:
         stopper = StabilityStopper(exp.store, nan_patience=s.stopper.nan_patience,
-                                   stall_reports=s.stopper.stall_reports)
+                                   stall_reports=s.stopper.stall_reports,
+                                   stall_threshold=s.stopper.stall_threshold)
     return tune.Tuner(
         trainable,
         param_space=exp.param_space,

@@ -22,10 +22,12 @@ NAN_STREAK = "stability/nan_streak"
 
 
 class StabilityStopper(Stopper):
-    def __init__(self, store: StateStore, *, nan_patience: int, stall_reports: int):
+    def __init__(self, store: StateStore, *, nan_patience: int, stall_reports: int,
+                 stall_threshold: float):
         self._store = store
         self.nan_patience = nan_patience
         self.stall_reports = stall_reports
+        self.stall_threshold = stall_threshold  # recorded with a stop; the streak is counted upstream
         self._state: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -33,7 +35,7 @@ class StabilityStopper(Stopper):
 
     @property
     def state(self) -> dict[str, Any]:
-        """{"stopped": {trial_id: {"reason": "nan" | "bit_stall", "step": int}}}."""
+        """{"stopped": {trial_id: {"reason": "nan" | "bit_stall", "step", "streak", "patience"}}}."""
         if self._state is None:
             self._state = self._store.read(STOPPER_FILE) or {"stopped": {}}
         return self._state
@@ -45,14 +47,14 @@ class StabilityStopper(Stopper):
         stopped = self.state["stopped"].get(trial_id)
         if stopped is not None:  # a resumed trial replaying its way to the recorded stop
             return step >= stopped["step"]
-        reason = None
         if result.get(NAN_STREAK, 0) >= self.nan_patience:
-            reason = "nan"
+            decision = {"reason": "nan", "streak": int(result[NAN_STREAK]), "patience": self.nan_patience}
         elif result.get(STALL_STREAK, 0) >= self.stall_reports:
-            reason = "bit_stall"
-        if reason is None:
+            decision = {"reason": "bit_stall", "streak": int(result[STALL_STREAK]),
+                        "patience": self.stall_reports, "threshold": self.stall_threshold}
+        else:
             return False
-        self.state["stopped"][trial_id] = {"reason": reason, "step": step}
+        self.state["stopped"][trial_id] = {**decision, "step": step}
         self._store.write(STOPPER_FILE, self.state)
         return True
 

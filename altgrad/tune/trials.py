@@ -25,10 +25,12 @@ from altgrad.experiment import (
     SWEEP_FILE,
     ExperimentError,
     TrialRecord,
+    axis_names,
     load_experiment,
     read_json,
 )
 
+# The text table's columns (extra grid axes go after `precision`, `same_as` last when present).
 COLUMNS = ("trial", "format", "optimizer", "precision", "status", "stop_reason", "steps",
            "best_val_loss", "bit_stall", "overflow", "shadow_cos", "wall_time_s")
 # The driver refreshes `driver.beat` in sweep.json this often (`heartbeat.DriverHeartbeat`); a
@@ -80,13 +82,16 @@ def trial_row(r: TrialRecord) -> dict[str, Any]:
         steps, best = (int(last["step"]) if last else 0), min(finite, default=None)
     return {
         "trial": r.key, "trial_id": r.trial_id, "format": r.format, "optimizer": r.optimizer,
-        "precision": r.precision, "seed": r.seed, **{f"param_{k}": v for k, v in r.params.items()},
-        "status": r.status, "stop_reason": r.stop_reason, "steps": steps, "best_val_loss": best,
+        "precision": r.precision, **r.axes, "seed": r.seed,
+        **{f"param_{k}": v for k, v in r.params.items()},
+        "status": r.status, "stop_reason": r.stop_reason, "stop_detail": r.stop_detail,
+        "steps": steps, "best_val_loss": best,
         "bit_stall": _last(r.history, "quant/bit_stall_rate"),
         "overflow": _last(r.history, "quant/overflow_rate"),
         "shadow_cos": _last(r.history, "shadow/cos_mean"),
         "wall_time_s": r.summary.get("wall_time_s"),
         "error": f"unreadable: {r.unreadable}" if r.unreadable else r.error,
+        "same_as": r.same_as,
     }
 
 
@@ -107,17 +112,27 @@ def _cell(column: str, value: Any) -> str:
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width text table, one line per trial, then a count per status and stop reason."""
-    cells = [[_cell(c, row[c]) for c in COLUMNS] for row in rows]
-    widths = [max([len(h), *(len(line[i]) for line in cells)]) for i, h in enumerate(HEADERS)]
-    numeric = {COLUMNS.index(c) for c in ("steps", "best_val_loss", "bit_stall", "overflow",
+    """A fixed-width text table, one line per trial (a column per extra grid axis), then a count
+    per status and stop reason. A stop shows its numbers; an alias row (an equivalent format, not
+    run again) names the trial that measured it."""
+    axes = list(dict.fromkeys(k for row in rows for k in row if "." in k))  # dotted RunConfig paths
+    at = COLUMNS.index("precision") + 1
+    columns = [*COLUMNS[:at], *axes, *COLUMNS[at:]]
+    headers = [*HEADERS[:at], *axis_names(axes).values(), *HEADERS[at:]]
+    if any(row.get("same_as") for row in rows):
+        columns.append("same_as")
+        headers.append("one measurement with")
+    cells = [[_cell(c, row.get("stop_detail") or row[c] if c == "stop_reason" else row.get(c))
+              for c in columns] for row in rows]
+    widths = [max([len(h), *(len(line[i]) for line in cells)]) for i, h in enumerate(headers)]
+    numeric = {columns.index(c) for c in ("steps", "best_val_loss", "bit_stall", "overflow",
                                            "shadow_cos", "wall_time_s")}
 
     def line(values: list[str] | tuple[str, ...]) -> str:
         return "  ".join(v.rjust(w) if i in numeric else v.ljust(w)
                          for i, (v, w) in enumerate(zip(values, widths, strict=True))).rstrip()
 
-    out = [line(HEADERS), line(["-" * w for w in widths]), *(line(c) for c in cells)]
+    out = [line(headers), line(["-" * w for w in widths]), *(line(c) for c in cells)]
     out.append(_counts(rows))
     errors = [f"  {row['trial']}: {row['error']}" for row in rows if row.get("error")]
     if errors:
@@ -126,12 +141,17 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _counts(rows: list[dict[str, Any]]) -> str:
+    """Counts over the trials that ran (an alias row repeats a measurement; it is not counted)."""
+    measured = [row for row in rows if not row.get("same_as")]
+
     def count(key: str) -> str:
-        values = [str(row[key]) for row in rows if row[key] is not None]
+        values = [str(row[key]) for row in measured if row[key] is not None]
         return ", ".join(f"{v} {values.count(v)}" for v in sorted(set(values)))
 
-    return f"{len(rows)} trials: {count('status')}" + (f"; stopped: {count('stop_reason')}"
-                                                       if any(r["stop_reason"] for r in rows) else "")
+    aliases = len(rows) - len(measured)
+    also = f" (+{aliases} listed under an equivalent format)" if aliases else ""
+    return f"{len(measured)} trials{also}: {count('status')}" + (
+        f"; stopped: {count('stop_reason')}" if any(r["stop_reason"] for r in measured) else "")
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
