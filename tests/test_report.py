@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -85,267 +86,230 @@ def trial(
 
 
 BF16_BEST = curve(STEPS, 1.0)
-SCALES = {  # (format, optimizer, precision) -> val-loss scale = the expected ratio to bf16
-    ("e5m2", "adamw", "all"): 1.05,
-    ("e4m3", "adamw", "all"): 1.03,
-    ("e2m5", "adamw", "all"): 1.20,
-    ("e5m2", "adamw", "mlp"): 1.02,
-    ("e4m3", "adamw", "mlp"): 1.04,
-    ("e2m5", "adamw", "mlp"): 1.10,
-    ("e7m0", "adamw", "mlp"): 1.50,
-    ("e5m2", "manifold", "all"): 1.04,
-    ("e4m3", "manifold", "all"): 1.06,
-    ("e2m5", "manifold", "all"): 1.08,
-    ("e7m0", "manifold", "all"): 1.30,
-    ("e5m2", "manifold", "mlp"): 1.03,
-    ("e4m3", "manifold", "mlp"): 1.01,
-    ("e2m5", "manifold", "mlp"): 1.09,
-    ("e7m0", "manifold", "mlp"): 1.25,
-}
+def seeded(fmt: str, scales: list[float], opt: str = "adamw", prec: str = "all", **kw) -> list[TrialRecord]:
+    """One trial per seed 0, 1, 2, ... with the given val-loss scales (= per-seed ratios to bf16)."""
+    return [trial(fmt, opt, prec, scale, seed=seed, **kw) for seed, scale in enumerate(scales)]
 
 
-def grid(**override: float) -> list[TrialRecord]:
-    """bf16 per optimizer + SCALES + e7m0/all/adamw collapsing at step 37 (its loss before the
-    collapse is the lowest of all: only its collapse keeps it from being the sweet spot)."""
-    scales = {**SCALES, **{tuple(k.split("_")): v for k, v in override.items()}}
-    return (
-        [trial("bf16", opt) for opt in ("adamw", "manifold")]
-        + [trial(f, o, p, s) for (f, o, p), s in scales.items()]
-        + [trial("e7m0", "adamw", "all", 0.5, nan_from=37)]
-    )
+def hand_interval(values: list[float]) -> tuple[float, float]:
+    """mean and 95 % half-width, written out: t(0.975, 2) = 4.302653 for three values."""
+    assert len(values) == 3
+    mean = sum(values) / 3
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 2)
+    return mean, 4.302653 * sd / math.sqrt(3)
 
 
-def test_sweet_spot_per_precision_and_optimizer():
-    f = compute_findings(grid())
-    spots = {
-        (s.precision, s.optimizer): (s.winner.format, s.winner.ratio, s.runner_up.format)
-        for s in f.sweet_spots
-    }
-    assert spots[("all", "adamw")][0::2] == ("e4m3", "e5m2")
-    assert spots[("all", "adamw")][1] == pytest.approx(1.03)
-    assert spots[("mlp", "adamw")][0] == "e5m2"
-    assert spots[("all", "manifold")][0] == "e5m2"
-    assert spots[("mlp", "manifold")][0] == "e4m3"
-    head = f.headline("mlp")
-    assert (head.winner.format, head.optimizer, head.winner.ratio) == (
-        "e4m3",
-        "manifold",
-        pytest.approx(1.01),
-    )
-    excluded = next(
-        s.excluded for s in f.sweet_spots if (s.precision, s.optimizer) == ("all", "adamw")
-    )
-    assert excluded == ("e7m0",)
-    assert f.cells["e7m0", "adamw", "all"].ratio < 0.7  # lowest loss, yet not the sweet spot
+def study() -> list[TrialRecord]:
+    """Three seeds per cell. all/adamw: e4m3 overlaps bf16 (a tie), e5m2 separates (worse);
+    mlp/adamw: e3m4 separates below bf16 (a real sweet spot), e2m5 overlaps e3m4 (a tie)."""
+    return [
+        *seeded("bf16", [1.0, 1.0, 1.0]),
+        *seeded("e4m3", [1.00, 1.02, 1.04]),
+        *seeded("e5m2", [1.20, 1.21, 1.22]),
+        *seeded("e3m4", [0.90, 0.91, 0.92], prec="mlp"),
+        *seeded("e2m5", [0.91, 0.93, 0.95], prec="mlp"),
+        *seeded("e6m1", [1.30, 1.31, 1.32], prec="mlp"),
+    ]
 
 
-def test_tie_goes_to_more_exponent_bits():
-    f = compute_findings(grid(e2m5_adamw_all=1.03))
-    spot = next(s for s in f.sweet_spots if (s.precision, s.optimizer) == ("all", "adamw"))
-    assert (spot.winner.format, spot.runner_up.format) == ("e4m3", "e2m5")
-    f = compute_findings(grid(e5m2_adamw_all=1.03))
-    spot = next(s for s in f.sweet_spots if (s.precision, s.optimizer) == ("all", "adamw"))
-    assert (spot.winner.format, spot.runner_up.format) == ("e5m2", "e4m3")
+def spot(f, precision: str, optimizer: str = "adamw"):
+    return next(s for s in f.sweet_spots if (s.precision, s.optimizer) == (precision, optimizer))
 
 
-def test_cut_trials_compare_at_their_budget_and_do_not_win():
-    """ASHA cut e4m3 at step 20: it is compared with bf16 up to step 20 (same curve: 1.0), and
-    the full-length e5m2 is the sweet spot although its ratio is higher."""
-    records = [trial("bf16"), trial("e4m3", steps=20, summary={"stop_reason": "asha"}), trial("e5m2", scale=1.05)]
-    records[1].stop_reason = "asha"
-    f = compute_findings(records)
-    cut = f.cells["e4m3", "adamw", "all"]
-    assert (cut.steps, cut.best, cut.baseline) == (20, curve(20, 1.0), curve(20, 1.0))
-    assert f.cells["e5m2", "adamw", "all"].baseline == BF16_BEST
-    (spot,) = f.sweet_spots
-    assert (spot.winner.format, spot.runner_up.format) == ("e5m2", "e4m3")
-    assert f.verdict.reason.endswith("vs bf16 3.1282, up to step 60")
+def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
+    f = compute_findings(study())
+    e4m3 = f.cells["e4m3", "adamw", "all", ()]
+    mean, hw = hand_interval([1.00, 1.02, 1.04])
+    assert e4m3.ratio.mean == pytest.approx(mean) and e4m3.ratio.half_width == pytest.approx(hw, rel=1e-5)
+    assert e4m3.ratio.paired and e4m3.vs_bf16 == "indistinguishable"
+    assert f.cells["e5m2", "adamw", "all", ()].vs_bf16 == "worse"
+    all_spot = spot(f, "all")
+    assert all_spot.group == ("bf16", "e4m3") and all_spot.text.startswith("tie: bf16 ≈ e4m3")
+    mlp = spot(f, "mlp")
+    assert mlp.group == ("e3m4", "e2m5") and mlp.text == "tie: e3m4 ≈ e2m5 (intervals overlap)"
+    assert f.cells["e3m4", "adamw", "mlp", ()].vs_bf16 == "better"
+    # without e2m5, e3m4 alone leads: a sweet spot, with its interval
+    alone = spot(compute_findings([r for r in study() if r.format != "e2m5"]), "mlp")
+    assert alone.group == ("e3m4",) and alone.text.startswith("e3m4 at 0.910 ± 0.025")
+
+
+def test_one_seed_says_n_1_and_is_never_called_different():
+    f = compute_findings([trial("bf16"), trial("e4m3", scale=1.5), trial("e5m2", scale=1.01)])
+    cell = f.cells["e4m3", "adamw", "all", ()]
+    assert cell.ratio.text(".3f") == "1.500 (n = 1, paired, no interval)"
+    assert cell.best.text() .endswith("(n = 1, no interval)")
+    assert cell.vs_bf16 == "indistinguishable (no interval)"
+    assert spot(f, "all").group == ("bf16", "e5m2", "e4m3")  # nothing separates without an interval
+    assert not f.verdict.passed and "n = 1, no interval" in f.verdict.reason
+
+
+@pytest.mark.parametrize(("scales", "passed"), [([1.04, 1.05, 1.06], True), ([1.00, 1.05, 1.10], False),
+                                                ([1.19, 1.20, 1.21], False)])
+def test_verdict_uses_the_upper_end_of_the_interval(scales, passed):
+    f = compute_findings([*seeded("bf16", [1, 1, 1]), *seeded("e5m2", scales)])
+    v = f.verdict
+    mean, hw = hand_interval(scales)
+    assert v.passed is passed
+    assert v.line.startswith(f"E5M2 within 10 % of BF16: {'PASS' if passed else 'INVESTIGATE'} "
+                             f"(× bf16 {mean:.3f} ± {hw:.3f} (n = 3, paired)")
+
+
+def test_verdict_refuses_a_cell_cut_before_the_full_budget():
+    cut = seeded("e5m2", [1.0, 1.0], steps=20, summary={"stop_reason": "asha"})
+    for r in cut:
+        r.stop_reason = "asha"
+    v = compute_findings([*seeded("bf16", [1, 1]), *cut]).verdict
+    assert not v.passed and "stopped: asha" in v.reason
+    running = seeded("e5m2", [1.0, 1.0], status="RUNNING", steps=20)
+    v = compute_findings([*seeded("bf16", [1, 1]), *running]).verdict
+    assert not v.passed and "still running (step 20): no verdict on a partial budget" in v.reason
+    # a full-budget e5m2 cell elsewhere is preferred over the partial one
+    full = seeded("e5m2", [1.0, 1.02], prec="mlp")
+    v = compute_findings([*seeded("bf16", [1, 1]), *running, *full]).verdict
+    assert v.cell.precision == "mlp" and v.passed is False  # n = 2: t(0.975, 1) = 12.7 is wide
 
 
 def test_collapse_step_and_site_inferred_from_metrics():
-    f = compute_findings(grid())
+    f = compute_findings([trial("bf16"), trial("e7m0", "adamw", "all", 0.5, nan_from=37)])
     (failure,) = f.failures
-    assert (failure.trial.format, failure.trial.precision, failure.stop_reason) == (
-        "e7m0",
-        "all",
-        "nan",
-    )
+    assert (failure.trial.format, failure.trial.precision, failure.stop_reason) == ("e7m0", "all", "nan")
     assert (failure.step, failure.collapsed, failure.where) == (37, True, "forward overflow")
     assert failure.evidence == "loss non-finite at step 37; quant/overflow_rate = 0.251 > 0.01"
+    assert spot(f, "all").group == ()  # a format that collapsed is no sweet spot, whatever its loss
 
 
 @pytest.mark.parametrize(
     ("record", "where", "evidence"),
     [
-        (
-            trial(
-                "e4m3",
-                summary={"collapse_step": 12, "collapse_where": "optimizer", "stop_reason": "nan"},
-            ),
-            "optimizer stall",
-            "recorded",
-        ),
+        (trial("e4m3", summary={"collapse_step": 12, "collapse_where": "optimizer", "stop_reason": "nan"}),
+         "optimizer stall", "recorded"),
         (trial("e6m1", summary={"stop_reason": "bit_stall"}), "optimizer stall", "bit-stall"),
-        (
-            trial("e2m5", summary={"stop_reason": "asha"}, **{"quant/underflow_rate": 0.05}),
-            "backward underflow",
-            "quant/underflow_rate = 0.05 > 0.01",
-        ),
-        (
-            trial(
-                "e2m5",
-                summary={"stop_reason": "asha"},
-                **{"grad/dead_frac/h.0.mlp.c_fc": 0.9, "grad/dead_frac/lm_head": 0.7},
-            ),
-            "backward underflow",
-            "grad/dead_frac = 0.8 > 0.5",
-        ),
-        (
-            trial("e1m6", summary={"stop_reason": "error"}, **{"stability/grad_has_nan": 1.0}),
-            "backward underflow",
-            "gradient non-finite",
-        ),
+        (trial("e2m5", summary={"stop_reason": "asha"}, **{"quant/underflow_rate": 0.05}),
+         "backward underflow", "quant/underflow_rate = 0.05 > 0.01"),
+        (trial("e2m5", summary={"stop_reason": "asha"},
+               **{"grad/dead_frac/h.0.mlp.c_fc": 0.9, "grad/dead_frac/lm_head": 0.7}),
+         "backward underflow", "grad/dead_frac = 0.8 > 0.5"),
+        (trial("e1m6", summary={"stop_reason": "error"}, **{"stability/grad_has_nan": 1.0}),
+         "backward underflow", "gradient non-finite"),
         (trial("e3m4", summary={"stop_reason": "asha"}), "—", "no signal"),
     ],
 )
 def test_failure_site(record, where, evidence):
     record.stop_reason = record.summary["stop_reason"]
+    record.stop_detail = "asha: 23 % behind bf16 at step 20 (...)" if record.stop_reason == "asha" else None
     (failure,) = compute_findings([trial("bf16"), record]).failures
     assert failure.where == where
     assert evidence in failure.evidence
+    if record.stop_detail:
+        assert failure.evidence.startswith("asha: 23 % behind bf16 at step 20")
 
 
-def test_manifold_delta_per_format():
-    f = compute_findings(grid())
-    deltas = {(d.standard.format, d.manifold.precision): d for d in f.deltas}
-    assert set(deltas) == {
-        (fmt, p) for fmt in ("e2m5", "e4m3", "e5m2", "e7m0") for p in ("all", "mlp")
-    }
-    d = deltas["e5m2", "all"]
-    assert d.delta == pytest.approx((1.04 - 1.05) * BF16_BEST)
-    assert d.relative == pytest.approx((1.04 - 1.05) / 1.05)
-    only_adamw = [r for r in grid() if r.optimizer == "adamw"]
-    assert compute_findings(only_adamw).deltas == []
+def test_manifold_delta_per_format_with_its_interval():
+    records = [*seeded("bf16", [1, 1, 1]), *seeded("bf16", [1, 1, 1], "manifold"),
+               *seeded("e5m2", [1.05, 1.06, 1.07]), *seeded("e5m2", [1.01, 1.02, 1.04], "manifold"),
+               *seeded("e4m3", [1.03, 1.04, 1.05]), *seeded("e4m3", [1.03, 1.05, 1.04], "manifold")]
+    f = compute_findings(records)
+    deltas = {d.a.format: d for d in f.deltas}
+    assert set(deltas) == {"e4m3", "e5m2"}
+    mean, hw = hand_interval([(b - a) * BF16_BEST for a, b in zip([1.05, 1.06, 1.07], [1.01, 1.02, 1.04], strict=True)])
+    assert deltas["e5m2"].diff.mean == pytest.approx(mean) and deltas["e5m2"].diff.half_width == pytest.approx(hw, rel=1e-5)
+    assert deltas["e5m2"].verdict == "lower (better)"
+    assert deltas["e4m3"].verdict == "indistinguishable"
+    assert compute_findings([r for r in records if r.optimizer == "adamw"]).deltas == []
 
 
-@pytest.mark.parametrize(("scale", "passed"), [(1.05, True), (1.10, True), (1.2, False)])
-def test_verdict(scale, passed):
-    v = compute_findings(grid(e5m2_adamw_all=scale)).verdict
-    assert v.passed is passed
-    assert v.ratio == pytest.approx(scale)
-    assert v.line.startswith(
-        f"E5M2 within 10 % of BF16: {'PASS' if passed else 'INVESTIGATE'} (ratio {scale:.3f}"
-    )
+def test_extra_axes_are_cells_of_their_own_and_compared():
+    """rounding=stochastic vs nearest per format, each against the one bf16 (quant.* axes do not
+    apply to bf16, so its trials carry no rounding)."""
+    records = seeded("bf16", [1, 1, 1])
+    for rounding, scales in (("nearest", [1.10, 1.11, 1.12]), ("stochastic", [1.00, 1.01, 1.02])):
+        for r in seeded("e4m3", scales):
+            r.axes = {"quant.rounding": rounding}
+            records.append(r)
+    f = compute_findings(records)
+    assert f.axes == ((("quant.rounding", "nearest"),), (("quant.rounding", "stochastic"),))
+    stochastic = f.cells["e4m3", "adamw", "all", (("quant.rounding", "stochastic"),)]
+    assert stochastic.ratio.mean == pytest.approx(1.01) and stochastic.ratio.paired
+    (effect,) = f.axis_effects
+    assert effect.what == "rounding: stochastic − nearest" and effect.verdict == "lower (better)"
+    assert effect.diff.mean == pytest.approx(-0.1 * BF16_BEST)
+    assert {(s.axes, s.group) for s in f.sweet_spots} == {
+        ((("quant.rounding", "nearest"),), ("bf16",)), ((("quant.rounding", "stochastic"),), ("bf16", "e4m3"))}
 
 
-def test_verdict_fallbacks():
-    records = [
-        r for r in grid() if (r.format, r.precision, r.optimizer) != ("e5m2", "all", "adamw")
-    ]
-    v = compute_findings(records).verdict
-    assert (v.cell.precision, v.cell.optimizer, v.passed) == ("all", "manifold", True)
-    no_e5m2 = compute_findings([r for r in grid() if r.format != "e5m2"]).verdict
-    assert not no_e5m2.passed and "no e5m2" in no_e5m2.line
-    no_bf16 = compute_findings([r for r in grid() if r.format != "bf16"]).verdict
-    assert not no_bf16.passed and "no bf16" in no_bf16.line
-    broke = grid()
-    broke.append(trial("e5m2", "adamw", "all", 1.0, seed=1, nan_from=50))
-    v = compute_findings(broke).verdict
-    assert not v.passed and "stopped: nan" in v.reason
+def test_mixed_seed_sets_still_render_and_say_why(tmp_path):
+    records = [*seeded("bf16", [1.0, 1.0]), *seeded("e4m3", [1.0, 1.1, 1.05])]  # bf16 lacks seed 2
+    text = write_report(records, tmp_path).read_text()
+    cell = compute_findings(records).cells["e4m3", "adamw", "all", ()]
+    assert not cell.ratio.paired
+    assert "unpaired: bf16 has seeds {0, 1}, e4m3 {0, 1, 2}" in text.split("## Comparisons that could not be paired")[1]
 
 
-def test_seeds_are_averaged():
-    records = [
-        trial("bf16"),
-        trial("bf16", seed=1),
-        trial("e4m3", scale=1.0),
-        trial("e4m3", scale=1.1, seed=1),
-    ]
-    cell = compute_findings(records).cells["e4m3", "adamw", "all"]
-    assert cell.best == pytest.approx(1.05 * BF16_BEST)
-    assert cell.ratio == pytest.approx(1.05)
+def test_equivalent_formats_are_one_measurement(tmp_path):
+    """An alias record (e1m6, same_as e0m7's trial) is listed under both names, counted once."""
+    e0m7 = seeded("e0m7", [1.1, 1.12])
+    aliases = [replace(r, key=f"e1m6-{r.seed}", format="e1m6", same_as=r.key or r.trial_id) for r in e0m7]
+    for r in e0m7:
+        r.key = r.trial_id
+    records = [*seeded("bf16", [1, 1]), *e0m7, *aliases]
+    f = compute_findings(records)
+    assert f.aliases == {"e1m6": "e0m7"} and f.formats == ("e0m7", "e1m6")
+    assert list(f.cells) == [("e0m7", "adamw", "all", ())] and f.cells["e0m7", "adamw", "all", ()].name == "e0m7 ≡ e1m6"
+    text = write_report(records, tmp_path).read_text()
+    assert "**One measurement, two names:** e1m6 was not run" in text
+    heat = plot_heatmap(f, "adamw", (), tmp_path / "heat.png")
+    texts = heat.texts["Best val loss / bf16 — optimizer adamw"]
+    assert texts[1].endswith("≡ e0m7") and texts[0].split("\n")[:2] == texts[1].split("\n")[:2]
 
 
 def test_missing_optimizer_baseline_is_borrowed_and_noted():
     records = [trial("bf16"), trial("e4m3", "manifold", scale=1.2)]
     f = compute_findings(records)
-    assert f.cells["e4m3", "manifold", "all"].ratio == pytest.approx(1.2)
+    assert f.cells["e4m3", "manifold", "all", ()].ratio.mean == pytest.approx(1.2)
     assert any("`manifold` has no bf16 trial" in n for n in f.notes)
-    assert "bf16/manifold: no baseline trial" in f.missing
 
 
-
-def test_power_of_two_twins_are_reported_as_one_result(tmp_path):
-    """e0m7 and e1m6 train identically under amax scaling: report.md must not count them twice."""
-    same = [trial("bf16"), trial("e0m7", scale=1.1), trial("e1m6", scale=1.1), trial("e4m3", scale=1.2)]
-    twins = compute_findings(same).twins
-    assert [(t.smaller, t.larger, t.shift, t.identical, t.shared) for t in twins] == [("e0m7", "e1m6", 1, 1, 1)]
-    text = write_report(same, tmp_path / "same").read_text()
-    assert "**Not independent:** e0m7 and e1m6 are one grid up to a factor 2^1" in text
-    assert "identical in all 1 shared cells" in text
-
-    apart = [*same[:2], trial("e1m6", scale=1.15), same[3]]  # e.g. `scaling.mode: none`
-    assert "differ in 1 of 1 shared cells" in compute_findings(apart).twins[0].note()
-    assert compute_findings([same[0], same[1], same[3]]).twins == []
-
-def test_loss_plot_data_match_input(tmp_path):
-    records = grid()
+def test_loss_plot_draws_the_seed_mean_and_band(tmp_path):
+    records = study()
     f = compute_findings(records)
-    plot = plot_loss(records, f, "adamw", tmp_path / "loss.png")
+    plot = plot_loss(f, "adamw", (), tmp_path / "loss.png")
     assert {panel for panel, _ in plot.lines} == {"precision: all", "precision: mlp"}
-    for r in records:
-        if r.optimizer != "adamw":
-            continue
-        steps, values = r.val_series()
-        for panel in (
-            ["precision: all", "precision: mlp"]
-            if r.format == "bf16"
-            else [f"precision: {r.precision}"]
-        ):
-            x, y = plot.lines[panel, r.format]
-            np.testing.assert_array_equal(x, steps)
-            np.testing.assert_array_equal(y, np.where(np.isfinite(values), values, np.nan))
-    assert np.isnan(plot.lines["precision: all", "e7m0"][1][-1])  # a gap, not a value
-    assert plot.collapses == {"precision: all": [37.0]}
+    e2m5 = [r for r in records if r.format == "e2m5"]
+    steps = e2m5[0].val_series()[0]
+    per_seed = np.array([r.val_series()[1] for r in e2m5])
+    x, y = plot.lines["precision: mlp", "e2m5"]
+    np.testing.assert_array_equal(x, steps)
+    np.testing.assert_allclose(y, per_seed.mean(0))
+    bx, lo, hi = plot.bands["precision: mlp", "e2m5 seeds"]
+    np.testing.assert_array_equal(bx, steps)
+    np.testing.assert_allclose(lo, per_seed.min(0))
+    np.testing.assert_allclose(hi, per_seed.max(0))
+    assert ("precision: all", "bf16") in plot.lines  # bf16 dashed in every panel
     assert plot.path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_stability_and_heatmap_data_match_input(tmp_path):
-    records = grid()
+    records = study()
     f = compute_findings(records)
-    plot = plot_stability(records, f, "manifold", tmp_path / "stability.png")
-    r = next(
-        r for r in records if (r.format, r.optimizer, r.precision) == ("e7m0", "manifold", "mlp")
-    )
+    plot = plot_stability(f, "adamw", (), tmp_path / "stability.png")
+    r = next(r for r in records if (r.format, r.precision, r.seed) == ("e6m1", "mlp", 1))
     for metric in ("quant/bit_stall_rate", "quant/overflow_rate", "shadow/cos_mean"):
-        x, y = plot.lines[f"mlp: {metric}", "e7m0"]
+        x, y = plot.lines[f"mlp: {metric}", "e6m1 s1"]
         np.testing.assert_array_equal(x, r.series(metric)[0])
         np.testing.assert_array_equal(y, r.series(metric)[1])
-    assert not any(label == "bf16" for _, label in plot.lines)
+    assert not any(label.startswith("bf16") for _, label in plot.lines)
 
-    heat = plot_heatmap(f, "adamw", tmp_path / "heat.png")
-    assert f.formats == ("e2m5", "e4m3", "e5m2", "e7m0")
-    expected = [
-        [SCALES.get((fmt, "adamw", p), np.nan) for p in ("all", "mlp")] for fmt in f.formats
-    ]
-    np.testing.assert_allclose(heat.images["Best val loss / bf16 — optimizer adamw"], expected)
-    sparse = compute_findings(
-        [r for r in records if r.format not in ("e2m5",) or r.precision != "mlp"]
-    )
-    image = plot_heatmap(sparse, "adamw", tmp_path / "sparse.png").images[
-        "Best val loss / bf16 — optimizer adamw"
-    ]
-    assert np.isnan(image[0, 1]) and np.isfinite(image[0, 0])
-
-
-def test_single_value_axes(tmp_path):
-    records = [trial("bf16", prec="mlp"), trial("e5m2", prec="mlp", scale=1.2)]
-    path = write_report(records, tmp_path)
-    text = path.read_text()
-    assert "INVESTIGATE (ratio 1.200" in text and "e5m2 / mlp / adamw" in text
-    assert "n/a: needs both `adamw` and `manifold`" in text
-    assert "- Sweet spot for **mlp** quantization: e5m2 at 1.200× bf16 (adamw)" in text
-    assert (tmp_path / "heatmap_adamw.png").stat().st_size > 0
+    heat = plot_heatmap(f, "adamw", (), tmp_path / "heat.png")
+    panel = "Best val loss / bf16 — optimizer adamw"
+    assert f.formats == ("e2m5", "e3m4", "e4m3", "e5m2", "e6m1")
+    means = {("e2m5", "mlp"): [0.91, 0.93, 0.95], ("e3m4", "mlp"): [0.90, 0.91, 0.92],
+             ("e4m3", "all"): [1.00, 1.02, 1.04], ("e5m2", "all"): [1.20, 1.21, 1.22],
+             ("e6m1", "mlp"): [1.30, 1.31, 1.32]}
+    expected = [[hand_interval(means[fmt, p])[0] if (fmt, p) in means else np.nan for p in ("all", "mlp")]
+                for fmt in f.formats]
+    np.testing.assert_allclose(heat.images[panel], expected)
+    annotated = [t for t in heat.texts[panel] if "±" in t]
+    assert f"{hand_interval(means['e4m3', 'all'])[0]:.3f}\n± {hand_interval(means['e4m3', 'all'])[1]:.3f}" in annotated
 
 
 def test_partial_experiment_lists_what_is_missing():
@@ -354,15 +318,12 @@ def test_partial_experiment_lists_what_is_missing():
         trial("e4m3", prec="all"),
         trial("e5m2", prec="all", status="RUNNING", steps=20),
         trial("e4m3", prec="mlp", status="PENDING", steps=0),
-        trial("e2m5", prec="mlp"),
     ]
     missing = compute_findings(records, missing=["e2m5/adamw/all: never started", "e4m3_adamw_mlp_0"]).missing
     assert missing == [
         "e2m5/adamw/all: never started",
         "e4m3_adamw_mlp_0",  # the caller named it: not repeated as "not started"
         "e5m2_adamw_all_0 (e5m2 / adamw / all): still running at step 20, numbers provisional",
-        "e2m5/adamw/all: no trial",
-        "e5m2/adamw/mlp: no trial",
     ]
     assert "e4m3_adamw_mlp_0 (e4m3 / adamw / mlp): not started" in compute_findings(records).missing
 
@@ -411,19 +372,20 @@ def main(argv: list[str]) -> int:
 
 
 def test_cli_writes_the_report(tmp_path, capsys):
-    exp = write_experiment(tmp_path / "exp", grid())
+    records = [*study(), trial("e7m0", "adamw", "all", 0.5, nan_from=37)]
+    exp = write_experiment(tmp_path / "exp", records)
     assert main(["report", str(exp), "--out", str(tmp_path / "out")]) == 0
     assert "report written" in capsys.readouterr().out
     path = tmp_path / "out" / "report.md"
     text = path.read_text()
     assert text.startswith("# AltGrad report: exp")
-    assert "**E5M2 within 10 % of BF16: PASS (ratio 1.050" in text
-    assert "- Sweet spot for **mlp** quantization: e4m3 at 1.010× bf16 (manifold)" in text
-    assert "| e7m0_adamw_all_0 | e7m0 | adamw | all | 0 | nan | 37 (collapse) | forward overflow |" in text
+    mean, hw = hand_interval([1.20, 1.21, 1.22])
+    assert f"**E5M2 within 10 % of BF16: INVESTIGATE (× bf16 {mean:.3f} ± {hw:.3f} (n = 3, paired)" in text
+    assert "- Sweet spot for **mlp, adamw**: tie: e3m4 ≈ e2m5 (intervals overlap)" in text
+    assert "| e7m0_adamw_all_0 | e7m0 | adamw | all | — | 0 | nan | 37 (collapse) | forward overflow |" in text
     assert "Nothing: every grid point has a finished trial." in text
     pngs = sorted(p.name for p in path.parent.glob("*.png"))
-    assert pngs == sorted(f"{kind}_{opt}.png" for kind in ("loss", "heatmap", "stability")
-                          for opt in ("adamw", "manifold"))
+    assert pngs == sorted(f"{kind}_adamw.png" for kind in ("loss", "heatmap", "stability"))
     assert all((path.parent / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in pngs)
     assert all((path.parent / name).stat().st_size > 5000 for name in pngs)
     assert all(f"]({name})" in text for name in pngs)
@@ -431,9 +393,8 @@ def test_cli_writes_the_report(tmp_path, capsys):
 
 
 def test_cli_partial_experiment_says_what_is_missing(tmp_path):
-    records = [r for r in grid() if r.optimizer == "adamw" and r.precision == "all"]
-    records[2] = trial(records[2].format, records[2].optimizer, records[2].precision, status="PENDING", steps=0)
-    records[3] = trial(records[3].format, records[3].optimizer, records[3].precision, status="RUNNING", steps=20)
+    records = [trial("bf16"), trial("e4m3"), trial("e5m2", status="PENDING", steps=0),
+               trial("e2m5", status="RUNNING", steps=20)]
     assert main(["report", str(write_experiment(tmp_path / "exp", records))]) == 0
     missing = (tmp_path / "exp" / "report" / "report.md").read_text().split("## What is missing")[1]
     assert f"{records[2].trial_id} ({records[2].format} / adamw / all): not started" in missing
@@ -455,7 +416,7 @@ def test_cli_bad_input_exits_2(tmp_path, capsys, case):
 
 
 def test_cli_corrupt_trial_file_exits_2(tmp_path, capsys):
-    exp = write_experiment(tmp_path / "exp", grid())
+    exp = write_experiment(tmp_path / "exp", study())
     metrics = run_dir(exp, trial("e4m3")) / "metrics.jsonl"
     lines = metrics.read_text().splitlines()
     metrics.write_text("\n".join([*lines[:5], "{not json", *lines[5:]]) + "\n")
@@ -465,55 +426,63 @@ def test_cli_corrupt_trial_file_exits_2(tmp_path, capsys):
 
 
 def test_cli_corrupt_trial_never_hides_the_others(tmp_path, capsys):
-    exp = write_experiment(tmp_path / "exp", grid())
+    exp = write_experiment(tmp_path / "exp", study())
     (run_dir(exp, trial("e4m3")) / "summary.json").write_text("{not json")
     assert main(["report", str(exp)]) == 2
     assert "e4m3_adamw_all_0" in capsys.readouterr().err
     text = (exp / "report" / "report.md").read_text()
-    assert "e5m2_adamw_all_0" in text and "e4m3_adamw_all_0" in text.split("## What is missing")[1]
+    assert "| e5m2 | adamw | all |" in text and "e4m3_adamw_all_0" in text.split("## What is missing")[1]
 
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_tiny_sweep_writes_the_report(ray_address, eurlex_dir, data_root, tmp_path):
-    """A real sweep (Ray, ASHA, the stability stopper; e7m0 at a learning rate it cannot take) ends
-    with the report; its verdict, failure row and plotted curves match the trial data."""
+def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, tmp_path, capsys):
+    """A real sweep (Ray, the stability rungs and stopper; e7m0 at a learning rate it cannot take)
+    with an extra axis and two seeds: e1m6 is measured by e0m7's trials, the table, the keys and
+    the report's cells carry the axis, and the report's numbers match the trial data."""
     from altgrad.tune.ablation import FormatAblation
     from altgrad.tune.cli import sweep_main
+    from altgrad.tune.trials import render_table, to_csv, trial_row
 
     sets = [
-        "preset=cpu", "grid.formats=[bf16, e5m2, e7m0]", "grid.optimizers=[adamw]", "grid.precisions=[all]",
+        "preset=cpu", "grid.formats=[bf16, e0m7, e1m6, e7m0]", "grid.optimizers=[adamw]", "grid.precisions=[all]",
+        "grid.seeds=[1, 2]", "grid.axes={quant.rounding: [nearest, stochastic]}",
         "grid.format_overrides={e7m0: {optim: {lr: 1000}}}",
         f"base.data.source=jsonl:{eurlex_dir}", f"base.data.data_root={data_root}", "base.data.max_docs=40",
         "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
         "base.train.max_steps=20", "base.train.warmup_steps=2", "base.train.eval_interval=5",
-        "base.train.eval_iters=2", "asha.grace_period=10", "stopper.nan_patience=3",
-        "wandb.enabled=false", "dashboard.enabled=false",
+        "base.train.eval_iters=2", "base.train.checkpoint_interval=10", "asha.grace_period=10",
+        "stopper.nan_patience=3", "wandb.enabled=false", "dashboard.enabled=false",
     ]
     config = Path(__file__).resolve().parents[1] / "sweeps" / "configs" / "format_ablation.yaml"
     argv = [a for s in sets for a in ("--set", s)] + ["--name", "tiny", "--storage-path", str(tmp_path)]
     assert sweep_main(FormatAblation, config, "test", argv) == 0
+    out = capsys.readouterr().out
+    assert "10 trials (+4 listed under an equivalent format)" in out  # 2 bf16 + 2 formats x 2 x 2
     exp = tmp_path / "tiny"
+    records = load_experiment(exp)
+    keys = [r.key for r in records]
+    assert "e0m7-adamw-all-rounding=stochastic-s2" in keys and "bf16-adamw-all-s1" in keys
+    alias = next(r for r in records if r.key == "e1m6-adamw-all-rounding=stochastic-s2")
+    assert alias.same_as == "e0m7-adamw-all-rounding=stochastic-s2"
+    measured = next(r for r in records if r.key == alias.same_as)
+    assert alias.history == measured.history and alias.format == "e1m6"
+    rows = [trial_row(r) for r in records]
+    assert {row["quant.rounding"] for row in rows if row["format"] != "bf16"} == {"nearest", "stochastic"}
+    assert "rounding" in render_table(rows).splitlines()[0] and "quant.rounding" in to_csv(rows).splitlines()[0]
+    e7m0 = [r for r in records if r.format == "e7m0"]
+    assert all(r.stop_reason == "nan" and r.stop_detail.startswith("nan") for r in e7m0)
+
     text = (exp / "report" / "report.md").read_text()
-    assert all((exp / "report" / f"{kind}_adamw.png").stat().st_size > 5000 for kind in ("loss", "heatmap", "stability"))
-
-    records = {r.format: r for r in load_experiment(exp)}
-    e5m2_steps, e5m2_vals = records["e5m2"].val_series()
-    bf16_vals = [v for s, v in zip(*records["bf16"].val_series(), strict=True) if s <= e5m2_steps[-1]]
-    ratio = min(filter(math.isfinite, e5m2_vals)) / min(filter(math.isfinite, bf16_vals))
-    assert f"**E5M2 within 10 % of BF16: {'PASS' if ratio <= 1.1 else 'INVESTIGATE'} (ratio {ratio:.3f};" in text
-    e7m0 = records["e7m0"]  # stopped by the stopper, maybe before the trainer wrote a summary
-    first_nan = next(s for s, v in zip(*e7m0.series("train/loss"), strict=True) if not math.isfinite(v))
-    step = e7m0.summary.get("collapse_step") or first_nan
-    assert (e7m0.stop_reason, e7m0.summary.get("collapse_where", "forward")) == ("nan", "forward")
-    assert f"| e7m0-adamw-all-s42 | e7m0 | adamw | all | 42 | nan | {step} (collapse) | forward overflow |" in text
-
-    loaded = list(records.values())
-    plot = plot_loss(loaded, compute_findings(loaded), "adamw", tmp_path / "loss.png")
-    for r in loaded:
-        steps, values = r.val_series()
-        np.testing.assert_array_equal(plot.lines["precision: all", r.format][0], steps)
-        np.testing.assert_array_equal(plot.lines["precision: all", r.format][1],
-                                      np.where(np.isfinite(values), values, np.nan))
+    f = compute_findings(records)
+    cell = f.cells["e0m7", "adamw", "all", (("quant.rounding", "stochastic"),)]
+    assert cell.name == "e0m7 ≡ e1m6" and cell.ratio.n == 2 and cell.ratio.paired
+    bf16 = {r.seed: r for r in records if r.format == "bf16"}
+    ratios = [min(filter(math.isfinite, t.val_series()[1])) / min(filter(math.isfinite, bf16[t.seed].val_series()[1]))
+              for t in cell.trials]
+    assert cell.ratio.mean == pytest.approx(sum(ratios) / 2)
+    assert "| e0m7 ≡ e1m6 | adamw | all | rounding=stochastic | 1, 2 |" in text
+    assert "## Extra grid axes" in text and "rounding: stochastic − nearest" in text
+    assert (exp / "report" / "heatmap_adamw_rounding-stochastic.png").stat().st_size > 5000
     assert main(["report", str(exp), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "report.md").read_text().split("\n", 1)[1] == text.split("\n", 1)[1]

@@ -21,7 +21,7 @@ def write_report(records: list[TrialRecord], out_dir: Path, missing: list[str] |
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     findings = compute_findings(records, missing)
-    plots = plot_all(records, findings, out_dir)
+    plots = plot_all(findings, out_dir)
     path = out_dir / "report.md"
     path.write_text(render(records, findings, plots, out_dir, title))
     return path

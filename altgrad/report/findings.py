@@ -1,7 +1,9 @@
 """The report's findings, computed from trial records only (pure functions, no I/O).
 
 Everything the report states is derived here, so the numbers can be recomputed by hand from the
-trial data; the definitions below are rendered verbatim into report.md (`DEFINITIONS`).
+trial data; the definitions below are rendered verbatim into report.md (`DEFINITIONS`). Every
+comparison carries its uncertainty over seeds (`report.stats`): a difference is called one only
+when the 95 % intervals separate; otherwise the report says "indistinguishable".
 """
 
 from __future__ import annotations
@@ -11,16 +13,24 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import fmean
+from typing import Any
 
 from altgrad.config import BASELINE
 from altgrad.experiment import TrialRecord
-from altgrad.report.twins import Twins, power_of_two_twins
+from altgrad.report.stats import (
+    Comparison,
+    Interval,
+    difference_interval,
+    leader_group,
+    mean_interval,
+    ratio_interval,
+)
 
 STANDARD, MANIFOLD = "adamw", "manifold"
 VERDICT_FORMAT, VERDICT_PRECISION, VERDICT_TOLERANCE = "e5m2", "all", 0.10
-STABILITY_STOPS = ("nan", "bit_stall", "error")  # the trial broke, as opposed to finished/cut by ASHA
+# The trial broke (as opposed to completing its budget): the sweep stops only broken trials.
+BROKEN_STOPS = ("asha", "nan", "bit_stall", "error")
 UNFINISHED = ("PENDING", "RUNNING", "PAUSED")
-TIE_TOLERANCE = 1e-9  # relative: ratios closer than this are a tie
 
 # The pass a failure is attributed to, keyed by summary.json `collapse_where` values.
 WHERE = {"forward": "forward overflow", "backward": "backward underflow", "optimizer": "optimizer stall"}
@@ -36,21 +46,23 @@ SIGNALS = (
 )
 
 DEFINITIONS = f"""\
-- **Best val loss** of a trial: the lowest finite validation loss it reached (`summary.json`
-  `best_val_loss`, or its `val/loss` history). A cell (format × optimizer × precision) averages it
-  over seeds, ignoring seeds with no finite evaluation. **Steps**: the last evaluation it reached.
-- **× bf16**: a cell's best val loss divided by bf16's best val loss *over the same budget*: the
-  bf16 evaluations up to the cell's steps (for a cell that ran as long as bf16, simply bf16's
-  `best_val_loss`), so a trial ASHA cut early is not compared with a longer bf16 run. bf16 means
-  the bf16 trials of the same optimizer (mean over seeds); an optimizer without one borrows
-  `{STANDARD}`'s and a note says so. Below 1 = better than bf16.
-- **Sweet spot** of a layer precision, per optimizer: the lowest × bf16 among the eligible cells
-  that trained longest (ASHA cuts the cells that were behind at a rung; such a cell wins only if
-  nothing ran further). Not eligible: cells where any trial stopped for
-  {" / ".join(STABILITY_STOPS)} (a format that trains to NaN is no sweet spot, whatever its loss
-  before collapsing). Ties (within a relative {TIE_TOLERANCE:g}) go to the format with more exponent
-  bits (more range, fewer overflows). The headline per precision applies the same rule across
-  optimizers.
+- **Best val loss** of a trial: the lowest finite validation loss it reached up to a step. Every
+  trial is evaluated on the same fixed validation tokens, whatever its seed. A **cell** is one
+  grid point (format × optimizer × layer precision × extra-axis values); its value is the mean
+  over seeds with a 95 % Student-t interval (mean ± t(0.975, n−1)·s/√n); one seed: "n = 1, no
+  interval". **Steps**: the last evaluation any of its trials reached.
+- **× bf16**: per seed, the cell's best val loss divided by bf16's (same optimizer, same seed, same
+  values of the extra axes that apply to bf16) over the same budget (bf16's evaluations up to the
+  cell's steps), then the mean of these per-seed ratios with its t interval ("paired"). When the
+  seed sets differ the ratio of the means is used with a delta-method interval (Welch df,
+  "unpaired") and the table says why. An optimizer without a bf16 trial borrows `{STANDARD}`'s.
+- **Separates / indistinguishable**: two numbers are called different only when their 95 %
+  intervals do not overlap; a cell is better or worse than bf16 only when its × bf16 interval
+  excludes 1. Without an interval (one seed) nothing is called different.
+- **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
+  ran the full budget and did not break ({" / ".join(BROKEN_STOPS)}), and bf16 (× 1 exactly), the
+  lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
+  a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16").
 - **Failures**: every trial whose stop reason is not `completed` or that recorded a collapse. Step:
   `collapse_step` from the summary, else the first non-finite training loss, else the last step.
   Where: `collapse_where` when the trainer recorded it; a `bit_stall` stop is an optimizer stall;
@@ -58,14 +70,17 @@ DEFINITIONS = f"""\
   forward pass broke, a non-finite gradient with a finite loss means the backward pass did; else the
   signal furthest above its threshold ({", ".join(f"`{k}` > {t:g}" for k, t, _ in SIGNALS)})
   names the site ({", ".join(f"{k} → {WHERE[s]}" for k, _, s in SIGNALS)}); "—" when none is.
-- **Manifold vs standard**: best val loss with `{MANIFOLD}` minus with `{STANDARD}`, same format
-  and precision (negative = manifold helps), and that difference relative to `{STANDARD}`; the
-  note says when either was cut or broke (then the two ran for different budgets).
-- **Verdict**: PASS when the {VERDICT_FORMAT} cell's × bf16 (above) is ≤ {1 + VERDICT_TOLERANCE:.2f}
-  and none of its trials broke. The cell used is {VERDICT_FORMAT} / {VERDICT_PRECISION} / {STANDARD};
-  without it, the {VERDICT_FORMAT} cell with the lowest × bf16, preferring precision
-  `{VERDICT_PRECISION}`, then optimizer `{STANDARD}`. No {VERDICT_FORMAT} or no bf16 → INVESTIGATE.
+- **Manifold − standard**: per seed, best val loss with `{MANIFOLD}` minus with `{STANDARD}` (same
+  format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
+  **Extra axes**: the same per-seed difference between two values of one axis, all else equal.
+- **Verdict**: PASS when the upper end of the {VERDICT_FORMAT} cell's × bf16 interval is ≤
+  {1 + VERDICT_TOLERANCE:.2f}: the cell {VERDICT_FORMAT} / {VERDICT_PRECISION} / {STANDARD} (the first
+  extra-axis values), else the {VERDICT_FORMAT} cell that ran the full budget, preferring precision
+  `{VERDICT_PRECISION}`, then `{STANDARD}`. A cell that broke or was cut before the full budget, a
+  missing bf16, or a single seed (no interval) → INVESTIGATE, with the reason.
 """
+
+AxesKey = tuple[tuple[str, Any], ...]  # an extra-axis assignment, sorted by dotted path
 
 
 def format_key(name: str) -> tuple[int, str]:
@@ -109,7 +124,7 @@ def stop_reason(r: TrialRecord) -> str | None:
 
 
 def broke(r: TrialRecord) -> bool:
-    return stop_reason(r) in STABILITY_STOPS
+    return stop_reason(r) in BROKEN_STOPS
 
 
 def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
@@ -165,21 +180,41 @@ def _strongest_signal(rows: list[dict[str, float]]) -> tuple[str, str] | None:
     return best[1:] if best else None
 
 
+def axes_key(r: TrialRecord) -> AxesKey:
+    return tuple(sorted(r.axes.items()))
+
+
+def axes_text(axes: AxesKey) -> str:
+    """`rounding=stochastic, lr=0.002` (the last part of each path), or "" without extra axes."""
+    return ", ".join(f"{path.rsplit('.', 1)[-1]}={value}" for path, value in axes)
+
+
+def completed_budget(r: TrialRecord) -> bool:
+    return stop_reason(r) == "completed" and r.status not in UNFINISHED
+
+
+def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[int, float]:
+    """Each seed's best val loss (up to step `upto`); non-finite where it has none."""
+    return {t.seed: trial_best(t, upto) for t in trials}
+
+
 @dataclass(frozen=True)
 class Cell:
-    """One grid point (8-bit format × optimizer × precision), aggregated over seeds."""
+    """One grid point, aggregated over seeds, with its comparison to bf16 at the same budget."""
 
     format: str
     optimizer: str
     precision: str
-    best: float  # mean over seeds of the best val loss
-    steps: int  # the last evaluation any of its trials reached
-    baseline: float  # bf16's best val loss up to `steps` (same training budget)
+    axes: AxesKey
     trials: tuple[TrialRecord, ...]
+    steps: int  # the last evaluation any of its trials reached
+    best: Interval  # best val loss up to `steps`, over seeds
+    ratio: Comparison  # × bf16, paired by seed where possible
+    also: tuple[str, ...] = ()  # equivalent formats this cell's trials measure too (one measurement)
 
     @property
-    def ratio(self) -> float:
-        return self.best / self.baseline
+    def name(self) -> str:
+        return " ≡ ".join((self.format, *self.also))
 
     @property
     def broke(self) -> bool:
@@ -190,17 +225,41 @@ class Cell:
         return any(t.status in UNFINISHED for t in self.trials)
 
     @property
+    def full_budget(self) -> bool:
+        return bool(self.trials) and all(completed_budget(t) for t in self.trials)
+
+    @property
     def stops(self) -> tuple[str, ...]:
         return tuple(sorted({s for t in self.trials if (s := stop_reason(t)) not in (None, "completed")}))
+
+    @property
+    def vs_bf16(self) -> str:
+        """"better" / "worse" when the × bf16 interval excludes 1, else "indistinguishable"."""
+        if self.ratio.half_width is None or not math.isfinite(self.ratio.mean):
+            return "indistinguishable (no interval)"
+        if self.ratio.hi < 1.0:
+            return "better"
+        return "worse" if self.ratio.lo > 1.0 else "indistinguishable"
 
 
 @dataclass(frozen=True)
 class SweetSpot:
     precision: str
     optimizer: str
-    winner: Cell | None  # None: every format of this precision broke or has no finite loss
-    runner_up: Cell | None
-    excluded: tuple[str, ...]  # formats not eligible because they broke
+    axes: AxesKey
+    group: tuple[str, ...]  # the leader and every name tied with it ("bf16" may be one of them)
+    leader: Cell | None  # None: bf16 leads, or no eligible cell
+    excluded: tuple[str, ...]  # formats not eligible: broke, or not at full budget
+
+    @property
+    def text(self) -> str:
+        if not self.group:
+            return "none (no eligible cell)"
+        if len(self.group) > 1:
+            return f"tie: {' ≈ '.join(self.group)} (intervals overlap)"
+        if self.leader is None:
+            return "bf16 (every format is worse)"
+        return f"{self.leader.name} at {self.leader.ratio.text('.3f')}× bf16"
 
 
 @dataclass(frozen=True)
@@ -214,58 +273,68 @@ class Failure:
 
 
 @dataclass(frozen=True)
-class Delta:
-    """Manifold minus standard optimizer on one format and precision."""
+class Difference:
+    """`b` − `a` per seed (e.g. manifold − adamw, stochastic − nearest), with its interval."""
 
-    standard: Cell
-    manifold: Cell
-
-    @property
-    def delta(self) -> float:
-        return self.manifold.best - self.standard.best
+    what: str  # "manifold − adamw", "rounding: stochastic − nearest"
+    a: Cell
+    b: Cell
+    diff: Comparison
 
     @property
-    def relative(self) -> float:
-        return self.delta / self.standard.best
+    def verdict(self) -> str:
+        d = self.diff
+        if d.half_width is None or not math.isfinite(d.mean):
+            return "indistinguishable (no interval)"
+        if d.hi < 0:
+            return "lower (better)"
+        return "higher (worse)" if d.lo > 0 else "indistinguishable"
 
 
 @dataclass(frozen=True)
 class Verdict:
     passed: bool
-    ratio: float
     cell: Cell | None
     reason: str
 
     @property
     def line(self) -> str:
-        ratio = f"ratio {self.ratio:.3f}" if math.isfinite(self.ratio) else "ratio n/a"
+        ratio = (f"× bf16 {self.cell.ratio.text('.3f')}" if self.cell and math.isfinite(self.cell.ratio.mean)
+                 else "ratio n/a")
         return (f"{VERDICT_FORMAT.upper()} within {100 * VERDICT_TOLERANCE:.0f} % of BF16: "
                 f"{'PASS' if self.passed else 'INVESTIGATE'} ({ratio}; {self.reason})")
 
 
 @dataclass(frozen=True)
 class Findings:
-    formats: tuple[str, ...]  # 8-bit formats, E0M7 … E7M0
+    formats: tuple[str, ...]  # 8-bit formats, E0M7 … E7M0 (equivalent ones included)
     optimizers: tuple[str, ...]
     precisions: tuple[str, ...]
+    axes: tuple[AxesKey, ...]  # every extra-axis assignment of a quantized cell
     baselines: dict[str, list[TrialRecord]]  # optimizer -> the bf16 trials its ratios use
-    cells: dict[tuple[str, str, str], Cell]  # (format, optimizer, precision)
+    cells: dict[tuple[str, str, str, AxesKey], Cell]  # (format, optimizer, precision, axes)
+    aliases: dict[str, str]  # equivalent format -> the format whose trials measured it
     sweet_spots: list[SweetSpot]
     failures: list[Failure]
-    deltas: list[Delta]
+    deltas: list[Difference]  # manifold − adamw
+    axis_effects: list[Difference]  # one value of an extra axis against its first value
     verdict: Verdict
     missing: list[str]
     notes: list[str] = field(default_factory=list)
-    twins: list[Twins] = field(default_factory=list)  # formats whose trials are one result
 
-    def baseline_best(self, optimizer: str) -> float:
+    def cell(self, fmt: str, optimizer: str, precision: str, axes: AxesKey) -> Cell | None:
+        """The cell of a format, or of the format whose trials measured it."""
+        return self.cells.get((self.aliases.get(fmt, fmt), optimizer, precision, axes))
+
+    def baseline_best(self, optimizer: str, axes: AxesKey = ()) -> Interval:
         """bf16's best val loss over its whole run, as compared with `optimizer`'s trials."""
-        return _mean_best(self.baselines.get(optimizer, []))
+        return mean_interval(seed_values(baseline_trials(self.baselines.get(optimizer, []), axes)).values())
 
-    def headline(self, precision: str) -> SweetSpot | None:
-        """The sweet spot of a precision over all optimizers (same rule as per optimizer)."""
-        spots = [s for s in self.sweet_spots if s.precision == precision and s.winner]
-        return min(spots, key=lambda s: (-s.winner.steps, s.winner.ratio), default=None)
+
+def baseline_trials(bf16: list[TrialRecord], axes: AxesKey) -> list[TrialRecord]:
+    """The bf16 trials that match a cell's axes: bf16 carries only the axes that apply to it."""
+    wanted = set(axes)
+    return [t for t in bf16 if set(axes_key(t)) <= wanted]
 
 
 def _ordered(values: Iterable[str], key=None) -> tuple[str, ...]:
@@ -286,111 +355,135 @@ def _baselines(records: list[TrialRecord], optimizers: tuple[str, ...],
     return {opt: own.get(opt) or own[lender] for opt in optimizers if opt in own or lender is not None}
 
 
-def _mean_best(trials: Iterable[TrialRecord], upto: int | None = None) -> float:
-    bests = [b for t in trials if math.isfinite(b := trial_best(t, upto))]
-    return fmean(bests) if bests else math.nan
+def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ...],
+               bf16: list[TrialRecord], also: tuple[str, ...]) -> Cell:
+    steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
+    values = seed_values(trials, steps)
+    label = " ≡ ".join((key[0], *also))
+    ratio = ratio_interval(values, seed_values(baseline_trials(bf16, key[3]), steps), labels=(label, "bf16"))
+    return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also)
 
 
-def _sweet_spot(cells: list[Cell], precision: str, optimizer: str) -> SweetSpot:
-    """Lowest × bf16 among the eligible cells that trained longest (see DEFINITIONS)."""
-    eligible = [c for c in cells if not c.broke and math.isfinite(c.ratio)]
-    eligible.sort(key=lambda c: (-c.steps, c.ratio))
-    if eligible:  # a tie goes to the format with more exponent bits
-        tied = [c for c in eligible if c.steps == eligible[0].steps
-                and c.ratio <= eligible[0].ratio * (1 + TIE_TOLERANCE)]
-        winner = max(tied, key=lambda c: format_key(c.format)[0])
-        eligible.remove(winner)
-        eligible.insert(0, winner)
-    winner, runner_up = (eligible + [None, None])[:2]
-    return SweetSpot(precision, optimizer, winner, runner_up, tuple(c.format for c in cells if c.broke))
+def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey) -> SweetSpot:
+    """The leader and its tie group among the eligible cells and bf16 (see DEFINITIONS)."""
+    eligible = [c for c in cells if not c.broke and c.full_budget and math.isfinite(c.ratio.mean)]
+    excluded = tuple(c.name for c in cells if c not in eligible)
+    n = max((c.ratio.n for c in eligible), default=0)
+    entries = [(c.name, c.ratio) for c in eligible]
+    if entries:
+        entries.append((BASELINE, Interval(1.0, 0.0, n)))  # bf16 against itself: exactly 1
+    group = tuple(leader_group(entries))
+    by_name = {c.name: c for c in eligible}
+    return SweetSpot(precision, optimizer, axes, group, by_name.get(group[0]) if group else None, excluded)
 
 
-def _verdict(cells: dict[tuple[str, str, str], Cell], has_baseline: bool) -> Verdict:
-    candidates = [c for c in cells.values() if c.format == VERDICT_FORMAT]
+def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: bool) -> Verdict:
+    candidates = [c for c in cells.values() if c.format == VERDICT_FORMAT or VERDICT_FORMAT in c.also]
     if not has_baseline:
-        return Verdict(False, math.nan, None, "no bf16 baseline with a finite loss")
+        return Verdict(False, None, "no bf16 baseline with a finite loss")
     if not candidates:
-        return Verdict(False, math.nan, None, f"no {VERDICT_FORMAT} trial")
-    cell = min(candidates, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD,
-                                          c.ratio if math.isfinite(c.ratio) else math.inf))
-    where = f"{cell.format} / {cell.precision} / {cell.optimizer}"
-    if not math.isfinite(cell.ratio):
-        return Verdict(False, cell.ratio, cell, f"{where} has no finite val loss")
+        return Verdict(False, None, f"no {VERDICT_FORMAT} trial")
+    full = [c for c in candidates if c.full_budget and not c.broke]
+    pool = full or candidates
+    cell = min(pool, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD, c.axes))
+    where = " / ".join(x for x in (cell.name, cell.precision, cell.optimizer, axes_text(cell.axes)) if x)
     if cell.broke:
-        return Verdict(False, cell.ratio, cell, f"{where} stopped: {', '.join(cell.stops)}")
-    return Verdict(cell.ratio <= 1 + VERDICT_TOLERANCE, cell.ratio, cell,
-                   f"{where}: best val loss {cell.best:.4f} vs bf16 {cell.baseline:.4f}, up to step {cell.steps}")
+        return Verdict(False, cell, f"{where} stopped: {', '.join(cell.stops)}")
+    if not cell.full_budget:
+        state = "still running" if cell.running else "cut before the full budget"
+        return Verdict(False, cell, f"{where} {state} (step {cell.steps}): no verdict on a partial budget")
+    if not math.isfinite(cell.ratio.mean):
+        return Verdict(False, cell, f"{where} has no finite val loss")
+    if cell.ratio.half_width is None:
+        return Verdict(False, cell, f"{where}: n = {cell.ratio.n}, no interval: a single seed cannot "
+                                    "establish it")
+    limit = 1 + VERDICT_TOLERANCE
+    passed = cell.ratio.hi <= limit
+    how = (f"the whole interval is at or below {limit:.2f}" if passed else
+           f"the interval reaches {cell.ratio.hi:.3f} > {limit:.2f}")
+    return Verdict(passed, cell, f"{where}, {cell.steps} steps, {cell.ratio.n} seeds: {how}")
 
 
-def _missing(records: list[TrialRecord], axes: tuple[tuple[str, ...], ...], given: list[str]) -> list[str]:
-    """Grid points the caller knows never started, unfinished trials, holes in the observed grid."""
+def _missing(records: list[TrialRecord], given: list[str]) -> list[str]:
+    """Grid points the caller knows never started, unfinished trials, unreadable trial files."""
     out = list(given)
     out += [f"{name(r)} ({label(r)}): unreadable: {r.unreadable}" for r in records if r.unreadable]
     for r in records:
-        if r.status in UNFINISHED and name(r) not in given:
+        if r.status in UNFINISHED and name(r) not in given and not r.same_as:
             state = "not started" if r.status == "PENDING" else f"still running at step {stop_step(r)[0]}, numbers provisional"
             out.append(f"{name(r)} ({label(r)}): {state}")
-    formats, optimizers, precisions = axes
-    present = {(r.format, r.optimizer, r.precision) for r in records}
-    out += [f"{f}/{o}/{p}: no trial" for o in optimizers for p in precisions for f in formats
-            if (f, o, p) not in present]
-    out += [f"{BASELINE}/{o}: no baseline trial" for o in optimizers
-            if not any(r.format == BASELINE and r.optimizer == o for r in records)]
     return list(dict.fromkeys(out))
+
+
+def _difference(what: str, a: Cell, b: Cell) -> Difference | None:
+    """b − a per seed over their full budgets; None when either did not run it."""
+    if not (a.full_budget and b.full_budget):
+        return None
+    diff = difference_interval(seed_values(b.trials), seed_values(a.trials), labels=(b.name, a.name))
+    return Difference(what, a, b, diff)
 
 
 def compute_findings(records: list[TrialRecord], missing: list[str] | None = None) -> Findings:
     """All findings of an experiment; `missing` names grid points that never started."""
     started = [r for r in records if r.status != "PENDING" or r.history]
-    quantized = [r for r in started if r.format != BASELINE]
-    formats = _ordered((r.format for r in quantized), key=format_key)
-    optimizers = _ordered(r.optimizer for r in started)
-    precisions = _ordered(r.precision for r in (quantized or started))
+    measured = [r for r in started if not r.same_as]
+    quantized = [r for r in measured if r.format != BASELINE]
+    by_key = {r.key: r for r in measured}
+    aliases = {r.format: by_key[r.same_as].format for r in started if r.same_as and r.same_as in by_key}
+    formats = _ordered([*(r.format for r in quantized), *aliases], key=format_key)
+    optimizers = _ordered(r.optimizer for r in measured)
+    precisions = _ordered(r.precision for r in (quantized or measured))
+    axes = tuple(sorted({axes_key(r) for r in quantized}))
     notes: list[str] = []
-    bf16 = _baselines(started, optimizers, notes)
+    bf16 = _baselines(measured, optimizers, notes)
 
-    cells: dict[tuple[str, str, str], Cell] = {}
-    for key in sorted({(r.format, r.optimizer, r.precision) for r in quantized}):
-        trials = tuple(r for r in quantized if (r.format, r.optimizer, r.precision) == key)
-        steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
-        cells[key] = Cell(*key, best=_mean_best(trials), steps=steps,
-                          baseline=_mean_best(bf16.get(key[1], []), steps), trials=trials)
+    cells: dict[tuple[str, str, str, AxesKey], Cell] = {}
+    for key in sorted({(r.format, r.optimizer, r.precision, axes_key(r)) for r in quantized}):
+        trials = tuple(r for r in quantized if (r.format, r.optimizer, r.precision, axes_key(r)) == key)
+        also = tuple(sorted((a for a, m in aliases.items() if m == key[0]), key=format_key))
+        cells[key] = _make_cell(key, trials, bf16.get(key[1], []), also)
 
-    spots = [_sweet_spot([c for c in cells.values() if c.precision == p and c.optimizer == o], p, o)
-             for p in precisions for o in optimizers
-             if any(c.precision == p and c.optimizer == o for c in cells.values())]
+    spots = []
+    for p in precisions:
+        for o in optimizers:
+            for ax in axes:
+                group = [c for c in cells.values() if (c.precision, c.optimizer, c.axes) == (p, o, ax)]
+                if group:
+                    spots.append(_sweet_spot(group, p, o, ax))
 
     failures = []
-    for r in sorted(started, key=lambda r: (format_key(r.format), r.optimizer, r.precision, r.seed)):
+    for r in sorted(measured, key=lambda r: (format_key(r.format), r.optimizer, r.precision, r.seed)):
         reason = stop_reason(r)
         step, collapsed = stop_step(r)
         if reason in (None, "completed") and not collapsed:
             continue
         where, evidence = failure_site(r)
+        if r.stop_detail:
+            evidence = f"{r.stop_detail}; {evidence}"
         if r.error:
             evidence += f"; error: {r.error}"
         failures.append(Failure(r, step, collapsed, reason or "—", where, evidence))
 
-    deltas = [Delta(cells[f, STANDARD, p], cells[f, MANIFOLD, p])
-              for f in formats for p in precisions
-              if (f, STANDARD, p) in cells and (f, MANIFOLD, p) in cells]
-
-    return Findings(formats, optimizers, precisions, bf16, cells, spots, failures, deltas,
-                    _verdict(cells, bool(bf16)),
-                    _missing(records, (formats, optimizers, precisions), missing or []),
-                    notes, _twins(formats, cells))
+    deltas = [d for (f, o, p, ax), c in cells.items() if o == STANDARD
+              and (m := cells.get((f, MANIFOLD, p, ax))) is not None
+              and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None]
+    return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures, deltas,
+                    _axis_effects(cells), _verdict(cells, bool(bf16)), _missing(records, missing or []), notes)
 
 
-def _twins(formats: tuple[str, ...], cells: dict[tuple[str, str, str], Cell]) -> list[Twins]:
-    """The twin formats of this grid, with how many of their shared cells trained identically."""
+def _axis_effects(cells: dict[tuple[str, str, str, AxesKey], Cell]) -> list[Difference]:
+    """Per extra axis: each value against the axis's first value, all else equal."""
     out = []
-    for t in power_of_two_twins(formats):
-        pairs = [(c, cells[t.larger, o, p]) for (f, o, p), c in cells.items()
-                 if f == t.smaller and (t.larger, o, p) in cells]
-        same = sum(_histories(a) == _histories(b) for a, b in pairs)
-        out.append(Twins(t.smaller, t.larger, t.shift, identical=same, shared=len(pairs)))
+    paths = sorted({path for key in cells for path, _ in key[3]})
+    for path in paths:
+        for (f, o, p, ax), b in cells.items():
+            values = dict(ax)
+            rest = tuple(item for item in ax if item[0] != path)
+            first = min((dict(k[3])[path] for k in cells if k[:3] == (f, o, p) and path in dict(k[3])
+                         and tuple(i for i in k[3] if i[0] != path) == rest), key=str, default=None)
+            if path not in values or values[path] == first:
+                continue
+            a = cells.get((f, o, p, tuple(sorted({**values, path: first}.items()))))
+            if a is not None and (d := _difference(f"{path.rsplit('.', 1)[-1]}: {values[path]} − {first}", a, b)):
+                out.append(d)
     return out
-
-
-def _histories(cell: Cell) -> list[tuple[int, list[int], list[float]]]:
-    return sorted((t.seed, *t.val_series()) for t in cell.trials)

@@ -7,19 +7,30 @@ from collections import Counter
 from pathlib import Path
 
 from altgrad.experiment import TrialRecord
-from altgrad.report.findings import DEFINITIONS, MANIFOLD, STANDARD, Findings, SweetSpot, name
+from altgrad.report.findings import (
+    DEFINITIONS,
+    MANIFOLD,
+    STANDARD,
+    AxesKey,
+    Difference,
+    Findings,
+    axes_text,
+    format_key,
+    name,
+)
 from altgrad.report.plots import Plot
 
 PLOT_SECTIONS = (
     ("heatmap", "Best val loss relative to bf16",
-     "Lower is better; 1.000 = bf16. Grey hatched: no trial, no finite loss, or a trial that broke "
-     "(× and its stop reason; in brackets the ratio it had reached before breaking)."),
+     "Mean over seeds of the per-seed ratio to bf16, ± the half-width of its 95 % interval; lower is "
+     "better, 1.000 = bf16. Grey hatched: no trial, no finite loss, or a trial that broke (× and its "
+     "stop reason). A row marked ≡ repeats an equivalent format's measurement."),
     ("loss", "Validation loss vs step",
-     "bf16 dashed black in every panel; an \"x\" on the top edge marks the step where a trial "
-     "collapsed (its first non-finite loss); curves that diverge leave through the top."),
+     "Per format, the mean over seeds, with the band from the lowest to the highest seed; bf16 dashed "
+     "black in every panel; an \"x\" on the top edge marks a step where a trial collapsed."),
     ("stability", "Stability signals over steps",
      "Bit-stall rate (updates lost to rounding), forward overflow rate and cosine to the FP32 "
-     "shadow gradients; dotted lines are the warning thresholds."),
+     "shadow gradients, one line per trial; dotted lines are the warning thresholds."),
 )
 
 
@@ -33,20 +44,25 @@ def _table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def _spot(s: SweetSpot) -> str:
-    return f"{s.winner.format} at {s.winner.ratio:.3f}× bf16 ({s.optimizer})" if s.winner else "none"
+def _where(precision: str, optimizer: str, axes: AxesKey) -> str:
+    return ", ".join(x for x in (precision, optimizer, axes_text(axes)) if x)
 
 
 def _overview(records: list[TrialRecord], f: Findings) -> str:
-    status = ", ".join(f"{n} {s.lower()}" for s, n in sorted(Counter(r.status for r in records).items()))
-    baselines = ", ".join(f"{o} {_num(f.baseline_best(o))}" for o in sorted(f.baselines))
-    lines = [f"{len(records)} trials ({status}). Formats: {', '.join(f.formats) or 'none'}; "
-             f"optimizers: {', '.join(f.optimizers)}; layer precisions: {', '.join(f.precisions)}. "
-             f"bf16 best val loss: {baselines or 'none'}.", ""]
-    for p in f.precisions:
-        head = f.headline(p)
-        lines.append(f"- Sweet spot for **{p}** quantization: {_spot(head) if head else 'none (every format broke)'}")
-    lines += [f"- **Not independent:** {t.note()}" for t in f.twins]
+    measured = [r for r in records if not r.same_as]
+    status = ", ".join(f"{n} {s.lower()}" for s, n in sorted(Counter(r.status for r in measured).items()))
+    seeds = sorted({r.seed for r in measured})
+    baselines = ", ".join(f"{o} {f.baseline_best(o).text()}" for o in sorted(f.baselines))
+    lines = [f"{len(measured)} trials ({status}), seeds {', '.join(map(str, seeds))}. Formats: "
+             f"{', '.join(f.formats) or 'none'}; optimizers: {', '.join(f.optimizers)}; layer precisions: "
+             f"{', '.join(f.precisions)}" + (f"; extra axes: {', '.join(sorted({p for ax in f.axes for p, _ in ax}))}"
+                                             if any(f.axes) else "") +
+             f". bf16 best val loss: {baselines or 'none'}.", ""]
+    lines += [f"- Sweet spot for **{_where(s.precision, s.optimizer, s.axes)}**: {s.text}" for s in f.sweet_spots]
+    lines += [f"- **One measurement, two names:** {alias} was not run: under this sweep's per-tensor amax "
+              f"scaling it quantizes every tensor exactly like {measured_by} (one grid up to a power of "
+              f"two), so {measured_by}'s trials are listed under both names and count once."
+              for alias, measured_by in sorted(f.aliases.items())]
     return "\n".join(lines)
 
 
@@ -60,43 +76,50 @@ def _plots(plots: dict[str, list[Plot]], out_dir: Path) -> str:
 
 
 def _sweet_spots(f: Findings) -> str:
-    rows = [[s.precision, s.optimizer, *([s.winner.format, _num(s.winner.ratio, ".3f"), _num(s.winner.best),
-                                          s.winner.steps] if s.winner else ["none", "—", "—", "—"]),
-             f"{s.runner_up.format} ({s.runner_up.ratio:.3f})" if s.runner_up else "—",
+    rows = [[s.precision, s.optimizer, axes_text(s.axes) or "—", s.text,
              ", ".join(s.excluded) or "—"] for s in f.sweet_spots]
-    return _table(["precision", "optimizer", "sweet spot", "× bf16", "best val loss", "steps", "runner-up",
-                   "not eligible (broke)"], rows)
+    return _table(["precision", "optimizer", "extra axes", "sweet spot (95 % intervals)",
+                   "not eligible (broke / partial budget)"], rows)
 
 
 def _failures(f: Findings) -> str:
     if not f.failures:
         return "Every trial completed without a collapse."
-    rows = [[name(x.trial), x.trial.format, x.trial.optimizer, x.trial.precision, x.trial.seed,
+    rows = [[name(x.trial), x.trial.format, x.trial.optimizer, x.trial.precision,
+             axes_text(tuple(sorted(x.trial.axes.items()))) or "—", x.trial.seed,
              x.stop_reason, f"{x.step} ({'collapse' if x.collapsed else 'stop'})", x.where, x.evidence]
             for x in f.failures]
-    return _table(["trial", "format", "optimizer", "precision", "seed", "stop reason", "step",
+    return _table(["trial", "format", "optimizer", "precision", "extra axes", "seed", "stop reason", "step",
                    "where it failed", "evidence"], rows)
 
 
-def _deltas(f: Findings) -> str:
-    if not f.deltas:
-        ran = ", ".join(f"`{o}`" for o in f.optimizers)
-        return f"n/a: needs both `{STANDARD}` and `{MANIFOLD}` on the same format and precision (ran: {ran})."
-    rows = [[d.standard.format, d.standard.precision, _num(d.standard.best), _num(d.manifold.best),
-             _num(d.delta, "+.4f"), _num(100 * d.relative, "+.1f") + " %",
-             "; ".join(f"{c.optimizer} stopped: {', '.join(c.stops)} (step {c.steps})"
-                       for c in (d.standard, d.manifold) if c.stops) or "—"] for d in f.deltas]
-    return ("Negative = the manifold optimizer reached a lower loss.\n\n"
-            + _table(["format", "precision", STANDARD, MANIFOLD, "delta", "relative", "note"], rows))
+def _differences(diffs: list[Difference], empty: str) -> str:
+    if not diffs:
+        return empty
+    rows = [[d.what, d.a.name, d.a.precision, d.a.optimizer if d.a.optimizer == d.b.optimizer else "—",
+             axes_text(tuple(i for i in d.b.axes if i not in d.a.axes) or d.a.axes) or "—",
+             d.a.best.text(), d.b.best.text(), d.diff.text("+.4f"), d.verdict, d.diff.note or "—"]
+            for d in diffs]
+    return _table(["difference", "format", "precision", "optimizer", "axes", "first", "second",
+                   "second − first (95 %)", "reading", "pairing"], rows)
 
 
 def _cells(f: Findings) -> str:
-    rows = [[c.format, c.optimizer, c.precision, ", ".join(name(t) for t in c.trials), _num(c.best),
-             c.steps, _num(c.baseline), _num(c.ratio, ".3f"),
+    rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—",
+             ", ".join(sorted({str(t.seed) for t in c.trials})), c.best.text(), c.steps,
+             c.ratio.text(".3f"), c.vs_bf16,
              ", ".join(c.stops) or ("running" if c.running else "completed")]
-            for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision))]
-    return _table(["format", "optimizer", "precision", "trials", "best val loss", "steps",
-                   "bf16 up to steps", "× bf16", "stops"], rows)
+            for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision, c.axes, format_key(c.format)))]
+    return _table(["format", "optimizer", "precision", "extra axes", "seeds", "best val loss (95 %)", "steps",
+                   "× bf16 (95 %)", "vs bf16", "stops"], rows)
+
+
+def _pairing(f: Findings) -> str:
+    notes = [f"- {c.name} / {_where(c.precision, c.optimizer, c.axes)}: {c.ratio.note}"
+             for c in f.cells.values() if c.ratio.note]
+    notes += [f"- {d.what}, {d.a.name} / {d.a.precision}: {d.diff.note}" for d in [*f.deltas, *f.axis_effects]
+              if d.diff.note]
+    return "\n".join(notes) or "Every comparison was paired by seed."
 
 
 def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list[Plot]],
@@ -106,11 +129,18 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
     sections = [
         f"# {title}", f"**{f.verdict.line}**", _overview(records, f), _plots(plots, out_dir),
         "## Sweet spot per layer precision", _sweet_spots(f),
+        "## All cells", _cells(f),
         "## Failures and early stops", _failures(f),
-        "## Manifold vs standard optimizer", _deltas(f),
+        "## Manifold vs standard optimizer",
+        _differences(f.deltas, f"n/a: needs both `{STANDARD}` and `{MANIFOLD}` at full budget on the same "
+                               f"format and precision (ran: {', '.join(f.optimizers)})."),
+    ]
+    if f.axis_effects:
+        sections += ["## Extra grid axes", _differences(f.axis_effects, "")]
+    sections += [
+        "## Comparisons that could not be paired by seed", _pairing(f),
         "## What is missing",
         "\n".join(f"- {m}" for m in f.missing) or "Nothing: every grid point has a finished trial.",
-        "## All cells", _cells(f),
         "## How these numbers are computed", DEFINITIONS.strip(),
     ]
     if f.notes:

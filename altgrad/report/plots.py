@@ -13,13 +13,21 @@ from pathlib import Path
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.axes import Axes
-from matplotlib.collections import PathCollection
+from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from altgrad.config import BASELINE
 from altgrad.experiment import TrialRecord
-from altgrad.report.findings import SIGNALS, Findings, format_key, stop_step
+from altgrad.report.findings import (
+    SIGNALS,
+    AxesKey,
+    Findings,
+    axes_text,
+    baseline_trials,
+    format_key,
+    stop_step,
+)
 
 STABILITY_METRICS = ("quant/bit_stall_rate", "quant/overflow_rate", "shadow/cos_mean")
 THRESHOLDS = {key: threshold for key, threshold, _ in SIGNALS}
@@ -32,6 +40,8 @@ class Plot:
     lines: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]  # (panel, label) -> x, y
     images: dict[str, np.ndarray]  # panel -> heatmap values (NaN where nothing finite)
     collapses: dict[str, list[float]]  # panel -> steps of the collapse markers
+    bands: dict[tuple[str, str], tuple[np.ndarray, np.ndarray, np.ndarray]]  # (panel, label) -> x, lo, hi
+    texts: dict[str, list[str]]  # panel -> the annotations written on it, in drawing order
 
 
 def color(fmt: str) -> str | tuple[float, ...]:
@@ -40,70 +50,107 @@ def color(fmt: str) -> str | tuple[float, ...]:
 
 
 def _save(fig: Figure, path: Path) -> Plot:
+    """Draw, save, and read every plotted array back from the figure's artists."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    lines, images, collapses = {}, {}, {}
+    lines, images, collapses, bands, texts = {}, {}, {}, {}, {}
     for ax in fig.axes:
+        panel = ax.get_title()
         for marks in ax.collections:
             if isinstance(marks, PathCollection):
-                collapses.setdefault(ax.get_title(), []).extend(marks.get_offsets()[:, 0].tolist())
+                collapses.setdefault(panel, []).extend(marks.get_offsets()[:, 0].tolist())
+            elif isinstance(marks, PolyCollection) and marks.get_paths() and not marks.get_label().startswith("_"):
+                vertices = marks.get_paths()[0].vertices  # the outline: lo forwards, hi back
+                x = np.unique(vertices[:, 0])
+                lo = np.array([vertices[vertices[:, 0] == v, 1].min() for v in x])
+                hi = np.array([vertices[vertices[:, 0] == v, 1].max() for v in x])
+                bands[panel, marks.get_label()] = (x, lo, hi)
         for line in ax.get_lines():
             if not line.get_label().startswith("_"):  # "_" = guides (thresholds), not data
-                lines[ax.get_title(), line.get_label()] = (np.asarray(line.get_xdata(), float),
-                                                           np.asarray(line.get_ydata(), float))
+                lines[panel, line.get_label()] = (np.asarray(line.get_xdata(), float),
+                                                  np.asarray(line.get_ydata(), float))
         for image in ax.images:
-            images[ax.get_title()] = np.ma.filled(np.ma.asarray(image.get_array(), float), np.nan)
-    return Plot(path, fig.get_suptitle() or fig.axes[0].get_title(), lines, images, collapses)
+            images[panel] = np.ma.filled(np.ma.asarray(image.get_array(), float), np.nan)
+        if ax.texts:
+            texts[panel] = [t.get_text() for t in ax.texts]
+    return Plot(path, fig.get_suptitle() or fig.axes[0].get_title(), lines, images, collapses, bands, texts)
 
 
-def _line_label(r: TrialRecord, seeded: bool) -> str:
-    return f"{r.format} s{r.seed}" if seeded else r.format
-
-
-def _curve(ax: Axes, r: TrialRecord, steps: list[int], values: list[float], seeded: bool) -> None:
-    """One trial's series (non-finite points are gaps); an "x" on the top edge marks its collapse."""
-    y = np.array(values, float)
-    y[~np.isfinite(y)] = np.nan
-    baseline = r.format == BASELINE
-    ax.plot(steps, y, color=color(r.format), label=_line_label(r, seeded),
-            ls="--" if baseline else "-", lw=1.6 if baseline else 1.2)
+def _collapse_mark(ax: Axes, r: TrialRecord) -> None:
+    """An "x" on the top edge at the step where a trial collapsed (visible however far it went)."""
     step, collapsed = stop_step(r)
-    if collapsed:  # x in data, y in axes coordinates: visible however far the loss went
+    if collapsed:
         ax.scatter([step], [0.96], transform=ax.get_xaxis_transform(), marker="x", s=60,
                    color=color(r.format), zorder=3, clip_on=False)
 
 
-def _trials(records: list[TrialRecord], optimizer: str, precision: str) -> list[TrialRecord]:
-    return sorted((r for r in records if r.format != BASELINE and r.optimizer == optimizer
-                   and r.precision == precision and r.history), key=lambda r: (format_key(r.format), r.seed))
+def _curve(ax: Axes, r: TrialRecord, steps: list[int], values: list[float]) -> None:
+    """One trial's series (non-finite points are gaps), labelled `<format> s<seed>`."""
+    y = np.array(values, float)
+    y[~np.isfinite(y)] = np.nan
+    ax.plot(steps, y, color=color(r.format), label=f"{r.format} s{r.seed}", lw=1.0)
+    _collapse_mark(ax, r)
 
 
-def plot_loss(records: list[TrialRecord], findings: Findings, optimizer: str, path: Path) -> Plot:
-    """Validation loss vs step, one panel per layer precision, bf16 dashed black in each."""
-    seeded = len({r.seed for r in records}) > 1
+def seed_band(trials: list[TrialRecord]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean, lowest, highest) of the val loss over seeds, at the steps every seed evaluated
+    with a finite loss (a seed that collapsed ends the band where it collapsed)."""
+    series = [dict(zip(*t.val_series(), strict=True)) for t in trials]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    steps = [s for s in steps if all(math.isfinite(x[s]) for x in series)]
+    values = np.array([[x[s] for s in steps] for x in series], float).reshape(len(series), len(steps))
+    return np.array(steps, float), values.mean(0), values.min(0), values.max(0)
+
+
+def _mean_curve(ax: Axes, fmt: str, trials: list[TrialRecord], label: str) -> None:
+    steps, mean, lo, hi = seed_band(trials)
+    baseline = fmt == BASELINE
+    ax.plot(steps, mean, color=color(fmt), label=label, ls="--" if baseline else "-", lw=1.6 if baseline else 1.2)
+    if len(trials) > 1 and len(steps):
+        ax.fill_between(steps, lo, hi, color=color(fmt), alpha=0.15, lw=0, label=f"{label} seeds")
+    for t in trials:
+        _collapse_mark(ax, t)
+
+
+def _facets(findings: Findings) -> list[tuple[str, AxesKey]]:
+    return [(o, ax) for o in findings.optimizers for ax in findings.axes
+            if any((c.optimizer, c.axes) == (o, ax) for c in findings.cells.values())]
+
+
+def _suffix(axes: AxesKey) -> str:
+    return "" if not axes else f" ({axes_text(axes)})"
+
+
+def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
+    """Validation loss vs step per format (mean over seeds, band = lowest to highest seed), one
+    panel per layer precision, bf16 dashed black in each."""
     fig = Figure(figsize=(4.5 * len(findings.precisions), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(findings.precisions), squeeze=False, sharey=True)[0]
+    panels = fig.subplots(1, len(findings.precisions), squeeze=False, sharey=True)[0]
+    bf16 = baseline_trials(findings.baselines.get(optimizer, []), axes)
     starts, finite = [], []
-    for ax, precision in zip(axes, findings.precisions, strict=True):
-        for r in findings.baselines.get(optimizer, []) + _trials(records, optimizer, precision):
-            steps, values = r.val_series()
-            _curve(ax, r, steps, values, seeded)
-            starts += [v for v in values[:1] if math.isfinite(v)]
-            finite += [v for v in values if math.isfinite(v)]
+    for ax, precision in zip(panels, findings.precisions, strict=True):
+        groups = [(BASELINE, BASELINE, bf16)] if bf16 else []
+        groups += [(c.format, c.name, list(c.trials)) for c in sorted(findings.cells.values(), key=lambda c: format_key(c.format))
+                   if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)]
+        for fmt, label, trials in groups:
+            _mean_curve(ax, fmt, trials, label)
+            for t in trials:
+                values = t.val_series()[1]
+                starts += [v for v in values[:1] if math.isfinite(v)]
+                finite += [v for v in values if math.isfinite(v)]
         ax.set(title=f"precision: {precision}", xlabel="step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("validation loss")
+    panels[0].set_ylabel("validation loss")
     if starts:  # diverging trials leave through the top (the initial loss): the useful range stays readable
         low, high = min(finite), max(max(starts), min(finite) + 1e-6)
-        axes[0].set_ylim(low - 0.03 * (high - low), high + 0.03 * (high - low))
-    fig.suptitle(f"Validation loss vs bf16 — optimizer {optimizer}")
+        panels[0].set_ylim(low - 0.03 * (high - low), high + 0.03 * (high - low))
+    fig.suptitle(f"Validation loss vs bf16 — optimizer {optimizer}{_suffix(axes)}")
     return _save(fig, path)
 
 
-def plot_stability(records: list[TrialRecord], findings: Findings, optimizer: str, path: Path) -> Plot:
+def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
     """Bit-stall, overflow and FP32-shadow cosine over steps: rows = metric, columns = precision."""
-    seeded = len({r.seed for r in records}) > 1
     precisions = findings.precisions
     width, height = max(4.5 * len(precisions), 5.0), 8.0  # fixed margins (inches): a layout engine doubles the time
     fig = Figure(figsize=(width, height))
@@ -112,10 +159,13 @@ def plot_stability(records: list[TrialRecord], findings: Findings, optimizer: st
         hspace=0.3, wspace=0.25))
     for row, metric in zip(grid, STABILITY_METRICS, strict=True):
         for ax, precision in zip(row, precisions, strict=True):
-            for r in _trials(records, optimizer, precision):
+            cells = sorted((c for c in findings.cells.values()
+                            if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)),
+                           key=lambda c: format_key(c.format))
+            for r in (t for c in cells for t in sorted(c.trials, key=lambda t: t.seed)):
                 steps, values = r.series(metric)
                 if steps:
-                    _curve(ax, r, steps, values, seeded)
+                    _curve(ax, r, steps, values)
             if metric == "quant/overflow_rate":  # rare events matter: show 0, 1e-4 and 0.5 alike
                 ax.set_yscale("symlog", linthresh=1e-4)
             if metric in THRESHOLDS:
@@ -127,45 +177,49 @@ def plot_stability(records: list[TrialRecord], findings: Findings, optimizer: st
             ax.legend(fontsize=6)
     for ax in grid[-1]:
         ax.set_xlabel("step")
-    fig.suptitle(f"Stability signals — optimizer {optimizer}")
+    fig.suptitle(f"Stability signals — optimizer {optimizer}{_suffix(axes)}")
     return _save(fig, path)
 
 
-def plot_heatmap(findings: Findings, optimizer: str, path: Path) -> Plot:
-    """Best val loss / bf16 over format × precision. Only usable cells are coloured: grey hatched
-    = no trial, no finite loss (×), or a trial that broke (its stop reason, and the ratio it had
-    reached before breaking in brackets)."""
+def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
+    """× bf16 over format × precision, annotated `ratio ± half-width`. Only usable cells are
+    coloured: grey hatched = no trial, no finite loss (×), or a trial that broke (its stop reason)."""
     formats, precisions = findings.formats, findings.precisions
-    cells = [[findings.cells.get((f, optimizer, p)) for p in precisions] for f in formats]
-    ratio = np.array([[c.ratio if c and not c.broke else np.nan for c in row] for row in cells], float)
-    fig = Figure(figsize=(max(1.8 + 1.3 * len(precisions), 4.8), 1.2 + 0.55 * len(formats)), layout="constrained")
+    cells = [[findings.cell(f, optimizer, p, axes) for p in precisions] for f in formats]
+    ratio = np.array([[c.ratio.mean if c and not c.broke else np.nan for c in row] for row in cells], float)
+    fig = Figure(figsize=(max(1.8 + 1.5 * len(precisions), 4.8), 1.2 + 0.6 * len(formats)), layout="constrained")
     ax = fig.subplots()
     finite = ratio[np.isfinite(ratio)]  # colour range: at least 1 ± 0.1 around bf16, at most 2×
     image = ax.imshow(np.ma.masked_invalid(ratio), cmap=colormaps["RdYlGn_r"].with_extremes(bad="lightgrey"),
-                      aspect="auto", vmin=finite.min(initial=1.0),
+                      aspect="auto", vmin=min(finite.min(initial=1.0), 0.9),
                       vmax=float(np.clip(finite.max(initial=1.1), 1.1, 2.0)))
     for i, row in enumerate(cells):
         for j, cell in enumerate(row):
-            if math.isfinite(ratio[i, j]):  # a cut trial (asha) was compared at fewer steps: say so
-                text = f"{ratio[i, j]:.3f}" + "".join(f"\n({s})" for s in cell.stops)
+            if math.isfinite(ratio[i, j]):
+                hw = cell.ratio.half_width
+                text = f"{ratio[i, j]:.3f}\n" + (f"± {hw:.3f}" if hw is not None else f"n = {cell.ratio.n}")
             else:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="grey", lw=0))
                 text = "no trial" if cell is None else "× " + (",".join(cell.stops) or "no finite loss")
-                if cell is not None and math.isfinite(cell.ratio):
-                    text += f"\n({cell.ratio:.3f})"
-            ax.text(j, i, text, ha="center", va="center", fontsize=8)
+            if formats[i] in findings.aliases and cell is not None:
+                text += f"\n≡ {findings.aliases[formats[i]]}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=7)
     ax.set(xticks=range(len(precisions)), xticklabels=precisions, yticks=range(len(formats)),
-           yticklabels=formats, xlabel="layer precision", title=f"Best val loss / bf16 — optimizer {optimizer}")
-    fig.colorbar(image, ax=ax, label="× bf16 (lower is better)")
+           yticklabels=formats, xlabel="layer precision",
+           title=f"Best val loss / bf16 — optimizer {optimizer}{_suffix(axes)}")
+    fig.colorbar(image, ax=ax, label="× bf16, mean over seeds (lower is better)")
     return _save(fig, path)
 
 
-def plot_all(records: list[TrialRecord], findings: Findings, out_dir: Path) -> dict[str, list[Plot]]:
-    """Every figure of the report, per optimizer; keys: "loss", "heatmap", "stability"."""
+def plot_all(findings: Findings, out_dir: Path) -> dict[str, list[Plot]]:
+    """Every figure of the report, per optimizer and extra-axis values; keys: "loss", "heatmap",
+    "stability"."""
     plots: dict[str, list[Plot]] = {"loss": [], "heatmap": [], "stability": []}
-    for opt in findings.optimizers:
-        plots["loss"].append(plot_loss(records, findings, opt, out_dir / f"loss_{opt}.png"))
+    facets = _facets(findings) or [(o, ()) for o in findings.optimizers]
+    for opt, axes in facets:
+        stem = "_".join([opt, *(f"{p.rsplit('.', 1)[-1]}-{v}" for p, v in axes)]).replace("/", "_")
+        plots["loss"].append(plot_loss(findings, opt, axes, out_dir / f"loss_{stem}.png"))
         if findings.formats:
-            plots["heatmap"].append(plot_heatmap(findings, opt, out_dir / f"heatmap_{opt}.png"))
-            plots["stability"].append(plot_stability(records, findings, opt, out_dir / f"stability_{opt}.png"))
+            plots["heatmap"].append(plot_heatmap(findings, opt, axes, out_dir / f"heatmap_{stem}.png"))
+            plots["stability"].append(plot_stability(findings, opt, axes, out_dir / f"stability_{stem}.png"))
     return plots
