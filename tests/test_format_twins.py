@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from altgrad.quant import FORMATS, quantize
-from altgrad.quant.scaling import compute_scale
 from altgrad.quant.equivalence import power_of_two_shift, quantize_identically
+from altgrad.quant.scaling import compute_scale
 
 
 def sample() -> torch.Tensor:
