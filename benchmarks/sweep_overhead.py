@@ -35,7 +35,8 @@ from altgrad.tune.runner import Outcome, run_experiment, start_ray
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "sweeps" / "configs" / "format_ablation.yaml"
 GRID = ["preset=cpu", "grid.formats=[e2m5, e3m4, e4m3, e5m2]", "grid.optimizers=[adamw]",
-        "grid.precisions=[all, mlp]", "asha.enabled=false", "wandb.enabled=false", "dashboard.enabled=false"]
+        "grid.precisions=[all, mlp]", "grid.seeds=[42]", "asha.enabled=false", "wandb.enabled=false",
+        "dashboard.enabled=false"]
 SMOKE = ["grid.formats=[bf16, e4m3, e5m2]", "grid.precisions=[all]", "base.train.max_steps=20"]
 TARGET = 0.25
 

@@ -49,6 +49,7 @@ def sweep_args(eurlex_dir, data_root):
     """bf16, e4m3 and e7m0 (at a learning rate it cannot take) on a tiny model; one at a time."""
     sets = [
         "preset=cpu", "grid.formats=[bf16, e4m3, e7m0]", "grid.optimizers=[adamw]", "grid.precisions=[all]",
+        "grid.seeds=[42]",
         "grid.format_overrides={e7m0: {optim: {lr: 1000}}}",
         f"base.data.source=jsonl:{eurlex_dir}", f"base.data.data_root={data_root}", "base.data.max_docs=40",
         "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
