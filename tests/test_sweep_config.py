@@ -69,6 +69,9 @@ def test_extra_axes_in_the_grid(capsys, tmp_path):
            "quant.rounding × 2 optim.lr + bf16 × 1 optimizer × 2 optim.lr, × 2 seeds" in out
     assert "e4m3-adamw-all-rounding=stochastic-lr=0.002-s2" in out
     assert "bf16-adamw-all-lr=0.001-s1" in out and "bf16-adamw-all-rounding" not in out
+    assert sweep_main(FormatAblation, ABLATION, "test", ["--dry-run", "--smoke", "--set", "base.optim.lr=0.001",
+                                                         "--set", "grid.axes={optim.lr: [0.001, 0.002]}"]) == 0
+    assert "warning: grid.axes.optim.lr overrides base.optim.lr in every trial" in capsys.readouterr().err
     from altgrad.tune.config import SweepConfig, load_sweep_config
     from altgrad.tune.grid import build_grid
 

@@ -72,7 +72,7 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int
                             args.name, args.storage_path)
     experiments = kind.experiments(cfg)  # builds and validates every trial's run config
     if args.dry_run:
-        _warn_stall_window(cfg)
+        _warn(cfg)
         print(kind.describe(cfg, experiments))
         return 0
     mode = "resume" if args.resume else "fresh" if args.fresh else "auto"
@@ -110,7 +110,7 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int
     command = resume_command(kind, cfg)
     total = sum(e.total_trials for e in experiments)
     resuming = any(status.values())
-    _warn_stall_window(cfg)  # of the config it runs with: a resumed sweep's stored one
+    _warn(cfg)  # of the config it runs with: a resumed sweep's stored one
     table = experiments[0].path if len(experiments) == 1 else cfg.experiment_path + "/<format>"
     if "://" in table:
         table = f"DIR after copying {table} to local disk (e.g. `aws s3 sync`)"
@@ -132,8 +132,8 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int
     return code
 
 
-def _warn_stall_window(cfg: SweepSettings) -> None:
-    if warning := cfg.stall_window_warning():
+def _warn(cfg: SweepSettings) -> None:
+    for warning in cfg.warnings():
         print(f"warning: {warning}", file=sys.stderr)
 
 

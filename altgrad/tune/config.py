@@ -176,6 +176,10 @@ class SweepSettings(_Strict):
         except ValidationError as e:
             raise ConfigError(describe_validation_error(e, prefix="base.")) from None
 
+    def warnings(self) -> list[str]:
+        """What is legal but probably not meant; printed before a sweep (and its dry run)."""
+        return [w for w in (self.stall_window_warning(),) if w]
+
     def stall_window_warning(self) -> str | None:
         """Why the stopper can never stop a trial for bit-stall (its window is longer than the
         bit-stall reports of a whole run), else None. A warning, not an error: the sweep still
@@ -306,6 +310,19 @@ class SweepConfig(SweepSettings):
     grid: GridSettings
     asha: AshaSettings = Field(default_factory=AshaSettings)
     estimate: EstimateSettings = Field(default_factory=EstimateSettings)
+
+    def warnings(self) -> list[str]:
+        def set_in_base(path: str) -> bool:
+            node: Any = self.base
+            for part in path.split("."):
+                if not isinstance(node, dict) or part not in node:
+                    return False
+                node = node[part]
+            return True
+
+        return [*super().warnings(), *(
+            f"grid.axes.{path} overrides base.{path} in every trial; the base value is not used"
+            for path in self.grid.axes if set_in_base(path))]
 
     def check(self) -> None:
         """Every extra-axis value must validate in the run config, named by its field."""
