@@ -2,8 +2,10 @@
 
 `prepare_dataset` tokenizes a source once into ``<data_root>/<name>/{train,val}.bin`` (uint16 GPT-2
 tokens, EOT after every document) plus ``meta.json``; every trial of a sweep memory-maps the same
-files. `TokenBatches` draws each batch from a generator seeded by (seed, step) alone, so every
-format sees the same tokens at the same step and a resumed run continues exactly.
+files. `TokenBatches` draws each training batch from a generator seeded by (seed, step) alone, so
+every format sees the same tokens at the same step and a resumed run continues exactly. The
+validation set is fixed windows of the val split, the same for every seed, so two trials' val losses
+differ only by what they learned, not by which tokens they were scored on.
 """
 
 from __future__ import annotations
@@ -306,11 +308,11 @@ def _stream_seed(split: str, seed: int, index: int) -> int:
 
 
 class TokenBatches:
-    """Random (batch_size, block_size) windows of a prepared dataset.
+    """Training batches of random windows, and the fixed validation windows, of a prepared dataset.
 
-    Each batch comes from its own generator seeded by (seed, step) (train) or (seed, index) (val),
-    never from global RNG state, so two trials with the same seed see identical batches whatever
-    their format, call order or restart point.
+    Each training batch comes from its own generator seeded by (seed, step), never from global RNG
+    state, so two trials with the same seed see identical batches whatever their format, call order
+    or restart point. The validation windows depend on nothing but the val split and their number.
     """
 
     def __init__(
@@ -348,18 +350,32 @@ class TokenBatches:
 
     def train_batch(self, step: int) -> tuple[Tensor, Tensor]:
         """Inputs x and next-token targets y, int64 (B, T), for this training step."""
-        return self._batch("train", step)
+        gen = torch.Generator().manual_seed(_stream_seed("train", self.seed, step))
+        starts = torch.randint(self.num_tokens("train") - self.block_size, (self.batch_size,), generator=gen)
+        return self._windows("train", starts.numpy())
+
+    def val_windows(self, n: int) -> np.ndarray:
+        """Start offsets of n validation windows: non-overlapping blocks of block_size targets, spread
+        evenly over the whole val split (block k_j = floor(j * available / n)), so the set samples
+        every part of the split, is the same for every seed and batch order, and has no duplicates."""
+        available = (self.num_tokens("val") - 1) // self.block_size
+        if not 1 <= n <= available:
+            raise DataError(
+                f"the validation set needs {n} windows of {self.block_size} tokens, but the val split of "
+                f"{self.data_dir} holds {available} non-overlapping ones. Fix: lower train.eval_iters "
+                "or use more validation documents (data.max_docs, data.source)"
+            )
+        return np.arange(n, dtype=np.int64) * available // n * self.block_size
 
     def val_batches(self, n: int) -> list[tuple[Tensor, Tensor]]:
-        """The first n evaluation batches for this seed: the same set at every eval (and prefix of larger n)."""
-        return [self._batch("val", i) for i in range(n)]
+        """The validation set: n batches of batch_size fixed windows (`val_windows`), in order."""
+        starts = self.val_windows(n * self.batch_size).reshape(n, self.batch_size)
+        return [self._windows("val", s) for s in starts]
 
-    def _batch(self, split: Split, index: int) -> tuple[Tensor, Tensor]:
-        data = self._data[split]
-        gen = torch.Generator().manual_seed(_stream_seed(split, self.seed, index))
-        starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=gen)
-        windows = starts.numpy()[:, None] + np.arange(self.block_size + 1)
-        xy = torch.from_numpy(np.asarray(data[windows], dtype=np.int64))
+    def _windows(self, split: Split, starts: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Inputs and targets of the windows starting at `starts`, on the device."""
+        windows = starts[:, None] + np.arange(self.block_size + 1)
+        xy = torch.from_numpy(np.asarray(self._data[split][windows], dtype=np.int64))
         x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
         if self.device.type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(

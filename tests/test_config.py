@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from altgrad.config import ConfigError, RunConfig, build_run_config, dump_config, load_config
+from altgrad.quant.linear import ROLES
 
 
 def test_presets_layer_under_yaml_and_overrides(tmp_path):
@@ -42,13 +44,38 @@ def test_dump_round_trips(tmp_path):
         ("model.n_head=5", "model", "divisible"),
         ("train.max_step=3", "train.max_step", "unknown field"),
         ("quant.master_weights=format", "quant", "bf16"),
+        ("quant.roles.grad=false", "quant.roles.grad", "unknown field"),
+        ("quant.roles={input: false, weight: false, grad_output: false}", "quant", "at least one"),
+        ("quant.roles.weight=false", "quant", "roles.weight"),  # with master_weights=format
+        ("quant.grad_scaling.mode=off", "quant.grad_scaling.mode", "'delayed'"),
+        ("train.eval_iters=0", "train.eval_iters", "greater than or equal to 1"),
     ],
 )
 def test_invalid_fields_are_named(override, field, hint):
-    extra = ["quant.format=bf16"] if "master_weights" in override else []
+    extra = {"quant.master_weights=format": ["quant.format=bf16"],
+             "quant.roles.weight=false": ["quant.master_weights=format"]}.get(override, [])
     with pytest.raises(ConfigError) as err:
         build_run_config({"preset": "cpu"}, [*extra, override])
     assert field in str(err.value) and hint in str(err.value)
+
+
+def test_roles_and_grad_scaling():
+    """Every role is on by default; the baseline may switch them all off (it quantizes nothing
+    anyway); grad_scaling takes the fields it does not set from scaling, and round-trips."""
+    cfg = build_run_config({"preset": "cpu"})
+    assert cfg.quant.roles.enabled == ROLES  # one field per role, in the layer's order
+    assert cfg.quant.grad_scaling == cfg.quant.scaling
+    off = build_run_config({"preset": "cpu"}, ["quant.roles.grad_output=false"])
+    assert off.quant.roles.enabled == ("input", "weight")
+    baseline = build_run_config({"preset": "cpu"}, [
+        "quant.format=bf16", "quant.roles={input: false, weight: false, grad_output: false}"])
+    assert baseline.quant.roles.enabled == ()
+    both = build_run_config({"preset": "cpu"}, ["quant.scaling.mode=dynamic", "quant.scaling.history_len=4"])
+    assert both.quant.grad_scaling.mode == "dynamic" and both.quant.grad_scaling.history_len == 4
+    grad = build_run_config({"preset": "cpu"}, ["quant.scaling.history_len=4", "quant.grad_scaling.mode=none"])
+    assert grad.quant.scaling.mode == "delayed" and grad.quant.grad_scaling.mode == "none"
+    assert grad.quant.grad_scaling.history_len == 4
+    assert build_run_config(yaml.safe_load(dump_config(grad))) == grad
 
 
 def test_malformed_files_and_overrides(tmp_path):

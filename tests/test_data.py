@@ -282,10 +282,48 @@ def test_batch_shape_dtype_and_targets(small_dataset):
 
 def test_val_batches_are_fixed(small_dataset):
     a = TokenBatches(small_dataset, block_size=32, batch_size=4, seed=1)
-    b = TokenBatches(small_dataset, block_size=32, batch_size=4, seed=1)
-    first, again, longer = a.val_batches(3), a.val_batches(3), b.val_batches(5)
-    assert len(first) == 3 and len(longer) == 5
-    for (x1, y1), (x2, y2), (x3, y3) in zip(first, again, longer, strict=False):
+    first, again = a.val_batches(3), a.val_batches(3)
+    assert len(first) == 3
+    for (x1, y1), (x2, y2) in zip(first, again, strict=True):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
-        assert torch.equal(x1, x3) and torch.equal(y1, y3)
     assert not torch.equal(first[0][0], first[1][0])
+
+
+def test_val_set_is_the_same_for_every_seed_and_batch_order(small_dataset):
+    """Two trials with different training seeds are scored on the same tokens, whatever training
+    batches (or global RNG draws) came before, and however the windows are cut into batches."""
+    torch.manual_seed(0)
+    seed1 = TokenBatches(small_dataset, block_size=32, batch_size=4, seed=1).val_batches(6)
+    other = TokenBatches(small_dataset, block_size=32, batch_size=4, seed=2)
+    for step in (7, 0, 3):
+        other.train_batch(step)
+    torch.rand(100)
+    seed2 = other.val_batches(6)
+    regrouped = TokenBatches(small_dataset, block_size=32, batch_size=8, seed=3).val_batches(3)
+    xs = [torch.cat([x for x, _ in batches]) for batches in (seed1, seed2, regrouped)]
+    ys = [torch.cat([y for _, y in batches]) for batches in (seed1, seed2, regrouped)]
+    assert xs[0].shape == (24, 32)
+    assert all(torch.equal(xs[0], x) for x in xs[1:]) and all(torch.equal(ys[0], y) for y in ys[1:])
+    assert not torch.equal(seed1[0][0], other.train_batch(0)[0])  # training batches do differ
+
+
+def test_val_set_size_follows_the_config_and_covers_the_split(small_dataset):
+    """n x batch_size distinct windows of real tokens with disjoint targets, spread from the start to
+    the end of the val split; asking for more windows than fit is an error that says so."""
+    tokens = np.fromfile(small_dataset / "val.bin", dtype=np.uint16)
+    batches = TokenBatches(small_dataset, block_size=32, batch_size=4, seed=1)
+    for n in (1, 5, 12):
+        val = batches.val_batches(n)
+        assert len(val) == n and all(x.shape == y.shape == (4, 32) for x, y in val)
+        starts = batches.val_windows(4 * n)
+        assert len(starts) == 4 * n and (np.diff(starts) >= 32).all()  # targets never overlap
+        x = torch.cat([x for x, _ in val]).numpy()
+        y = torch.cat([y for _, y in val]).numpy()
+        for s, row_x, row_y in zip(starts, x, y, strict=True):
+            assert (row_x == tokens[s:s + 32]).all() and (row_y == tokens[s + 1:s + 33]).all()
+    available = (len(tokens) - 1) // 32
+    assert starts[0] == 0 and starts[-1] > (len(tokens) - 32) * (1 - 2 / 48)  # spread to the end
+    every = batches.val_windows(available)
+    assert (np.diff(every) == 32).all() and every[-1] + 33 <= len(tokens)
+    with pytest.raises(DataError, match="train.eval_iters"):
+        batches.val_windows(available + 1)

@@ -1,9 +1,11 @@
-"""QuantizedLinear and model surgery: identity when nothing is quantized, SQNR, presets, counters."""
+"""QuantizedLinear and model surgery: identity when nothing is quantized, SQNR, presets, counters,
+roles switched off and the gradient's own scaling."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from bitwise import same_values
 from torch import nn
 
@@ -11,9 +13,9 @@ from altgrad.config import ModelConfig
 from altgrad.model import GPT
 from altgrad.quant import get_format
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, linear_layers, quantized_layers
-from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
-from altgrad.quant.quantize import quantize
-from altgrad.quant.scaling import TensorScaler
+from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+from altgrad.quant.quantize import quantize, straight_through
+from altgrad.quant.scaling import TensorScaler, abs_max, compute_scale
 from altgrad.quant.step import STATS_SAMPLE, TensorStats, quantize_step
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
@@ -175,3 +177,116 @@ def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
         assert torch.equal(fused_stats.counts()[1], separate_stats.counts()[1]), i
     assert fused_stats.counts()[0][2] == 4 * 64 * 48 + STATS_SAMPLE  # the 90k tensor was sampled
 
+
+
+# --- roles switched off, and the gradient's own scaling ---------------------------------------
+
+
+def ste(x: torch.Tensor, fmt) -> torch.Tensor:
+    """x fake-quantized with dynamic per-tensor scaling and a straight-through gradient, from the
+    public quantizer alone: the reference for a quantized input or weight."""
+    s = compute_scale(abs_max(x), fmt)
+    return straight_through(x, quantize(x, fmt, s), fmt, s, False)
+
+
+class ForwardQuantized(nn.Module):
+    """Reference layer: input and weight fake-quantized, the gradient left alone."""
+
+    def __init__(self, linear: nn.Linear, fmt):
+        super().__init__()
+        self.linear, self.fmt = linear, fmt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(ste(x, self.fmt), ste(self.linear.weight, self.fmt), self.linear.bias)
+
+
+def loss_and_grads(model: nn.Module, params: list[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = (torch.randint(0, 50257, (2, 16), generator=gen) for _ in range(2))
+    logits, loss = model(idx, targets)
+    loss.backward()
+    return logits.detach(), [p.grad.clone() for p in params]
+
+
+def same_run(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+def test_all_roles_off_is_bit_identical_to_the_unconverted_model(eager_kernels):
+    plain, converted = tiny_gpt(), tiny_gpt()
+    convert_to_quantized(converted, LayerPolicy.build("all", "e4m3", quantized=()))
+    for layer in quantized_layers(converted).values():
+        layer.collect_stats = True
+    want = loss_and_grads(plain, list(plain.parameters()))
+    assert same_run(loss_and_grads(converted, list(converted.parameters())), want)
+    for layer in quantized_layers(converted).values():  # no scaling state, nothing counted
+        for role in ROLES:
+            scaler = layer.scalers[role]
+            assert not scaler.amax_history.any() and scaler.scale == 1 and scaler.amax == 0
+            assert not layer.stats[role].observed
+    on = tiny_gpt()
+    convert_to_quantized(on, LayerPolicy.build("all", "e4m3"))
+    assert not same_run(loss_and_grads(on, list(on.parameters())), want)  # the comparison can fail
+
+
+def test_grad_output_off_leaves_the_gradient_of_the_quantized_forward(eager_kernels):
+    """Forward-only quantization: the gradients are those of the quantized-forward graph, exactly,
+    against a reference built from the public quantizer; quantizing grad_output changes them."""
+    fmt = get_format("e4m3")
+    dynamic = ScalingPolicy(mode="dynamic")  # the scale depends on the tensor alone, as in `ste`
+    forward_only = tiny_gpt()
+    convert_to_quantized(forward_only, LayerPolicy.build("all", "e4m3", scaling=dynamic,
+                                                         quantized=("input", "weight")))
+    reference = tiny_gpt()
+    for name in linear_layers(reference):
+        parent, _, child = name.rpartition(".")
+        module = reference.get_submodule(parent)
+        setattr(module, child, ForwardQuantized(getattr(module, child), fmt))
+    got = loss_and_grads(forward_only, list(forward_only.parameters()))
+    assert same_run(got, loss_and_grads(reference, list(reference.parameters())))
+    layers = quantized_layers(forward_only).values()
+    assert all(layer.scalers["grad_output"].amax == 0 for layer in layers)
+    assert all(layer.scalers["input"].amax > 0 for layer in layers)
+    full = tiny_gpt()
+    convert_to_quantized(full, LayerPolicy.build("all", "e4m3", scaling=dynamic))
+    logits, grads = loss_and_grads(full, list(full.parameters()))
+    assert torch.equal(logits, got[0]) and not all(map(torch.equal, grads, got[1]))
+
+
+def test_a_role_off_is_not_counted(eager_kernels):
+    fmt = get_format("e4m3")
+    policy = LinearQuantPolicy(input=fmt, weight=fmt, grad_output=fmt, quantized=("weight",))
+    layer = QuantizedLinear.from_float(nn.Linear(8, 4), policy)
+    layer.collect_stats = True
+    layer(torch.randn(3, 8, requires_grad=True)).sum().backward()
+    assert [bool(layer.stats[r].observed) for r in ROLES] == [False, True, False]
+    assert "input=off" in repr(layer) and "grad_output=off" in repr(layer)
+    with pytest.raises(ValueError, match="grad_input"):
+        LinearQuantPolicy(input=fmt, weight=fmt, grad_output=fmt, quantized=("grad_input",))
+
+
+def test_grad_scaling_none_quantizes_the_gradient_in_the_raw_format(eager_kernels):
+    """e4m3 gradients of ~1e-3 sit below the unscaled format's smallest subnormal (2^-9) for the
+    most part: with grad_scaling mode none they are the raw quantizer's values (mostly flushed to
+    zero), with delayed scaling they survive; the forward keeps `scaling` either way."""
+    fmt = get_format("e4m3")
+    delayed = ScalingPolicy(mode="delayed")
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(16, 8)
+    x = torch.randn(32, 16, generator=gen)
+    g = torch.randn(32, 8, generator=gen) * 1e-3
+
+    def input_grad(policy: LinearQuantPolicy, grad: torch.Tensor) -> tuple[torch.Tensor, QuantizedLinear]:
+        layer = QuantizedLinear.from_float(linear, policy)
+        xi = x.clone().requires_grad_()
+        layer(xi).backward(grad)
+        return xi.grad, layer
+
+    both = dict(input=fmt, weight=fmt, grad_output=fmt, scaling=delayed)
+    raw, layer = input_grad(LinearQuantPolicy(**both, grad_scaling=ScalingPolicy(mode="none")), g)
+    assert layer.scalers["grad_output"].mode == "none" and layer.scalers["input"].mode == "delayed"
+    unquantized_grad = LinearQuantPolicy(**both, quantized=("input", "weight"))
+    assert torch.equal(raw, input_grad(unquantized_grad, quantize(g, fmt))[0])  # the raw quantizer
+    scaled, _ = input_grad(LinearQuantPolicy(**both), g)  # grad_scaling None: `scaling`, delayed
+    assert not torch.equal(raw, scaled)
+    assert sqnr_db(g @ linear.weight.detach(), scaled) > sqnr_db(g @ linear.weight.detach(), raw) + 10

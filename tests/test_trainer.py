@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from altgrad.experiment import read_jsonl
+from altgrad.quant.convert import quantized_layers
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import CHECKPOINT_FILE, CheckpointError, step_checkpoints
+from altgrad.train.trainer import build_model
 
 
 class Interrupt(Exception):
@@ -52,6 +54,25 @@ def test_same_seed_same_batches_across_formats(make_config, tmp_path, monkeypatc
     for fmt in ("e2m5", "bf16"):
         assert all(torch.equal(a, b) for a, b in zip(seen["e4m3"], seen[fmt], strict=True))
     assert not torch.equal(seen["e4m3"][0], seen["e4m3"][1])
+
+
+def test_every_seed_is_evaluated_on_the_same_tokens(make_config, tmp_path):
+    """The validation set follows train.eval_iters (x batch_size windows of block_size tokens) and
+    not the training seed, so two seeds' val losses differ only by what was learned."""
+    a, b = (Trainer(make_config(f"train.seed={seed}", "train.eval_iters=3"), tmp_path / str(seed))
+            for seed in (1, 2))
+    assert len(a.val_batches) == 3 and all(x.shape == (4, 32) for x, _ in a.val_batches)
+    for (xa, ya), (xb, yb) in zip(a.val_batches, b.val_batches, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(a.batches.train_batch(0)[0], b.batches.train_batch(0)[0])
+
+
+def test_roles_and_grad_scaling_reach_every_quantized_layer(make_config):
+    cfg = make_config("quant.format=e4m3", "quant.roles.grad_output=false", "quant.grad_scaling.mode=none")
+    layers = quantized_layers(build_model(cfg)).values()
+    assert layers and all(layer.policy.quantized == ("input", "weight") for layer in layers)
+    assert all(layer.scalers["grad_output"].mode == "none" and layer.scalers["weight"].mode == "delayed"
+               for layer in layers)
 
 
 @pytest.mark.parametrize("interrupt_at", [13])

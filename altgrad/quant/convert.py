@@ -14,7 +14,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
 
 HIGH_PRECISION = "bf16"
 
@@ -35,13 +35,17 @@ class LayerRule:
 
 @dataclass(frozen=True)
 class LayerPolicy:
-    """Which layers get which format, plus the settings every quantized layer shares."""
+    """Which layers get which format, plus the settings every quantized layer shares (see
+    `LinearQuantPolicy`: `quantized` names the roles that are quantized, `grad_scaling` scales the
+    gradient apart from the rest)."""
 
     rules: tuple[LayerRule, ...]
     grad_format: FormatSpec = field(default_factory=lambda: get_format("e5m2"))
     scaling: ScalingPolicy = ScalingPolicy()
+    grad_scaling: ScalingPolicy | None = None
     rounding: str = "nearest"
     clip_ste: bool = False
+    quantized: tuple[str, ...] = ROLES
 
     @classmethod
     def build(
@@ -71,8 +75,10 @@ class LayerPolicy:
             weight=fmt,
             grad_output=self.grad_format,
             scaling=self.scaling,
+            grad_scaling=self.grad_scaling,
             rounding=self.rounding,
             clip_ste=self.clip_ste,
+            quantized=self.quantized,
         )
 
     def assign(self, names: Sequence[str]) -> dict[str, FormatSpec]:

@@ -2,7 +2,10 @@
 
 Built by `from_float`, which reuses the original Parameters (weight tying and optimizer state
 survive the swap). Each of the three tensors has its own format and `TensorScaler`, so a
-delayed-scaling history is kept per tensor and checkpointed with the model's state_dict.
+delayed-scaling history is kept per tensor and checkpointed with the model's state_dict. A role the
+policy leaves out (`LinearQuantPolicy.quantized`) passes its tensor through untouched: its scaler
+keeps its initial state and its counters stay empty, but both exist, so every layer has the same
+state_dict and the same probes whatever its roles.
 
 Diagnostics (overflow / underflow counts and a 256-bin code histogram per tensor) are collected
 only while `collect_stats` is on, into on-device buffers the trainer reads in its one host sync;
@@ -39,17 +42,39 @@ class ScalingPolicy:
 
 @dataclass(frozen=True)
 class LinearQuantPolicy:
-    """Formats of one layer's three quantized tensors, and how they are scaled and rounded."""
+    """Formats of one layer's three tensors, which of them are quantized, and how they are scaled
+    and rounded. `grad_scaling` scales grad_output on its own (None: like the others, `scaling`):
+    gradients span a wider, shifting range, and whether a format survives them unscaled is one of
+    the research questions."""
 
     input: FormatSpec
     weight: FormatSpec
     grad_output: FormatSpec
     scaling: ScalingPolicy = ScalingPolicy()
+    grad_scaling: ScalingPolicy | None = None
     rounding: str = "nearest"
     clip_ste: bool = False
+    quantized: tuple[str, ...] = ROLES
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.quantized) - set(ROLES))
+        if unknown:
+            raise ValueError(f"unknown quantized role(s) {unknown}; roles are {list(ROLES)}")
 
     def format_of(self, role: str) -> FormatSpec:
         return getattr(self, role)
+
+    def scaling_of(self, role: str) -> ScalingPolicy:
+        if role == "grad_output" and self.grad_scaling is not None:
+            return self.grad_scaling
+        return self.scaling
+
+    def quantizes(self, role: str) -> bool:
+        return role in self.quantized
+
+
+def _scaler(fmt: FormatSpec, s: ScalingPolicy) -> TensorScaler:
+    return TensorScaler(fmt, s.mode, s.history_len, s.algo, s.margin, s.pow2)
 
 
 class _QuantizeGradOutput(torch.autograd.Function):
@@ -81,13 +106,8 @@ class QuantizedLinear(nn.Linear):
     def _setup(self, policy: LinearQuantPolicy, device: torch.device) -> None:
         self.policy = policy
         self.collect_stats = False
-        s = policy.scaling
-        self.scalers = nn.ModuleDict(
-            {
-                role: TensorScaler(policy.format_of(role), s.mode, s.history_len, s.algo, s.margin, s.pow2)
-                for role in ROLES
-            }
-        ).to(device)
+        self.scalers = nn.ModuleDict({role: _scaler(policy.format_of(role), policy.scaling_of(role))
+                                      for role in ROLES}).to(device)
         self.stats = nn.ModuleDict({role: TensorStats() for role in ROLES}).to(device)
 
     @property
@@ -101,7 +121,10 @@ class QuantizedLinear(nn.Linear):
         self.scalers[role].fmt = fmt
 
     def _quantize(self, role: str, x: torch.Tensor, ste: bool = True) -> torch.Tensor:
-        """Training steps advance the scaling state (one fused kernel call); evaluation only reads it."""
+        """Training steps advance the scaling state (one fused kernel call); evaluation only reads it.
+        A role the policy does not quantize returns x itself."""
+        if not self.policy.quantizes(role):
+            return x
         fmt, rounding = self.policy.format_of(role), self.policy.rounding
         stats = self.stats[role] if self.collect_stats else None
         if self.training:
@@ -115,16 +138,15 @@ class QuantizedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(self._quantize("input", x), self._quantize("weight", self.weight), self.bias)
-        if torch.is_grad_enabled() and y.requires_grad:
+        if self.policy.quantizes("grad_output") and torch.is_grad_enabled() and y.requires_grad:
             y = _QuantizeGradOutput.apply(y, self)
         return y
 
     def extra_repr(self) -> str:
         p = self.policy
-        return (
-            f"{super().extra_repr()}, input={p.input.name}, weight={p.weight.name}, "
-            f"grad_output={p.grad_output.name}, scaling={p.scaling.mode}"
-        )
+        roles = ", ".join(f"{r}={p.format_of(r).name if p.quantizes(r) else 'off'}" for r in ROLES)
+        grad = f", grad_scaling={p.grad_scaling.mode}" if p.grad_scaling is not None else ""
+        return f"{super().extra_repr()}, {roles}, scaling={p.scaling.mode}{grad}"
 
 
 def by_weight_format(layers: Mapping[K, QuantizedLinear]) -> dict[FormatSpec, list[K]]:

@@ -67,8 +67,10 @@ def build_model(cfg: RunConfig) -> GPT:
             q.format,
             grad_format=get_format(q.grad_format),
             scaling=ScalingPolicy(**q.scaling.model_dump()),
+            grad_scaling=ScalingPolicy(**q.grad_scaling.model_dump()),
             rounding=q.rounding,
             clip_ste=q.clip_ste,
+            quantized=q.roles.enabled,
         )
         convert_to_quantized(model, policy)
     return model
@@ -223,6 +225,9 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self) -> torch.Tensor:
+        """Mean loss over the fixed validation set, the same tokens for every seed and format
+        (`TokenBatches.val_windows`); batches are equal in size, so the mean of their means is the
+        mean over tokens."""
         self.model.eval()
         with self._autocast():
             losses = [self.model(x, y)[1] for x, y in self.val_batches]
