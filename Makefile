@@ -10,7 +10,7 @@ export TIKTOKEN_CACHE_DIR ?= $(SHARED)/data/tiktoken_cache
 export WANDB_MODE ?= offline
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv sweep test bench lint clean
+.PHONY: venv sweep study test bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ venv: $(VENV)/.installed
 
 sweep: venv
 	$(PY) sweeps/format_ablation.py $(ARGS)
+
+# The CPU study (<= 30 min on 2 cores), its report, and the README's Results section from it.
+study: venv
+	$(PY) sweeps/format_ablation.py --config sweeps/configs/cpu_study.yaml $(ARGS)
+	$(PY) sweeps/publish_study.py experiments/cpu_study
 
 test: venv
 	$(PY) -m pytest $(ARGS)

@@ -250,6 +250,13 @@ class RunConfig(_Strict):
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
 
     @model_validator(mode="after")
+    def _manifold_needs_quantized_weights(self) -> RunConfig:
+        if self.optim.name == "manifold" and not self.quant.is_baseline and not self.quant.roles.weight:
+            raise ValueError("optim.name=manifold steps weights in ULPs of their format: it needs "
+                             "quant.roles.weight on (or use adamw)")
+        return self
+
+    @model_validator(mode="after")
     def _schedule_fits(self) -> RunConfig:
         if self.train.warmup_steps >= self.train.max_steps:
             raise ValueError(

@@ -76,6 +76,8 @@ def test_roles_and_grad_scaling():
     assert grad.quant.scaling.mode == "delayed" and grad.quant.grad_scaling.mode == "none"
     assert grad.quant.grad_scaling.history_len == 4
     assert build_run_config(yaml.safe_load(dump_config(grad))) == grad
+    with pytest.raises(ConfigError, match="manifold steps weights in ULPs of their format"):
+        build_run_config({"preset": "cpu"}, ["optim.name=manifold", "quant.roles.weight=false"])
 
 
 def test_malformed_files_and_overrides(tmp_path):

@@ -12,19 +12,19 @@ from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, Scal
 from altgrad.train.diagnostics import Diagnostics, finite_code_count
 
 
-def quantized(fmt: str, scale: float, act: str | None = None) -> QuantizedLinear:
+def quantized(fmt: str, scale: float, act: str | None = None, roles: tuple[str, ...] = ROLES) -> QuantizedLinear:
     spec = FORMATS[fmt]
     act_spec = FORMATS[act] if act else spec
-    layer = QuantizedLinear.from_float(nn.Linear(16, 16), LinearQuantPolicy(act_spec, spec, spec,
-                                                                            scaling=ScalingPolicy(mode="none")))
+    layer = QuantizedLinear.from_float(nn.Linear(16, 16), LinearQuantPolicy(
+        act_spec, spec, spec, scaling=ScalingPolicy(mode="none"), quantized=roles))
     layer.scalers["weight"].scale.fill_(scale)
     return layer
 
 
-def mixed_model() -> nn.Sequential:
+def mixed_model(last_roles: tuple[str, ...] = ROLES) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(quantized("e5m2", 1.0), nn.Linear(16, 16), quantized("e3m4", 4.0, act="e2m5"),
-                         quantized("e5m2", 0.5))
+                         quantized("e5m2", 0.5, roles=last_roles))
 
 
 def test_diagnostics_update_metrics_over_mixed_formats(path):
@@ -52,10 +52,12 @@ def test_diagnostics_update_metrics_over_mixed_formats(path):
     assert out["quant/zero_update_frac"].item() == pytest.approx(1 - moved / (4 * 16 * 16))
 
 
-def test_diagnostics_quant_metrics_per_layer_and_overall(path):
+@pytest.mark.parametrize("last_roles", [ROLES, ("input", "weight")])
+def test_diagnostics_quant_metrics_per_layer_and_overall(path, last_roles):
     """Overflow / underflow rates and codes used, from every layer's counters at once, equal the
-    per-layer arithmetic (two formats, an activation format of its own, a plain layer between)."""
-    model = mixed_model()
+    per-layer arithmetic (two formats, an activation format of its own, a plain layer between; a
+    layer with its gradient role off averages codes used over the roles it quantizes)."""
+    model = mixed_model(last_roles)
     diagnostics = Diagnostics(model, FORMATS["e5m2"])
     diagnostics.begin()
     model(torch.randn(64, 16) * 300).square().mean().backward()  # large: some activations overflow
@@ -66,8 +68,9 @@ def test_diagnostics_quant_metrics_per_layer_and_overall(path):
     for name, layer in zip(("0", "2", "3"), (model[0], model[2], model[3]), strict=True):
         counts = sum(layer.stats[r].counts()[0] for r in ROLES)
         totals += counts
+        on = [r for r in ROLES if layer.policy.quantizes(r)]
         used = sum((layer.stats[r].counts()[1] > 0).sum().item() / finite_code_count(layer.policy.format_of(r))
-                   for r in ROLES) / len(ROLES)
+                   for r in on) / len(on)
         used_all.append(used)
         assert out[f"quant/overflow_rate/{name}"].item() == pytest.approx((counts[0] / counts[2]).item())
         assert out[f"quant/underflow_rate/{name}"].item() == pytest.approx((counts[1] / counts[2]).item())

@@ -92,6 +92,9 @@ class Diagnostics:
             short_name(n): model.get_submodule(n) for n in linear_layers(model)
         }
         self.quantized = {n: m for n, m in self.linears.items() if isinstance(m, QuantizedLinear)}
+        # Which of each layer's roles are quantized (a role switched off uses no codes at all).
+        self._roles_on = torch.tensor([[m.policy.quantizes(r) for r in ROLES] for m in self.quantized.values()],
+                                      dtype=torch.float32)
         self.grad_format = grad_format
         self._kurtosis: Metrics = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -148,7 +151,8 @@ class Diagnostics:
         counts = counts.view(*shape, 3).sum(1)  # overflow, underflow, elements
         codes = (histograms > 0).sum(1).view(shape)
         formats = tuple(layer.policy.format_of(r) for layer in layers for r in ROLES)
-        used = (codes / finite_code_counts(formats, codes.device).view(shape)).mean(1)
+        on = self._roles_on.to(codes.device)  # mean over the roles each layer quantizes
+        used = (codes / finite_code_counts(formats, codes.device).view(shape) * on).sum(1) / on.sum(1)
         rates = counts[:, :2] / counts[:, 2:].clamp_min(1)
         out: Metrics = {}
         for i, name in enumerate(names):
