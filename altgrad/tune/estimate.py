@@ -84,8 +84,8 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
         source = f"measured here over {max(e.measure_steps, 6)} steps ({how})"
     elif stored_step is not None:
         costs = {"bf16": stored(runs[0], stored_step), "quantized": stored(runs[0], stored_step)}
-        source = (f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step "
-                  "(this machine cannot run the preset)")
+        why = "estimate.measure_steps = 0" if can_measure else "this machine cannot run the preset"
+        source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step ({why})"
     else:
         return [f"time estimate: n/a (preset {cfg.preset} cannot run here and the config has no "
                 f"estimate.step_time_s.{cfg.preset})"]
