@@ -34,12 +34,12 @@ def test_default_grid(capsys, tmp_path):
     the cpu preset's own (smaller) grid from `per_preset.cpu`."""
     n_opt = len(OPTIMIZERS)
     out = dry_run(capsys, "--storage-path", str(tmp_path), "--set", "preset=cpu")
-    assert f"sweep format_ablation: {(7 * n_opt * 2 + n_opt) * 2} trials" in out
-    assert "less 8 equivalent-format points measured once" in out
-    assert "e1m6-adamw-mlp-s43" in out and "= e0m7-adamw-mlp-s43 (equivalent format" in out
+    assert f"sweep format_ablation: {(7 * n_opt + n_opt) * 2} trials" in out
+    assert f"less {2 * n_opt} equivalent-format points measured once" in out
+    assert "e1m6-adamw-all-s43" in out and "= e0m7-adamw-all-s43 (equivalent format" in out
     assert "per trial 1 CPU, 0 GPU" in out
     assert f"experiment dir: {tmp_path}/format_ablation" in out
-    assert out.count("bf16-") == 2 * n_opt and "e7m0-adamw-mlp-s43" in out
+    assert out.count("bf16-") == 2 * n_opt and "e7m0-manifold-all-s43" in out
     assert "estimated wall time" in out and "stored: estimate.step_time_s.cpu" in out
     assert not (tmp_path / "format_ablation").exists()
     gpu = dry_run(capsys, "--storage-path", str(tmp_path), "--set", "preset=gpu")
