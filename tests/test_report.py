@@ -437,17 +437,16 @@ def test_cli_corrupt_trial_never_hides_the_others(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, tmp_path, capsys):
-    """A real sweep (Ray, the stability rungs and stopper; e7m0 at a learning rate it cannot take)
-    with an extra axis and two seeds: e1m6 is measured by e0m7's trials, the table, the keys and
-    the report's cells carry the axis, and the report's numbers match the trial data."""
+    """A real sweep with an extra axis and two seeds: e1m6 is measured by e0m7's trials, the table,
+    the keys and the report's cells carry the axis, and the report's numbers match the trial data
+    (stops for NaN are tested in test_sweep_ray.py)."""
     from altgrad.tune.ablation import FormatAblation
     from altgrad.tune.cli import sweep_main
     from altgrad.tune.trials import render_table, to_csv, trial_row
 
     sets = [
-        "preset=cpu", "grid.formats=[bf16, e0m7, e1m6, e7m0]", "grid.optimizers=[adamw]", "grid.precisions=[all]",
+        "preset=cpu", "grid.formats=[bf16, e0m7, e1m6]", "grid.optimizers=[adamw]", "grid.precisions=[all]",
         "grid.seeds=[1, 2]", "grid.axes={quant.rounding: [nearest, stochastic]}",
-        "grid.format_overrides={e7m0: {optim: {lr: 1000}}}",
         f"base.data.source=jsonl:{eurlex_dir}", f"base.data.data_root={data_root}", "base.data.max_docs=40",
         "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
         "base.train.max_steps=20", "base.train.warmup_steps=2", "base.train.eval_interval=5",
@@ -458,7 +457,7 @@ def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, t
     argv = [a for s in sets for a in ("--set", s)] + ["--name", "tiny", "--storage-path", str(tmp_path)]
     assert sweep_main(FormatAblation, config, "test", argv) == 0
     out = capsys.readouterr().out
-    assert "10 trials (+4 listed under an equivalent format)" in out  # 2 bf16 + 2 formats x 2 x 2
+    assert "6 trials (+4 listed under an equivalent format)" in out  # 2 bf16 + e0m7 x 2 roundings x 2
     exp = tmp_path / "tiny"
     records = load_experiment(exp)
     keys = [r.key for r in records]
@@ -470,8 +469,6 @@ def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, t
     rows = [trial_row(r) for r in records]
     assert {row["quant.rounding"] for row in rows if row["format"] != "bf16"} == {"nearest", "stochastic"}
     assert "rounding" in render_table(rows).splitlines()[0] and "quant.rounding" in to_csv(rows).splitlines()[0]
-    e7m0 = [r for r in records if r.format == "e7m0"]
-    assert all(r.stop_reason == "nan" and r.stop_detail.startswith("nan") for r in e7m0)
 
     text = (exp / "report" / "report.md").read_text()
     f = compute_findings(records)

@@ -85,6 +85,8 @@ def test_sweep_end_to_end(reference, capsys):
     nan = rows["e7m0-adamw-all-s42"]
     assert nan["stop_reason"] == "nan" and nan["steps"] < STEPS  # the stopper, not the trainer
     assert json.loads((exp / STATE_DIR / "stopper.json").read_text())["stopped"]
+    e7m0 = next(r for r in load_experiment(exp) if r.format == "e7m0")
+    assert e7m0.stop_detail.startswith("nan: 3 non-finite steps in a row (patience 3)")
     assert rows["e4m3-adamw-all-s42"]["stop_reason"] in ("completed", "asha")
     assert (exp / "report" / "report.md").is_file()
     for trial in load_experiment(exp):
