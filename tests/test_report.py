@@ -128,6 +128,8 @@ def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
     mlp = spot(f, "mlp")
     assert mlp.group == ("e3m4", "e2m5") and mlp.text == "tie: e3m4 ≈ e2m5 (intervals overlap)"
     assert f.cells["e3m4", "adamw", "mlp", ()].vs_bf16 == "better"
+    assert any(n.startswith("e3m4 / mlp / adamw trained better than bf16 beyond its interval") for n in f.notes)
+    assert not any(n.startswith("e4m3") for n in f.notes)  # within its interval of bf16: no anomaly
     # without e2m5, e3m4 alone leads: a sweet spot, with its interval
     alone = spot(compute_findings([r for r in study() if r.format != "e2m5"]), "mlp")
     assert alone.group == ("e3m4",) and alone.text.startswith("e3m4 at 0.910 ± 0.025")

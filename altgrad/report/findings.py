@@ -464,6 +464,11 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
             evidence += f"; error: {r.error}"
         failures.append(Failure(r, step, collapsed, reason or "—", where, evidence))
 
+    notes += [f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''} "
+              f"trained better than bf16 beyond its interval (× bf16 {c.ratio.text('.3f')}). Published "
+              "FP8 results run slightly worse than 16-bit, so treat this as an anomaly until an ablation "
+              "explains it, e.g. forward-only quantization: `--set \"grid.axes={quant.roles.grad_output: "
+              "[true, false]}\"`." for c in cells.values() if c.full_budget and c.vs_bf16 == "better"]
     deltas = [d for (f, o, p, ax), c in cells.items() if o == STANDARD
               and (m := cells.get((f, MANIFOLD, p, ax))) is not None
               and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None]

@@ -127,7 +127,9 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
     """The whole report.md text; image links are relative to `out_dir`."""
     f = findings
     sections = [
-        f"# {title}", f"**{f.verdict.line}**", _overview(records, f), _plots(plots, out_dir),
+        f"# {title}", f"**{f.verdict.line}**", _overview(records, f),
+        *(["## Notes and anomalies", "\n".join(f"- {n}" for n in f.notes)] if f.notes else []),
+        _plots(plots, out_dir),
         "## Sweet spot per layer precision", _sweet_spots(f),
         "## All cells", _cells(f),
         "## Failures and early stops", _failures(f),
@@ -143,6 +145,4 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
         "\n".join(f"- {m}" for m in f.missing) or "Nothing: every grid point has a finished trial.",
         "## How these numbers are computed", DEFINITIONS.strip(),
     ]
-    if f.notes:
-        sections += ["## Notes", "\n".join(f"- {n}" for n in f.notes)]
     return "\n\n".join(sections) + "\n"
