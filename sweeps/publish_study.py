@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import shutil
-import subprocess
 import sys
 from pathlib import Path
+from statistics import fmean, stdev
 
-from altgrad.experiment import ExperimentError, load_experiment
-from altgrad.report import compute_findings, write_report
-from altgrad.report.findings import axes_text
+from altgrad.experiment import STATE_DIR, SWEEP_FILE, ExperimentError, load_experiment, read_json
+from altgrad.report import Findings, compute_findings, write_report
+from altgrad.report.findings import axes_text, seed_values
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 IMAGES = Path("docs/img/study")
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown commit"
-    return out.stdout.strip()
 
 
 def section(exp_dir: Path, readme_dir: Path) -> str:
@@ -44,8 +37,9 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
     measured = [r for r in records if not r.same_as]
     seeds = sorted({r.seed for r in measured})
     stops = sorted({r.stop_reason for r in measured if r.stop_reason})
+    commit = (read_json(exp_dir / STATE_DIR / SWEEP_FILE) or {}).get("commit") or "not recorded"
     lines = [
-        f"*`make study` on {datetime.date.today().isoformat()}, commit {commit()}: "
+        f"*`make study` published {datetime.date.today().isoformat()}; the sweep ran commit {commit}: "
         f"{len(measured)} trials, seeds {', '.join(map(str, seeds))}; stop reasons: "
         f"{', '.join(f'{s} {sum(r.stop_reason == s for r in measured)}' for s in stops)}. "
         f"Full report: `{exp_dir / 'report' / 'report.md'}` (not committed).*",
@@ -54,12 +48,30 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
         "",
         *[f"- Sweet spot, {', '.join(x for x in (s.precision, s.optimizer, axes_text(s.axes)) if x)}: {s.text}"
           for s in f.sweet_spots],
-        *[f"- {d.what} on {d.b.name} / {d.b.precision}: {d.diff.text('+.4f')}, {d.verdict}"
+        *[f"- {d.what} on {d.b.name} / {d.b.precision}: {d.diff.text()}, {d.verdict}"
           for d in f.axis_effects],
+        f"- {spread(f)}",
         "",
         *images,
     ]
     return "\n".join(lines)
+
+
+def spread(f: Findings) -> str:
+    """Seed noise against format effects: the seed-to-seed standard deviation of bf16's best val
+    loss, the standard deviation across healthy full-budget cells of their seed-mean, and the
+    median half-width of × bf16."""
+    bf16 = [v for trials in f.baselines.values() for v in seed_values(trials).values() if math.isfinite(v)]
+    cells = [c for c in f.cells.values() if c.full_budget and not c.broke and math.isfinite(c.best.mean)]
+    widths = sorted(c.ratio.half_width for c in cells if c.ratio.half_width is not None)
+    parts = [f"bf16 between seeds: sd {stdev(bf16):.4f}" if len(bf16) > 1 else "bf16: one seed",
+             f"between healthy cells (seed means): sd {stdev([c.best.mean for c in cells]):.4f}, range "
+             f"{min(c.best.mean for c in cells):.4f}-{max(c.best.mean for c in cells):.4f}"
+             if len(cells) > 1 else "fewer than two healthy cells",
+             f"median 95 % half-width of × bf16: {widths[len(widths) // 2]:.4f}" if widths else
+             "no × bf16 interval"]
+    mean_loss = fmean(bf16) if bf16 else math.nan
+    return f"Spread of best val loss (bf16 ≈ {mean_loss:.3f}): " + "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -377,7 +377,8 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
     return SweetSpot(precision, optimizer, axes, group, by_name.get(group[0]) if group else None, excluded)
 
 
-def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: bool) -> Verdict:
+def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: bool,
+             axes_order: dict[AxesKey, int]) -> Verdict:
     candidates = [c for c in cells.values() if c.format == VERDICT_FORMAT or VERDICT_FORMAT in c.also]
     if not has_baseline:
         return Verdict(False, None, "no bf16 baseline with a finite loss")
@@ -385,7 +386,8 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
         return Verdict(False, None, f"no {VERDICT_FORMAT} trial")
     full = [c for c in candidates if c.full_budget and not c.broke]
     pool = full or candidates
-    cell = min(pool, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD, c.axes))
+    cell = min(pool, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD,
+                                    axes_order.get(c.axes, 0)))
     where = " / ".join(x for x in (cell.name, cell.precision, cell.optimizer, axes_text(cell.axes)) if x)
     if cell.broke:
         return Verdict(False, cell, f"{where} stopped: {', '.join(cell.stops)}")
@@ -433,7 +435,8 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     formats = _ordered([*(r.format for r in quantized), *aliases], key=format_key)
     optimizers = _ordered(r.optimizer for r in measured)
     precisions = _ordered(r.precision for r in (quantized or measured))
-    axes = tuple(sorted({axes_key(r) for r in quantized}))
+    axes = tuple(dict.fromkeys(axes_key(r) for r in quantized))  # in grid order (records are)
+    axes_order = {ax: i for i, ax in enumerate(axes)}
     notes: list[str] = []
     bf16 = _baselines(measured, optimizers, notes)
 
@@ -473,20 +476,19 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
               and (m := cells.get((f, MANIFOLD, p, ax))) is not None
               and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None]
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures, deltas,
-                    _axis_effects(cells), _verdict(cells, bool(bf16)), _missing(records, missing or []), notes)
+                    _axis_effects(cells, axes), _verdict(cells, bool(bf16), axes_order),
+                    _missing(records, missing or []), notes)
 
 
-def _axis_effects(cells: dict[tuple[str, str, str, AxesKey], Cell]) -> list[Difference]:
-    """Per extra axis: each value against the axis's first value, all else equal."""
+def _axis_effects(cells: dict[tuple[str, str, str, AxesKey], Cell], axes: tuple[AxesKey, ...]) -> list[Difference]:
+    """Per extra axis: each value against the axis's first value (in grid order), all else equal."""
     out = []
-    paths = sorted({path for key in cells for path, _ in key[3]})
+    paths = list(dict.fromkeys(path for ax in axes for path, _ in ax))
     for path in paths:
+        first = next(dict(ax)[path] for ax in axes if path in dict(ax))
         for (f, o, p, ax), b in cells.items():
             values = dict(ax)
-            rest = tuple(item for item in ax if item[0] != path)
-            first = min((dict(k[3])[path] for k in cells if k[:3] == (f, o, p) and path in dict(k[3])
-                         and tuple(i for i in k[3] if i[0] != path) == rest), key=str, default=None)
-            if path not in values or values[path] == first:
+            if values.get(path, first) == first:
                 continue
             a = cells.get((f, o, p, tuple(sorted({**values, path: first}.items()))))
             if a is not None and (d := _difference(f"{path.rsplit('.', 1)[-1]}: {values[path]} − {first}", a, b)):

@@ -98,7 +98,7 @@ def _differences(diffs: list[Difference], empty: str) -> str:
         return empty
     rows = [[d.what, d.a.name, d.a.precision, d.a.optimizer if d.a.optimizer == d.b.optimizer else "—",
              axes_text(tuple(i for i in d.b.axes if i not in d.a.axes) or d.a.axes) or "—",
-             d.a.best.text(), d.b.best.text(), d.diff.text("+.4f"), d.verdict, d.diff.note or "—"]
+             d.a.best.text(), d.b.best.text(), d.diff.text(), d.verdict, d.diff.note or "—"]
             for d in diffs]
     return _table(["difference", "format", "precision", "optimizer", "axes", "first", "second",
                    "second − first (95 %)", "reading", "pairing"], rows)

@@ -187,7 +187,7 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
     formats, precisions = findings.formats, findings.precisions
     cells = [[findings.cell(f, optimizer, p, axes) for p in precisions] for f in formats]
     ratio = np.array([[c.ratio.mean if c and not c.broke else np.nan for c in row] for row in cells], float)
-    fig = Figure(figsize=(max(1.8 + 1.5 * len(precisions), 4.8), 1.2 + 0.6 * len(formats)), layout="constrained")
+    fig = Figure(figsize=(max(1.8 + 1.5 * len(precisions), 6.4), 1.2 + 0.6 * len(formats)), layout="constrained")
     ax = fig.subplots()
     finite = ratio[np.isfinite(ratio)]  # colour range: at least 1 ± 0.1 around bf16, at most 2×
     image = ax.imshow(np.ma.masked_invalid(ratio), cmap=colormaps["RdYlGn_r"].with_extremes(bad="lightgrey"),

@@ -104,8 +104,25 @@ def write_sweep_state(exp: Experiment, status: str, resume_command: str) -> None
         "total_trials": exp.total_trials,
         "resume_command": resume_command,
         "driver": {"pid": os.getpid(), "host": socket.gethostname(), "beat": time.time()},
+        "commit": source_commit(),
         "updated": time.time(),
     })
+
+
+def source_commit() -> str | None:
+    """The git commit of the code the sweep runs (`+dirty` with uncommitted changes), if known:
+    what a published result is attributed to."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple[Outcome, int | None]:
