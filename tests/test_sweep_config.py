@@ -234,7 +234,7 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     assert "measured here over 6 steps (bf16 100 ms/step, eval 1.00 s" in out
 
     gpu = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
-                  "--set", "estimate.usd_per_gpu_hour=4")
+                  "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10")
     step = 0.05  # stored: an eval batch is a third of a step; gpu smoke evaluates 20 batches
     trial = 10 + 20 * step + 6 * 20 * step / 3
     hours = 3 * trial * 0.25 / 3600
