@@ -103,6 +103,14 @@ def axis_names(paths: list[str]) -> dict[str, str]:
     return out
 
 
+def axis_value_text(value: Any) -> str:
+    """An axis value as trial keys, columns and the report write it (`true`, `0.002`, `e5m2`)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text.replace("/", "_")
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Read a JSON-lines file, tolerating a torn last line (a run killed mid-write)."""
     if not path.is_file():

@@ -16,7 +16,7 @@ from statistics import fmean
 from typing import Any
 
 from altgrad.config import BASELINE
-from altgrad.experiment import TrialRecord
+from altgrad.experiment import TrialRecord, axis_names, axis_value_text
 from altgrad.report.stats import (
     Comparison,
     Interval,
@@ -186,7 +186,8 @@ def axes_key(r: TrialRecord) -> AxesKey:
 
 def axes_text(axes: AxesKey) -> str:
     """`rounding=stochastic, lr=0.002` (the last part of each path), or "" without extra axes."""
-    return ", ".join(f"{path.rsplit('.', 1)[-1]}={value}" for path, value in axes)
+    names = axis_names([path for path, _ in axes])
+    return ", ".join(f"{names[path]}={axis_value_text(value)}" for path, value in axes)
 
 
 def completed_budget(r: TrialRecord) -> bool:
@@ -196,6 +197,16 @@ def completed_budget(r: TrialRecord) -> bool:
 def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[int, float]:
     """Each seed's best val loss (up to step `upto`); non-finite where it has none."""
     return {t.seed: trial_best(t, upto) for t in trials}
+
+
+def reading(estimate: Interval, null: float, below: str, above: str) -> str:
+    """`below` / `above` when the 95 % interval excludes `null` on that side, else
+    "indistinguishable": the one rule by which the report calls a difference a difference."""
+    if estimate.half_width is None or not math.isfinite(estimate.mean):
+        return "indistinguishable (no interval)"
+    if estimate.hi < null:
+        return below
+    return above if estimate.lo > null else "indistinguishable"
 
 
 @dataclass(frozen=True)
@@ -235,11 +246,7 @@ class Cell:
     @property
     def vs_bf16(self) -> str:
         """"better" / "worse" when the × bf16 interval excludes 1, else "indistinguishable"."""
-        if self.ratio.half_width is None or not math.isfinite(self.ratio.mean):
-            return "indistinguishable (no interval)"
-        if self.ratio.hi < 1.0:
-            return "better"
-        return "worse" if self.ratio.lo > 1.0 else "indistinguishable"
+        return reading(self.ratio, 1.0, "better", "worse")
 
 
 @dataclass(frozen=True)
@@ -283,12 +290,7 @@ class Difference:
 
     @property
     def verdict(self) -> str:
-        d = self.diff
-        if d.half_width is None or not math.isfinite(d.mean):
-            return "indistinguishable (no interval)"
-        if d.hi < 0:
-            return "lower (better)"
-        return "higher (worse)" if d.lo > 0 else "indistinguishable"
+        return reading(self.diff, 0.0, "lower (better)", "higher (worse)")
 
 
 @dataclass(frozen=True)
@@ -491,6 +493,7 @@ def _axis_effects(cells: dict[tuple[str, str, str, AxesKey], Cell], axes: tuple[
             if values.get(path, first) == first:
                 continue
             a = cells.get((f, o, p, tuple(sorted({**values, path: first}.items()))))
-            if a is not None and (d := _difference(f"{path.rsplit('.', 1)[-1]}: {values[path]} − {first}", a, b)):
+            what = f"{axis_names(paths)[path]}: {axis_value_text(values[path])} − {axis_value_text(first)}"
+            if a is not None and (d := _difference(what, a, b)):
                 out.append(d)
     return out

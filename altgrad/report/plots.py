@@ -217,7 +217,7 @@ def plot_all(findings: Findings, out_dir: Path) -> dict[str, list[Plot]]:
     plots: dict[str, list[Plot]] = {"loss": [], "heatmap": [], "stability": []}
     facets = _facets(findings) or [(o, ()) for o in findings.optimizers]
     for opt, axes in facets:
-        stem = "_".join([opt, *(f"{p.rsplit('.', 1)[-1]}-{v}" for p, v in axes)]).replace("/", "_")
+        stem = "_".join([opt, *(a.replace("=", "-").replace(".", "-") for a in axes_text(axes).split(", ") if a)])
         plots["loss"].append(plot_loss(findings, opt, axes, out_dir / f"loss_{stem}.png"))
         if findings.formats:
             plots["heatmap"].append(plot_heatmap(findings, opt, axes, out_dir / f"heatmap_{stem}.png"))

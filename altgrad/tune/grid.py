@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from altgrad.config import BASELINE, ConfigError, deep_merge, nested
-from altgrad.experiment import axis_names
+from altgrad.experiment import axis_names, axis_value_text
 from altgrad.quant.equivalence import quantize_identically
 from altgrad.tune.asha import asha_milestones
 from altgrad.tune.config import (
@@ -52,17 +52,10 @@ def applies_to_baseline(axis: str) -> bool:
     return not axis.startswith("quant.")
 
 
-def axis_text(value: AxisValue) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    text = f"{value:g}" if isinstance(value, float) else str(value)
-    return text.replace("/", "_")
-
-
 def point_key(fmt: str, optimizer: str, precision: str, seed: int,
               axes: dict[str, AxisValue] | None = None, names: dict[str, str] | None = None) -> str:
     names = names or axis_names(list(axes or {}))
-    extra = "".join(f"-{names[path]}={axis_text(v)}" for path, v in (axes or {}).items())
+    extra = "".join(f"-{names[path]}={axis_value_text(v)}" for path, v in (axes or {}).items())
     return f"{fmt}-{optimizer}-{precision}{extra}-s{seed}"
 
 
@@ -231,7 +224,7 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
     lines += ["", f"  {'':>3}  {'trial':<{width}}  {'format':<6} {'optimizer':<9} {'precision':<9} "
               + "".join(f"{names[a]:<12} " for a in grid.axes) + "seed"]
     for p in points:
-        axis_cells = "".join(f"{axis_text(p.axes[a]) if a in p.axes else '-':<12} " for a in grid.axes)
+        axis_cells = "".join(f"{axis_value_text(p.axes[a]) if a in p.axes else '-':<12} " for a in grid.axes)
         note = f"  = {p.same_as} (equivalent format: one measurement)" if p.same_as else ""
         index = "" if p.same_as else str(runs.index(p))
         lines.append(f"  {index:>3}  {p.key:<{width}}  {p.format:<6} {p.optimizer:<9} {p.precision:<9} "
