@@ -32,9 +32,14 @@ study: venv
 test: venv
 	$(PY) -m pytest $(ARGS)
 
+# Every benchmark records its claims in benchmarks/results/ (commit them); the README's
+# performance table is then rendered from those files.
 bench: venv
-	$(PY) benchmarks/quantize.py
-	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/quantize.py --record
+	$(PY) benchmarks/train_step.py --preset cpu --record
+	$(PY) benchmarks/optimizer_step.py --preset cpu --record
+	$(PY) benchmarks/sweep_overhead.py --record
+	$(PY) benchmarks/record.py
 
 lint: venv
 	$(PY) -m ruff check altgrad sweeps tests benchmarks

@@ -8,6 +8,7 @@ core), so compare runs at a fixed `--threads`, and several runs: on this project
 ratio moved 1.19-1.34x between runs of 200 steps (within a run, the median is stable to ~0.01).
 
     python benchmarks/optimizer_step.py [--preset cpu|gpu] [--format e5m2] [--reps N] [--threads N] [--smoke]
+        [--record [DIR]]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import statistics
 import time
 
 import torch
+from record import Claim, add_record_argument, write
 
 from altgrad.config import build_run_config
 from altgrad.optim import build_optimizer
@@ -48,14 +50,15 @@ def timed_step(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--format", default="e5m2")
     ap.add_argument("--reps", type=int, default=200, help="timed steps per optimizer (each ~5 ms)")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--smoke", action="store_true", help="3 reps, 1 warm-up: checks it runs")
-    args = ap.parse_args()
+    add_record_argument(ap)
+    args = ap.parse_args(argv)
     reps, warmup = (3, 1) if args.smoke else (args.reps, 5)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -71,6 +74,11 @@ def main() -> None:
     for name, t in medians.items():
         print(f"{name:>9}: {1e3 * t:8.2f} ms/step")
     print(f"ratio manifold/adamw: {ratio:.2f}x (target <= {TARGET}x): {'ok' if ratio <= TARGET else 'OVER'}")
+    if args.record:
+        threads = f"{args.threads} threads" if args.threads else f"{torch.get_num_threads()} threads"
+        claim = Claim(f"manifold optimizer step ({args.format} weights)", ratio, "fused AdamW, same model", TARGET,
+                      f"{1e3 * medians['manifold']:.2f} vs {1e3 * medians['adamw']:.2f} ms, median of {reps}, {threads}")
+        print(f"recorded in {write(f'optimizer_step-{args.preset}', [claim], args.record)}")
 
 
 if __name__ == "__main__":

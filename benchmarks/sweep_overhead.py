@@ -1,6 +1,6 @@
 """What Ray Tune costs a sweep at the cpu preset, measured on a real (small) sweep.
 
-    python benchmarks/sweep_overhead.py [--smoke] [--keep DIR] [--set key=value ...]
+    python benchmarks/sweep_overhead.py [--smoke] [--keep DIR] [--set key=value ...] [--record [DIR]]
 
 - overhead: the sweep's wall time (the Tune run, Ray already up, before the report) against the
   sum of its trials' own training time divided by the concurrency; target <= 25 %. Split into
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import yaml
+from record import Claim, add_record_argument, write
 
 from altgrad.data import prepare_dataset
 from altgrad.experiment import RUN_DIR, STATE_DIR, TRIALS_DIR, TRIALS_FILE, load_experiment
@@ -92,12 +93,13 @@ def trial_startup_seconds(ray_dir: Path, run_dir: Path) -> float:
     return max(0.0, first_report["time_this_iter_s"] - step)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="3 trials of 20 steps")
     parser.add_argument("--keep", type=Path, help="storage path to keep the experiment in")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args()
+    add_record_argument(parser)
+    args = parser.parse_args(argv)
     overrides = GRID + (SMOKE if args.smoke else []) + args.overrides
     storage = args.keep or Path(tempfile.mkdtemp(prefix="sweep-overhead-"))
     cfg = load_sweep_config(SweepConfig, CONFIG, overrides, name=f"overhead-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -150,6 +152,11 @@ def main() -> int:
           f"{results['time_to_first_result_s']} s; Tune persisting a {size_mb:.0f} MB checkpoint adds "
           f"{per_ckpt * 1000:.0f} ms to its report ({1000 * results['checkpoint_cost_per_report_s']:.1f} ms "
           f"per report, {100 * per_ckpt / run.checkpoint_interval / step_time:.2f} % of the step time)")
+    if args.record:
+        claim = Claim(f"sweep wall time ({len(records)} trials x {run.max_steps} steps, {at_once} at once)",
+                      wall / ideal, "trials' own training time / concurrency", 1 + TARGET,
+                      f"{wall:.0f} vs {ideal:.0f} s; first result after {results['time_to_first_result_s']} s")
+        print(f"recorded in {write('sweep_overhead', [claim], args.record)}")
     return 0 if overhead <= TARGET else 1
 
 

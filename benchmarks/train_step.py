@@ -11,7 +11,7 @@ so machine noise lands on every variant alike; ratios are against the bf16 basel
 Targets: e4m3 <= 1.4x bf16; diagnostics every step add <= 25 % over e4m3; the shadow adds
 <= 1.2x over e4m3+diag.
 
-    python benchmarks/train_step.py [--preset cpu|gpu] [--steps N] [--smoke]
+    python benchmarks/train_step.py [--preset cpu|gpu] [--steps N] [--smoke] [--record [DIR]]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from record import Claim, add_record_argument, write
 
 from altgrad.config import build_run_config
 from altgrad.train import Trainer
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
     parser.add_argument("--smoke", action="store_true", help="3 timed steps, to check the script runs")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
 
@@ -89,6 +91,12 @@ def main(argv: list[str] | None = None) -> None:
             ratio = t / medians[ref]
             target = f"{ratio:.2f}x {ref} (<= {limit}x: {'ok' if ratio <= limit else 'MISSED'})"
         print(f"{name:<18} {1000 * t:>10.1f}ms {t / medians['bf16']:>7.2f}x  {target}")
+    if args.record:
+        claims = [Claim(name, medians[name] / medians[ref], ref, limit,
+                        f"{1000 * medians[name]:.1f} vs {1000 * medians[ref]:.1f} ms, median of {steps} steps")
+                  for name, (ref, limit) in TARGETS.items()]
+        preset = trainers["bf16"].cfg.preset if args.preset == "auto" else args.preset
+        print(f"recorded in {write(f'train_step-{preset}', claims, args.record)}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import importlib
 import importlib.util
 import math
 import warnings
-from pathlib import Path
 
 import gfloat
 import ml_dtypes
@@ -295,14 +294,3 @@ def test_bad_format_and_rounding_are_value_errors():
         quantize(torch.ones(4), "e4m3", rounding="up")
     with pytest.raises(TypeError):
         quantize(torch.ones(4), "e4m3", scale="2")
-
-
-def test_benchmark_smoke_run(capsys):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quantize.py"
-    spec = importlib.util.spec_from_file_location("bench_quantize", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--smoke"]) == 0
-    out = capsys.readouterr().out
-    assert all(f"\n{name} " in out for name in FORMATS) and "target" in out
-    assert "quantizer: compiled" in out

@@ -1,0 +1,80 @@
+"""benchmarks/record.py: results files round-trip, the README table is rendered from the committed
+ones (never typed by hand), and a benchmark's `--record` writes the ratios it printed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from altgrad.quant import FORMATS
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def load(name: str):
+    """A benchmark script as a module, importable as its script imports it (`from record import`)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+record = load("record")
+
+
+def test_results_round_trip_and_render(tmp_path):
+    claims = [record.Claim("e4m3", 1.23456, "bf16", 1.25, "12.3 vs 10.0 ms"),
+              record.Claim("e4m3+diag", 1.3, "e4m3", 1.25)]
+    path = record.write("train_step-cpu", claims, tmp_path)
+    assert path == tmp_path / "train_step-cpu.json"
+    (result,) = record.read_all(tmp_path)
+    assert result.claims == tuple(claims) and result.name == "train_step-cpu"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", result.date) and result.commit and result.machine
+    rows = record.table([result]).splitlines()[2:]
+    assert len(rows) == 2
+    assert "| e4m3 vs bf16 | 1.23x (12.3 vs 10.0 ms) | <= 1.25x: met |" in rows[0]
+    assert "| e4m3+diag vs e4m3 | 1.30x | <= 1.25x: **missed** |" in rows[1]
+    assert result.commit in rows[0] and result.commit not in rows[1]  # the run is named once
+
+
+def test_publish_replaces_only_the_block(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# T\nbefore\n{record.BEGIN}\nold | row\n{record.END}\nafter\n")
+    record.write("quantize", [record.Claim("compiled e4m3 quantizer", 0.4, "native", 0.5)], tmp_path / "r")
+    assert record.main(["--readme", str(readme), "--results", str(tmp_path / "r")]) == 0
+    text = readme.read_text()
+    assert text.startswith("# T\nbefore\n") and text.endswith(f"{record.END}\nafter\n")
+    assert "old | row" not in text and "| 0.40x | <= 0.5x: met |" in text
+    assert record.main(["--readme", str(readme), "--results", str(tmp_path / "empty")]) == 2
+
+
+def test_readme_table_is_the_committed_results():
+    """Edit a number in the README by hand, or commit a result without `make bench`'s publish
+    step, and this fails."""
+    results = record.read_all()
+    assert {r.name for r in results} >= {"quantize", "train_step-cpu", "optimizer_step-cpu", "sweep_overhead"}
+    text = (ROOT / "README.md").read_text()
+    block = text.split(record.BEGIN, 1)[1].split(record.END, 1)[0].strip()
+    assert block == record.table(results)
+
+
+def test_quantize_benchmark_records_what_it_printed(tmp_path, capsys):
+    bench = load("quantize")
+    assert bench.main(["--smoke", "--record", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert all(f"\n{name} " in out for name in FORMATS) and "quantizer: compiled" in out
+    saved = json.loads((tmp_path / "quantize.json").read_text())
+    printed = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1]
+               and line.split()[0] in ("e4m3", "e5m2")}
+    by_what = {c["what"]: c for c in saved["claims"]}
+    for family in ("e4m3", "e5m2"):
+        claim = by_what[f"compiled {family} quantizer"]
+        assert claim["ratio"] == pytest.approx(float(printed[family][4].rstrip("x")), abs=0.006)
+        assert claim["target"] == bench.NATIVE_TARGET
+    slowest = next(c for c in saved["claims"] if c["what"].startswith("slowest"))
+    assert slowest["baseline"] == "compiled e4m3" and slowest["target"] == bench.EXOTIC_TARGET
