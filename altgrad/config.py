@@ -38,6 +38,8 @@ def _check_format(name: str) -> str:
 
 
 class ModelConfig(_Strict):
+    """Validated fields of `altgrad.model.GPTConfig` (same names; the trainer builds one from them)."""
+
     n_layer: int = Field(6, ge=1)
     n_head: int = Field(6, ge=1)
     n_embd: int = Field(384, ge=8)

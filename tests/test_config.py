@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from altgrad.config import ConfigError, RunConfig, build_run_config, dump_config, load_config
+from altgrad.config import (
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    build_run_config,
+    dump_config,
+    load_config,
+)
 from altgrad.quant.linear import ROLES
 
 
@@ -89,3 +96,16 @@ def test_malformed_files_and_overrides(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["optim.lr"])
+
+
+def test_model_config_builds_the_models_own_config():
+    """The run config validates exactly the architecture's fields: one added to GPTConfig but not
+    to ModelConfig (or the reverse) fails here, as does a default that drifts between them."""
+    import dataclasses
+
+    from altgrad.model import GPTConfig
+
+    arch = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    assert ModelConfig().model_dump() == arch
+    cfg = build_run_config({}, ["preset=cpu", "model.n_layer=3"])
+    assert GPTConfig(**cfg.model.model_dump()).n_layer == 3

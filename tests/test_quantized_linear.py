@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from bitwise import same_values
 from torch import nn
 
-from altgrad.config import ModelConfig
-from altgrad.model import GPT
+from altgrad.model import GPT, GPTConfig
 from altgrad.quant import get_format
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, linear_layers, quantized_layers
 from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
@@ -18,7 +17,7 @@ from altgrad.quant.quantize import quantize, straight_through
 from altgrad.quant.scaling import TensorScaler, abs_max, compute_scale
 from altgrad.quant.step import STATS_SAMPLE, TensorStats, quantize_step
 
-TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:

@@ -1,3 +1,3 @@
-from altgrad.model.gpt import GPT
+from altgrad.model.gpt import GPT, GPTConfig
 
-__all__ = ["GPT"]
+__all__ = ["GPT", "GPTConfig"]

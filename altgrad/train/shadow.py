@@ -11,14 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from altgrad.config import ModelConfig
-from altgrad.model import GPT
+from altgrad.model import GPT, GPTConfig
 from altgrad.quant.convert import linear_layers
 from altgrad.train.diagnostics import Metrics, short_name
 
 
 class FP32Shadow:
-    def __init__(self, model_cfg: ModelConfig, device: torch.device):
+    def __init__(self, model_cfg: GPTConfig, device: torch.device):
         self.model = GPT(model_cfg).to(device=device, dtype=torch.float32)
         self.layers = linear_layers(self.model)
 

@@ -23,7 +23,7 @@ import torch
 
 from altgrad.config import RunConfig, dump_config
 from altgrad.data import TokenBatches, prepare_dataset
-from altgrad.model import GPT
+from altgrad.model import GPT, GPTConfig
 from altgrad.optim import build_optimizer
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, quantized_layers
 from altgrad.quant.formats import get_format
@@ -58,7 +58,7 @@ def resolve_device(name: str) -> torch.device:
 
 def build_model(cfg: RunConfig) -> GPT:
     """The GPT with the run's layer-precision policy applied (the baseline stays plain)."""
-    model = GPT(cfg.model)
+    model = GPT(GPTConfig(**cfg.model.model_dump()))
     q = cfg.quant
     if not q.is_baseline:
         precision = q.precision if isinstance(q.precision, str) else [(r.pattern, r.format) for r in q.precision]
@@ -98,7 +98,7 @@ class Trainer:
         self.clipper = PartitionClipper(self.layers, k, cfg.quant.scaling.history_len) if k and self.layers else None
         self.nan_origin = NanOrigin(self.layers, self.model)
         self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format))
-        self.shadow = FP32Shadow(cfg.model, self.device) if t.shadow_every else None
+        self.shadow = FP32Shadow(self.model.config, self.device) if t.shadow_every else None
         self.monitor = StabilityMonitor(cfg.stability)
         self.checkpoints = CheckpointManager(self.run_dir, t.keep_last)
         self.files = RunFiles(self.run_dir)
