@@ -9,13 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from altgrad.config import build_run_config
 from altgrad.experiment import ASHA_FILE, STATE_DIR, STOPPER_FILE, stop_detail
 from altgrad.tune.asha import StabilityRungs, asha_milestones
 from altgrad.tune.config import SweepConfig
 from altgrad.tune.runner import _sigterm_stops_gracefully
 from altgrad.tune.stopper import StabilityStopper
 from altgrad.tune.store import StateStore
-from altgrad.tune.trainable import SweepSignals, TuneReporter
+from altgrad.tune.trainable import SweepSignals, TuneReporter, stall_halts_learning
 from altgrad.tune.trial_spec import STABLE_LR, STALL_STREAK
 
 STOP, CONTINUE = "STOP", "CONTINUE"
@@ -252,3 +253,19 @@ def test_sigterm_takes_the_sigint_path():
     finally:
         signal.signal(signal.SIGINT, previous)
     assert received == [signal.SIGTERM] and seen == ["sigint"]
+
+
+def test_bit_stall_stops_only_runs_whose_weights_live_in_the_format(tmp_path):
+    """With fp32 master weights a stalled 8-bit view still learns: the same fully stalled stream
+    that stops a format-stored run leaves an fp32-master run (and bf16) to ASHA's loss test."""
+    decisions = {}
+    for master in ("fp32", "format"):
+        run = build_run_config({}, ["preset=cpu", "quant.format=e7m0", f"quant.master_weights={master}"])
+        stopper = StabilityStopper(StateStore(str(tmp_path / master)), nan_patience=5, stall_reports=4,
+                                   stall_threshold=0.99)
+        signals = SweepSignals(0.99, 1e-3, stall_halts_learning(run))
+        rows = ({"step": float(s), "val/loss": 5.0, "val/step": 1.0, "quant/bit_stall_rate": 1.0}
+                for s in range(1, 21))
+        decisions[master] = next((int(r["step"]) for r in rows if stopper("t", {**r, **signals.observe(r)})), None)
+    assert decisions == {"fp32": None, "format": 4}
+    assert not stall_halts_learning(build_run_config({}, ["preset=cpu", "quant.format=bf16"]))

@@ -91,7 +91,9 @@ class Resources(_Strict):
 
 
 class StopperSettings(_Strict):
-    """The stability stopper: NaN streaks and persistent bit-stall end a trial early."""
+    """The stability stopper: NaN streaks and persistent bit-stall end a trial early. Bit-stall
+    counts only for runs whose weights are stored in their format (`quant.master_weights: format`):
+    with fp32 master weights a stalled 8-bit view still learns (`trainable.stall_halts_learning`)."""
 
     enabled: bool = True
     nan_patience: int = Field(5, ge=1, description="stop after this many consecutive NaN steps")

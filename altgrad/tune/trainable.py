@@ -29,6 +29,7 @@ from typing import Any
 
 from ray import tune
 
+from altgrad.config import RunConfig
 from altgrad.experiment import RUN_DIR, TRIALS_DIR, read_jsonl
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
@@ -50,7 +51,8 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None
     with trial_log(trial_dir / "trial.log"):
         (trial_dir / "worker.json").write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
-        reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr),
+        reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr,
+                                             stall_halts_learning(cfg)),
                                 read_jsonl(run_dir / "metrics.jsonl"),  # read before the trainer trims it
                                 attach_checkpoints=not storage_is_local())
         with resume_point(run_dir) as resume:
@@ -132,26 +134,36 @@ def resume_point(run_dir: Path) -> Iterator[Path | None]:
         yield Path(path)
 
 
+def stall_halts_learning(run: RunConfig) -> bool:
+    """Whether bit-stall means this run stopped learning: only when its weights are stored in
+    their format. With fp32 master weights the master keeps accumulating the updates its 8-bit view
+    rounds away, so a stalled view still learns (a trial at 99 % stall may be within 1 % of bf16):
+    its loss, judged at ASHA's rungs, says whether it is broken, and the stopper leaves it alone."""
+    return not run.quant.is_baseline and run.quant.master_weights == "format"
+
+
 class SweepSignals:
     """What the sweep's deciders read on top of the trainer's metrics, from the stream of rows.
 
     - `val/loss` as ASHA sees it: +inf while the loss is NaN or the evaluation non-finite;
-    - `sweep/stall_streak`: consecutive reports with bit-stall at or above the threshold;
+    - `sweep/stall_streak`: consecutive reports with bit-stall at or above the threshold, for a
+      run where stall halts learning (`stall_halts_learning`), else always 0;
     - `sweep/stable_lr`: the run's peak learning rate while it learns stably, else 0 (the
       learning-rate search maximizes it).
     Fed the run's history before the first new report on resume, so the values match a run that
     never stopped.
     """
 
-    def __init__(self, stall_threshold: float, lr: float):
+    def __init__(self, stall_threshold: float, lr: float, counts_stall: bool = True):
         self.stall_threshold = stall_threshold
         self.lr = lr
+        self.counts_stall = counts_stall
         self.stall_streak = 0
         self.first_val: float | None = None
 
     def observe(self, row: dict[str, float]) -> dict[str, float]:
         rate = row.get(STALL_RATE)
-        if rate is not None:  # rows without diagnostics leave the streak alone
+        if rate is not None and self.counts_stall:  # rows without diagnostics leave the streak alone
             self.stall_streak = self.stall_streak + 1 if rate >= self.stall_threshold else 0
         if self.first_val is None and row.get("val/step") == row["step"]:
             self.first_val = row["val/loss"]
