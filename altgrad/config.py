@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-BASELINE = "bf16"
-PRECISION_PRESETS = ("all", "mlp", "attn", "no_head")
+from altgrad.precision import BASELINE, FORMAT_PLACEHOLDER, PRECISION_PRESETS
 
 
 class ConfigError(ValueError):
@@ -26,15 +33,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-def _check_format(name: str) -> str:
-    from altgrad.quant import get_format
+def format_name(name: str) -> str:
+    """The canonical name of a format (`E4M3` -> `e4m3`) or `bf16`; ValueError listing the choices.
+    Every config field that names a format is validated by this one function."""
+    from altgrad.quant import FORMATS, get_format  # torch: only when a format is validated
 
-    if name.lower() == BASELINE:
+    if name.strip().lower() == BASELINE:
         return BASELINE
     try:
         return get_format(name).name
     except ValueError as e:
-        raise ValueError(f"{e}; or {BASELINE} (the unquantized baseline)") from None
+        raise ValueError(f"unknown format {name!r} ({e}); choose from {[BASELINE, *sorted(FORMATS)]}") from None
+
+
+def precision_name(name: str) -> str:
+    if name not in PRECISION_PRESETS:
+        raise ValueError(f"unknown precision {name!r}; use one of {list(PRECISION_PRESETS)} or a list of "
+                         "{pattern, format} rules")
+    return name
 
 
 class ModelConfig(_Strict):
@@ -81,7 +97,8 @@ class ScalingConfig(_Strict):
 
 
 class LayerRule(_Strict):
-    """One entry of a custom layer-precision policy: layers whose name matches get `format`."""
+    """One rule of a custom layer-precision policy (`altgrad.precision`): layers whose name matches
+    `pattern` get `format`: a format, `bf16` (kept in high precision) or `{fmt}` (the run's format)."""
 
     pattern: str
     format: str
@@ -89,7 +106,7 @@ class LayerRule(_Strict):
     @field_validator("format")
     @classmethod
     def _known_format(cls, v: str) -> str:
-        return _check_format(v)
+        return v if v == FORMAT_PLACEHOLDER else format_name(v)
 
 
 def _fields_of(section: Any) -> dict[str, Any] | None:
@@ -118,7 +135,7 @@ class RolesConfig(_Strict):
 
 class QuantConfig(_Strict):
     format: str = "e4m3"
-    precision: Literal["all", "mlp", "attn", "no_head"] | list[LayerRule] = "all"
+    precision: Annotated[str, AfterValidator(precision_name)] | list[LayerRule] = "all"
     grad_format: str = "e5m2"
     roles: RolesConfig = Field(default_factory=RolesConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
@@ -135,14 +152,15 @@ class QuantConfig(_Strict):
     @field_validator("format")
     @classmethod
     def _known_format(cls, v: str) -> str:
-        return _check_format(v)
+        return format_name(v)
 
     @field_validator("grad_format")
     @classmethod
     def _known_grad_format(cls, v: str) -> str:
-        from altgrad.quant import get_format
-
-        return get_format(v).name
+        if format_name(v) == BASELINE:
+            raise ValueError(f"{BASELINE} is not an 8-bit format; to keep gradients unquantized switch "
+                             "roles.grad_output off")
+        return format_name(v)
 
     @property
     def is_baseline(self) -> bool:

@@ -109,3 +109,22 @@ def test_model_config_builds_the_models_own_config():
     assert ModelConfig().model_dump() == arch
     cfg = build_run_config({}, ["preset=cpu", "model.n_layer=3"])
     assert GPTConfig(**cfg.model.model_dump()).n_layer == 3
+
+
+def test_custom_rules_use_the_presets_vocabulary():
+    """A run's own rules may say `{fmt}` (the run's format) and `bf16` (high precision), exactly as
+    the presets do: written out, no_head quantizes the same layers in the same formats."""
+    from altgrad.quant.convert import quantized_layers
+    from altgrad.train.trainer import build_model
+
+    def formats(precision):
+        cfg = build_run_config({"quant": {"format": "e3m4", "precision": precision}}, ["preset=cpu"])
+        return {name: layer.policy.weight.name for name, layer in quantized_layers(build_model(cfg)).items()}
+
+    written_out = formats([{"pattern": "lm_head", "format": "bf16"}, {"pattern": "*", "format": "{fmt}"}])
+    assert written_out == formats("no_head") and "lm_head" not in written_out
+    assert set(written_out.values()) == {"e3m4"} and len(written_out) == 4 * 2  # 4 linears x 2 layers
+    with pytest.raises(ConfigError, match="unknown format 'e4m4'"):
+        build_run_config({"quant": {"precision": [{"pattern": "*", "format": "e4m4"}]}}, ["preset=cpu"])
+    with pytest.raises(ConfigError, match="grad_output off"):
+        build_run_config({}, ["preset=cpu", "quant.grad_format=bf16"])

@@ -1,8 +1,8 @@
 """Model surgery: swap the `nn.Linear` layers a layer-precision policy names for `QuantizedLinear`.
 
-A policy is an ordered list of `(pattern, format)` rules matched against fully qualified module
-names with shell-style globs (`*.mlp.*`, `lm_head`); the first matching rule wins and a format of
-`None` keeps the layer in high precision. Embeddings, LayerNorm and softmax are never touched.
+The policy's rules are `altgrad.precision`'s `(pattern, format)` pairs, resolved here to format
+specs (`None`: the layer stays in high precision). Embeddings, LayerNorm and softmax are never
+touched.
 """
 
 from __future__ import annotations
@@ -13,24 +13,9 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from altgrad.precision import BASELINE, policy_rules
 from altgrad.quant.formats import FormatSpec, get_format
 from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
-
-HIGH_PRECISION = "bf16"
-
-# Preset name -> rules with "{fmt}" standing for the run's format.
-PRECISION_PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
-    "all": (("*", "{fmt}"),),
-    "mlp": (("*.mlp.*", "{fmt}"),),  # attention stays high precision
-    "attn": (("*.attn.*", "{fmt}"),),
-    "no_head": (("lm_head", HIGH_PRECISION), ("*", "{fmt}")),
-}
-
-
-@dataclass(frozen=True)
-class LayerRule:
-    pattern: str
-    format: FormatSpec | None  # None: keep high precision
 
 
 @dataclass(frozen=True)
@@ -39,7 +24,7 @@ class LayerPolicy:
     `LinearQuantPolicy`: `quantized` names the roles that are quantized, `grad_scaling` scales the
     gradient apart from the rest)."""
 
-    rules: tuple[LayerRule, ...]
+    rules: tuple[tuple[str, FormatSpec | None], ...]  # (pattern, format); None: high precision
     grad_format: FormatSpec = field(default_factory=lambda: get_format("e5m2"))
     scaling: ScalingPolicy = ScalingPolicy()
     grad_scaling: ScalingPolicy | None = None
@@ -54,19 +39,9 @@ class LayerPolicy:
         fmt: str,
         **settings,
     ) -> LayerPolicy:
-        """From a preset name (`all`, `mlp`, `attn`, `no_head`) or `(pattern, format)` pairs."""
-        if isinstance(precision, str):
-            if precision not in PRECISION_PRESETS:
-                raise ValueError(
-                    f"unknown layer precision {precision!r}; choose one of "
-                    f"{sorted(PRECISION_PRESETS)} or give a list of {{pattern, format}} rules"
-                )
-            pairs = [(p, f.format(fmt=fmt)) for p, f in PRECISION_PRESETS[precision]]
-        else:
-            pairs = list(precision)
-        rules = tuple(
-            LayerRule(p, None if f.lower() == HIGH_PRECISION else get_format(f)) for p, f in pairs
-        )
+        """From a preset name (`altgrad.precision.PRECISION_PRESETS`) or `(pattern, format)` pairs."""
+        rules = tuple((pattern, None if f.lower() == BASELINE else get_format(f))
+                      for pattern, f in policy_rules(precision, fmt))
         return cls(rules=rules, **settings)
 
     def layer_policy(self, fmt: FormatSpec) -> LinearQuantPolicy:
@@ -86,13 +61,13 @@ class LayerPolicy:
         assigned: dict[str, FormatSpec] = {}
         used = [False] * len(self.rules)
         for name in names:
-            for i, rule in enumerate(self.rules):
-                if fnmatchcase(name, rule.pattern):
+            for i, (pattern, fmt) in enumerate(self.rules):
+                if fnmatchcase(name, pattern):
                     used[i] = True
-                    if rule.format is not None:
-                        assigned[name] = rule.format
+                    if fmt is not None:
+                        assigned[name] = fmt
                     break
-        unmatched = [r.pattern for r, u in zip(self.rules, used, strict=True) if not u]
+        unmatched = [pattern for (pattern, _), u in zip(self.rules, used, strict=True) if not u]
         if unmatched:
             raise ValueError(
                 f"layer pattern(s) {unmatched} match no linear layer (or only layers an earlier "

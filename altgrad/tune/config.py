@@ -25,22 +25,23 @@ from pydantic import (
 )
 
 from altgrad.config import (
-    BASELINE,
-    PRECISION_PRESETS,
     PRESETS,
     ConfigError,
+    LayerRule,
     RunConfig,
     apply_overrides,
     deep_merge,
     describe_validation_error,
+    format_name,
     leaf_field,
     nested,
+    precision_name,
     read_yaml,
     resolve_preset,
 )
+from altgrad.precision import PRECISION_PRESETS
 from altgrad.tune.trial_spec import stall_reports_in_run
 
-FORMAT_PLACEHOLDER = "{fmt}"  # in a custom policy rule: the grid point's format
 # Run settings the grid sets itself (-> the grid key that sets them): not allowed as extra axes.
 FIXED_AXES = {"quant.format": "formats", "optim.name": "optimizers", "quant.precision": "precisions",
               "train.seed": "seeds", "preset": "(the sweep's top-level preset)"}
@@ -57,16 +58,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-def known_format(name: str) -> str:
-    """A grid format: a name from `altgrad.quant.FORMATS`, or the `bf16` baseline."""
-    from altgrad.quant import FORMATS
-
-    name = name.lower()
-    if name != BASELINE and name not in FORMATS:
-        raise ValueError(f"unknown format {name!r}; choose from {[BASELINE, *sorted(FORMATS)]}")
-    return name
-
-
 def _unique(values: list[str], what: str) -> list[str]:
     dupes = sorted({v for v in values if values.count(v) > 1})
     if dupes:
@@ -76,7 +67,7 @@ def _unique(values: list[str], what: str) -> list[str]:
 
 # The formats of a grid or a search: known names (lower-cased), at least one, no repeats.
 Formats = Annotated[list[str], Field(min_length=1),
-                    AfterValidator(lambda v: _unique([known_format(f) for f in v], "format"))]
+                    AfterValidator(lambda v: _unique([format_name(f) for f in v], "format"))]
 
 
 def registered_optimizers() -> list[str]:
@@ -203,25 +194,15 @@ class SweepSettings(_Strict):
         return f"{self.storage_path.rstrip('/')}/{self.name}"
 
 
-class PolicyRule(_Strict):
-    """One rule of a named custom layer-precision policy; `{fmt}` stands for the grid's format."""
-
-    pattern: str
-    format: str
-
-    @field_validator("format")
-    @classmethod
-    def _format(cls, v: str) -> str:
-        return v if v == FORMAT_PLACEHOLDER else known_format(v)
-
-
 class GridSettings(_Strict):
     formats: Formats
     optimizers: list[str] | Literal["all"] = Field(
         "all", description="optimizer names, or 'all' = every registered optimizer"
     )
     precisions: list[str] = Field(default_factory=lambda: ["all"], min_length=1)
-    policies: dict[str, list[PolicyRule]] = Field(default_factory=dict)
+    policies: dict[str, list[LayerRule]] = Field(
+        default_factory=dict, description="named custom layer-precision policies; `{fmt}` in a rule "
+                                          "is the grid point's format")
     seeds: list[int] | None = Field(None, min_length=1, description="default: base train.seed")
     format_overrides: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per format, RunConfig fields on top of base (e.g. its lr)"
@@ -270,7 +251,7 @@ class GridSettings(_Strict):
             )
         _unique(self.precisions, "precision")
         for fmt in self.format_overrides:  # may name formats outside this grid (e.g. --smoke's)
-            known_format(fmt)
+            format_name(fmt)
         return self
 
     @property
@@ -377,9 +358,7 @@ class LrSearchConfig(SweepSettings):
     @field_validator("precision")
     @classmethod
     def _precision(cls, v: str) -> str:
-        if v not in PRECISION_PRESETS:
-            raise ValueError(f"unknown precision {v!r}; use one of {list(PRECISION_PRESETS)}")
-        return v
+        return precision_name(v)
 
 
 Settings = TypeVar("Settings", bound=SweepSettings)

@@ -18,10 +18,10 @@ from typing import Any
 
 from altgrad.config import BASELINE, ConfigError, deep_merge, nested
 from altgrad.experiment import axis_names, axis_value_text
+from altgrad.precision import policy_rules
 from altgrad.quant.equivalence import quantize_identically
 from altgrad.tune.asha import asha_milestones
 from altgrad.tune.config import (
-    FORMAT_PLACEHOLDER,
     AxisValue,
     SweepConfig,
     SweepSettings,
@@ -97,10 +97,9 @@ def build_grid(cfg: SweepConfig) -> list[GridPoint]:
         for fmt in grid.formats:
             for precision in ["all"] if fmt == BASELINE else grid.precisions:
                 rules = None
-                if precision in grid.policies:
-                    rules = [{"pattern": r.pattern,
-                              "format": fmt if r.format == FORMAT_PLACEHOLDER else r.format}
-                             for r in grid.policies[precision]]
+                if precision in grid.policies:  # written out, so each trial's config.yaml says it
+                    rules = [{"pattern": p, "format": f} for p, f in policy_rules(
+                        [(r.pattern, r.format) for r in grid.policies[precision]], fmt)]
                 point_axes = baseline_axes if fmt == BASELINE else axes
                 point = make_point(cfg, fmt, optimizer, precision, seed, rules,
                                    grid.format_overrides.get(fmt), point_axes, names)
