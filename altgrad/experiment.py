@@ -49,6 +49,7 @@ ASHA_FILE = "asha.json"
 STOPPER_FILE = "stopper.json"
 TRIALS_DIR = "trials"  # our trial directories, one per grid key
 RUN_DIR = "run"  # the Trainer's run directory inside a trial directory
+WORKER_FILE = "worker.json"  # in a trial directory: the process running it (pid, host, start time)
 
 
 class ExperimentError(ValueError):

@@ -17,7 +17,15 @@ import sys
 from pathlib import Path
 from statistics import fmean, stdev
 
-from altgrad.experiment import STATE_DIR, SWEEP_FILE, ExperimentError, load_experiment, read_json
+from altgrad.experiment import (
+    STATE_DIR,
+    SWEEP_FILE,
+    WORKER_FILE,
+    ExperimentError,
+    TrialRecord,
+    load_experiment,
+    read_json,
+)
 from altgrad.report import Findings, compute_findings, write_report
 from altgrad.report.findings import axes_text, seed_values
 
@@ -37,11 +45,13 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
     measured = [r for r in records if not r.same_as]
     seeds = sorted({r.seed for r in measured})
     stops = sorted({r.stop_reason for r in measured if r.stop_reason})
-    commit = (read_json(exp_dir / STATE_DIR / SWEEP_FILE) or {}).get("commit") or "not recorded"
+    sweep = read_json(exp_dir / STATE_DIR / SWEEP_FILE) or {}
+    commit = sweep.get("commit") or "not recorded"
     lines = [
         f"*`make study` published {datetime.date.today().isoformat()}; the sweep ran commit {commit}: "
         f"{len(measured)} trials, seeds {', '.join(map(str, seeds))}; stop reasons: "
-        f"{', '.join(f'{s} {sum(r.stop_reason == s for r in measured)}' for s in stops)}. "
+        f"{', '.join(f'{s} {sum(r.stop_reason == s for r in measured)}' for s in stops)}; "
+        f"{wall_time(measured, sweep.get('updated'))}. "
         f"Full report: `{exp_dir / 'report' / 'report.md'}` (not committed).*",
         "",
         f"**{f.verdict.line}**",
@@ -55,6 +65,16 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
         *images,
     ]
     return "\n".join(lines)
+
+
+def wall_time(records: list[TrialRecord], finished: float | None) -> str:
+    """First trial's start to the sweep's last state update (its end, once it finished): the
+    study's wall time, including any time it spent interrupted."""
+    starts = [read_json(r.trial_dir / WORKER_FILE) for r in records]
+    starts = [w["started"] for w in starts if w and "started" in w]
+    if not starts or finished is None:
+        return "wall time not recorded"
+    return f"{(finished - min(starts)) / 60:.1f} min of wall time"
 
 
 def spread(f: Findings) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 from ray import tune
 
 from altgrad.config import RunConfig
-from altgrad.experiment import RUN_DIR, TRIALS_DIR, read_jsonl
+from altgrad.experiment import RUN_DIR, TRIALS_DIR, WORKER_FILE, read_jsonl
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
 from altgrad.tune.trial_spec import STABLE_LR, STALL_STREAK, learning, trial_key, trial_run_config
@@ -49,7 +49,7 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None
     limit_resources(config["limits"]["cpus"], config["limits"]["gpu_fraction"])
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # no line per persisted checkpoint
     with trial_log(trial_dir / "trial.log"):
-        (trial_dir / "worker.json").write_text(json.dumps(
+        (trial_dir / WORKER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
         reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr,
                                              stall_halts_learning(cfg)),
