@@ -8,10 +8,11 @@ precision grid as one Ray Tune sweep with ASHA and a stability stopper.
 import sys
 from pathlib import Path
 
+from altgrad.report.cli import report_after_sweep
 from altgrad.tune.ablation import FormatAblation
 from altgrad.tune.cli import sweep_main
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "format_ablation.yaml"
 
 if __name__ == "__main__":
-    sys.exit(sweep_main(FormatAblation, DEFAULT_CONFIG, __doc__.splitlines()[0]))
+    sys.exit(sweep_main(FormatAblation, DEFAULT_CONFIG, __doc__.splitlines()[0], after=report_after_sweep))

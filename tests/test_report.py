@@ -442,6 +442,7 @@ def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, t
     """A real sweep with an extra axis and two seeds: e1m6 is measured by e0m7's trials, the table,
     the keys and the report's cells carry the axis, and the report's numbers match the trial data
     (stops for NaN are tested in test_sweep_ray.py)."""
+    from altgrad.report.cli import report_after_sweep
     from altgrad.tune.ablation import FormatAblation
     from altgrad.tune.cli import sweep_main
     from altgrad.tune.trials import render_table, to_csv, trial_row
@@ -457,7 +458,7 @@ def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, t
     ]
     config = Path(__file__).resolve().parents[1] / "sweeps" / "configs" / "format_ablation.yaml"
     argv = [a for s in sets for a in ("--set", s)] + ["--name", "tiny", "--storage-path", str(tmp_path)]
-    assert sweep_main(FormatAblation, config, "test", argv) == 0
+    assert sweep_main(FormatAblation, config, "test", argv, after=report_after_sweep) == 0
     out = capsys.readouterr().out
     assert "6 trials (+4 listed under an equivalent format)" in out  # 2 bf16 + e0m7 x 2 roundings x 2
     exp = tmp_path / "tiny"

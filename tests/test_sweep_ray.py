@@ -31,6 +31,7 @@ from altgrad.experiment import (
     load_experiment,
     read_jsonl,
 )
+from altgrad.report.cli import report_after_sweep
 from altgrad.tune.ablation import FormatAblation
 from altgrad.tune.cli import sweep_main
 from altgrad.tune.trials import trial_row
@@ -70,7 +71,8 @@ def table(exp_dir: Path) -> list[dict]:
 def reference(ray_address, sweep_args, tmp_path_factory):
     """An uninterrupted sweep, run in this process on the shared Ray instance."""
     storage = tmp_path_factory.mktemp("reference")
-    code = sweep_main(FormatAblation, CONFIG, "test", [*sweep_args, "--name", "ref", "--storage-path", str(storage)])
+    code = sweep_main(FormatAblation, CONFIG, "test", [*sweep_args, "--name", "ref", "--storage-path", str(storage)],
+                      after=report_after_sweep)  # as sweeps/format_ablation.py does
     return code, storage / "ref"
 
 

@@ -47,6 +47,27 @@ def run(args: argparse.Namespace) -> int:
     return 2 if unreadable else 0
 
 
+def report_after_sweep(experiment: str, name: str) -> int:
+    """A sweep entry point's last step: the report of the experiment it ran, into
+    `<experiment>/report/`. 0 when written, 1 (with the command that retries it) when not: the
+    sweep's data is safe either way."""
+    from altgrad.experiment import load_experiment
+    from altgrad.report import write_report
+
+    if "://" in experiment:
+        print(f"report: copy {experiment} to local disk, then run `python -m altgrad report DIR`")
+        return 0
+    exp_dir = Path(experiment)
+    try:
+        path = write_report(load_experiment(exp_dir), exp_dir / "report", title=f"AltGrad report: {name}")
+    except Exception as e:  # noqa: BLE001 - any failure: say how to retry the report alone
+        print(f"report failed ({type(e).__name__}: {e}); retry: python -m altgrad report {exp_dir} "
+              f"--out {exp_dir / 'report'}")
+        return 1
+    print(f"report: {path}")
+    return 0
+
+
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2

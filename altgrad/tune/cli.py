@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,10 +54,16 @@ def sweep_parser(description: str, default_config: Path) -> argparse.ArgumentPar
     return p
 
 
-def sweep_main(kind: SweepKind, default_config: Path, description: str, argv: list[str] | None = None) -> int:
+AfterSweep = Callable[[str, str], int]  # (experiment path, sweep name) -> exit code
+
+
+def sweep_main(kind: SweepKind, default_config: Path, description: str, argv: list[str] | None = None,
+               after: AfterSweep | None = None) -> int:
+    """Parse, validate, run (or resume) the sweep, print its table; then `after` (e.g. the report,
+    which the entry point supplies so that this package does not depend on its readers)."""
     args = sweep_parser(description, default_config).parse_args(argv)
     try:
-        return _run(kind, args, default_config)
+        return _run(kind, args, default_config, after)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -65,7 +72,7 @@ def sweep_main(kind: SweepKind, default_config: Path, description: str, argv: li
         return 130
 
 
-def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int:
+def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after: AfterSweep | None) -> int:
     from altgrad.data import DataError, prepare_dataset
 
     cfg = load_sweep_config(kind.model, args.config or default_config, args.overrides, args.smoke,
@@ -101,7 +108,7 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int
     todo = [e for e in experiments if status[e.path] != "finished"]
     if not todo:
         print(f"sweep {cfg.name} is complete ({cfg.experiment_path}); --fresh starts it over")
-        return kind.summarize(cfg, experiments)
+        return _finish(kind, cfg, experiments, after)
     try:
         prepare_dataset(cfg.run_config({}).data)  # once, before the trials race for it
     except DataError as e:
@@ -125,11 +132,17 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path) -> int
                   f"checkpoints.\nresume with: {command}", flush=True)
             return 128 + int(signum)
         errored |= outcome is Outcome.ERRORED
-    code = kind.summarize(cfg, experiments)
+    code = _finish(kind, cfg, experiments, after)
     if errored:
         print(f"some trials errored; {command} retries them from their checkpoints")
         return 1
     return code
+
+
+def _finish(kind: SweepKind, cfg: Any, experiments: list[Experiment], after: AfterSweep | None) -> int:
+    """`after` first (the report), then the table, so the table is the last thing on the console."""
+    code = after(cfg.experiment_path, cfg.name) if after else 0
+    return max(code, kind.summarize(cfg, experiments))
 
 
 def _warn(cfg: SweepSettings) -> None:
