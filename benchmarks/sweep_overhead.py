@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                             storage_path=str(storage))
     (experiment,) = FormatAblation.experiments(cfg)
     exp_dir = Path(cfg.experiment_path)
-    prepare_dataset(cfg.run_config({}).data)
+    prepare_dataset(cfg.base_run.data)
 
     t0 = time.perf_counter()
     start_ray(cfg)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     at_once = min(concurrency(cfg, *machine_resources()), len(records))
     ideal = train / at_once
     overhead = wall / ideal - 1
-    run = cfg.run_config({}).train
+    run = cfg.base_run.train
     checkpoint = sorted((records[0].trial_dir / RUN_DIR / "checkpoints").glob("step_*"))[-1]
     per_ckpt = persist_seconds(checkpoint)
     size_mb = sum(f.stat().st_size for f in checkpoint.iterdir()) / 2**20

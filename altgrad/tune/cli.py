@@ -110,7 +110,7 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
         print(f"sweep {cfg.name} is complete ({cfg.experiment_path}); --fresh starts it over")
         return _finish(kind, cfg, experiments, after)
     try:
-        prepare_dataset(cfg.run_config({}).data)  # once, before the trials race for it
+        prepare_dataset(cfg.base_run.data)  # once, before the trials race for it
     except DataError as e:
         raise ConfigError(str(e)) from None
 

@@ -11,6 +11,7 @@ nothing is written before a typo is caught.
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar
 
@@ -151,12 +152,17 @@ class SweepSettings(_Strict):
             cfg = cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(describe_validation_error(e)) from None
-        cfg.run_config({})
+        cfg.base_run  # noqa: B018 - validates base (ConfigError names the field)
         cfg.check()
         return cfg
 
     def check(self) -> None:
         """Cross-field checks that need the run config; ConfigError names the field."""
+
+    @cached_property
+    def base_run(self) -> RunConfig:
+        """The run every trial starts from (preset < base), validated once."""
+        return self.run_config({})
 
     def run_config(self, overrides: dict[str, Any]) -> RunConfig:
         """Preset < base < `overrides`, validated as a RunConfig."""
@@ -179,7 +185,7 @@ class SweepSettings(_Strict):
         runs, with ASHA and the NaN stopper."""
         if not self.stopper.enabled:
             return None
-        run = self.run_config({})
+        run = self.base_run
         available = stall_reports_in_run(run)
         if self.stopper.stall_reports <= available:
             return None
@@ -318,7 +324,7 @@ class SweepConfig(SweepSettings):
 
     @property
     def max_t(self) -> int:
-        return self.asha.max_t or self.run_config({}).train.max_steps
+        return self.asha.max_t or self.base_run.train.max_steps
 
 
 class LrRange(_Strict):

@@ -86,7 +86,7 @@ def build_grid(cfg: SweepConfig) -> list[GridPoint]:
     """Every point, in a fixed order (seed, optimizer, extra axes, format, precision): the order
     trials start in. Points with `same_as` set are not run (`trials_to_run`)."""
     grid = cfg.grid
-    seeds = grid.seeds or [cfg.run_config({}).train.seed]
+    seeds = grid.seeds or [cfg.base_run.train.seed]
     names = axis_names(list(grid.axes))
     combos = [dict(zip(grid.axes, values, strict=True)) for values in itertools.product(*grid.axes.values())]
     points: dict[str, GridPoint] = {}
@@ -164,7 +164,7 @@ def describe_resources(settings: SweepSettings, n_trials: int) -> list[str]:
     r = settings.resources
     cpus, gpus = machine_resources()
     at_once = concurrency(settings, cpus, gpus)
-    run = settings.run_config({})
+    run = settings.base_run
     m, t = run.model, run.train
     lines = [
         f"preset {settings.preset}: per trial {r.cpus_per_trial} CPU, {r.gpu_per_trial:g} GPU"

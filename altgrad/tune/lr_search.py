@@ -34,7 +34,7 @@ class LrSearch:
         from ray import tune
         from ray.tune.search.optuna import OptunaSearch
 
-        seed = cfg.run_config({}).train.seed
+        seed = cfg.base_run.train.seed
         r = cfg.resources
         out = []
         for fmt in cfg.formats:
