@@ -27,6 +27,7 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+CODE = ("altgrad", "benchmarks", "sweeps", "pyproject.toml", ":!benchmarks/results")  # git pathspecs
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,13 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """The checkout's commit, `+dirty` when tracked files differ from it (the numbers are then
-    of code no commit holds)."""
+    """The checkout's commit, `+dirty` when its code differs from it (the numbers are then of code
+    no commit holds; results files and the README a benchmark run rewrites do not count)."""
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                               text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE], cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
