@@ -18,16 +18,16 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from altgrad.provenance import source_commit
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-CODE = ("altgrad", "benchmarks", "sweeps", "pyproject.toml", ":!benchmarks/results")  # git pathspecs
 
 
 @dataclass(frozen=True)
@@ -72,24 +72,10 @@ def machine() -> str:
             f"torch {torch.__version__}")
 
 
-def commit() -> str:
-    """The checkout's commit, `+dirty` when its code differs from it (the numbers are then of code
-    no commit holds; results files and the README a benchmark run rewrites do not count)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
 def write(name: str, claims: list[Claim], directory: Path = RESULTS_DIR) -> Path:
     """Record a run's claims as `directory/<name>.json`; the command is this process's own."""
     result = Result(name=name, command=" ".join(["python", *sys.argv]), date=datetime.date.today().isoformat(),
-                    commit=commit(), machine=machine(), claims=tuple(claims))
+                    commit=source_commit() or "unknown", machine=machine(), claims=tuple(claims))
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
     path.write_text(json.dumps(asdict(result), indent=1) + "\n")

@@ -132,6 +132,14 @@ def resume(args: list[str], ray_address: str) -> str:
     return out
 
 
+# What Ray prints by default around the sweep's own lines (a configuration box, a TensorBoard
+# hint, INFO lines, a token warning the dashboard line already explains): none of it reaches the
+# console.
+RAY_CHATTER = ("Configuration for experiment", "To visualize your results with TensorBoard",
+               "Wrote the latest version of all result files", "Started a local Ray instance",
+               "Token authentication is enabled")
+
+
 def test_kill9_then_resume_equals_uninterrupted(reference, ray_address, sweep_args, tmp_path, capsys):
     """SIGKILL twice: while the first trial trains past its first checkpoint, and once the last
     trial has started (after ASHA and the stopper decided about the others). Each time `--resume`
@@ -155,7 +163,8 @@ def test_kill9_then_resume_equals_uninterrupted(reference, ray_address, sweep_ar
     proc.send_signal(signal.SIGKILL)
     proc.wait()
 
-    resume(args, ray_address)
+    out = resume(args, ray_address)
+    assert not [line for line in out.splitlines() if any(chatter in line for chatter in RAY_CHATTER)], out
     assert table(exp) == table(reference[1])
     (record, *_) = load_experiment(exp)
     resumed_from = next(e["step"] for e in record.events if e["kind"] == "resume")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from altgrad.experiment import SWEEP_FILE, TRIALS_FILE
+from altgrad.provenance import source_commit
 from altgrad.tune.config import SweepSettings
 from altgrad.tune.grid import GridPoint
 from altgrad.tune.store import StateStore
@@ -67,13 +69,21 @@ def start_ray(settings: SweepSettings) -> None:
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        ray.init(logging_level=logging.WARNING)
         print(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}")
         return
     d = settings.dashboard
-    context = ray.init(include_dashboard=d.enabled, dashboard_host=d.host, dashboard_port=d.port)
+    # Ray's INFO lines ("Started a local Ray instance", "Wrote the latest version of all result
+    # files") repeat what the sweep prints itself; its warnings and errors still show. The token
+    # warning is replaced by `dashboard_help`, which also says how to get past it.
+    logging.getLogger(TOKEN_AUTH_LOGGER).setLevel(logging.ERROR)
+    context = ray.init(include_dashboard=d.enabled, dashboard_host=d.host, dashboard_port=d.port,
+                       logging_level=logging.WARNING)
     if d.enabled:
         print(dashboard_help(context.dashboard_url, d.host))
+
+
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 def dashboard_help(url: str | None, host: str) -> str:
@@ -109,22 +119,6 @@ def write_sweep_state(exp: Experiment, status: str, resume_command: str) -> None
     })
 
 
-def source_commit() -> str | None:
-    """The git commit of the code the sweep runs (`+dirty` with uncommitted changes), if known:
-    what a published result is attributed to."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
 def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple[Outcome, int | None]:
     """Fit the experiment; returns its outcome and the signal that interrupted it, if any."""
     from ray import tune
@@ -132,6 +126,10 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
     write_sweep_state(exp, "running", resume_command)
     # Frequent experiment snapshots are what a resume after SIGKILL wants; Ray warns about them.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    # Tune's default console output prints a configuration box and a TensorBoard hint even at
+    # verbose=0; its classic reporter at verbose=0 prints nothing. `SweepProgress` prints one line
+    # per trial event instead.
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     # The config decides W&B's mode; Ray's callback (also the restored one) checks it for a key.
     os.environ["WANDB_MODE"] = exp.settings.wandb.mode
     trainable = _trainable(exp)
