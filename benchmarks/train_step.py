@@ -8,10 +8,16 @@ so machine noise lands on every variant alike; ratios are against the bf16 basel
     e4m3+diag       ... plus every diagnostic every step
     e4m3+diag+shadow ... plus the FP32 shadow every `shadow_every` steps (amortized)
 
-Targets: e4m3 <= 1.4x bf16; diagnostics every step add <= 25 % over e4m3; the shadow adds
-<= 1.2x over e4m3+diag.
+Targets (`TARGETS`, per preset): e4m3 against bf16, diagnostics every step against e4m3, the
+shadow against e4m3+diag.
 
-    python benchmarks/train_step.py [--preset cpu|gpu] [--steps N] [--smoke] [--record [DIR]]
+`--preset host` is the host-bound proxy of a GPU step: the cpu preset with a model too small to
+compute anything (6 layers 16 wide, 8 tokens, batch 1), so a step's time is the host's per-call
+overhead (Python, dispatch, compiled-call guards), which is what bounds the gpu preset's step on a
+GPU. Its bf16 step does the same number of layers, so the ratios say what quantization and
+diagnostics cost per call.
+
+    python benchmarks/train_step.py [--preset cpu|gpu|host] [--steps N] [--smoke] [--record [DIR]]
 """
 
 from __future__ import annotations
@@ -28,16 +34,25 @@ from record import Claim, add_record_argument, write
 from altgrad.config import build_run_config
 from altgrad.train import Trainer
 
+# Named bundles of run-config overrides on top of a RunConfig preset.
+BENCH_PRESETS = {
+    "host": ("cpu", ["model.n_layer=6", "model.n_head=2", "model.n_embd=16", "model.block_size=8",
+                     "train.batch_size=1"]),
+}
+
 VARIANTS = {
     "bf16": ["quant.format=bf16", "train.diag_every=0", "train.shadow_every=0"],
     "e4m3": ["quant.format=e4m3", "train.diag_every=0", "train.shadow_every=0"],
     "e4m3+diag": ["quant.format=e4m3", "train.diag_every=1", "train.shadow_every=0"],
     "e4m3+diag+shadow": ["quant.format=e4m3", "train.diag_every=1", "train.shadow_every=10"],
 }
-TARGETS = {  # variant -> (reference variant, maximum ratio)
-    "e4m3": ("bf16", 1.4),
-    "e4m3+diag": ("e4m3", 1.25),
-    "e4m3+diag+shadow": ("e4m3+diag", 1.2),
+# variant -> (reference variant, maximum ratio), per preset. On the host-bound proxy each quantized
+# tensor's host overhead is the whole cost, so it gets the looser bound; the cpu preset's must not
+# regress from what it measures now.
+TARGETS = {
+    "cpu": {"e4m3": ("bf16", 1.25), "e4m3+diag": ("e4m3", 1.15), "e4m3+diag+shadow": ("e4m3+diag", 1.2)},
+    "host": {"e4m3": ("bf16", 1.3), "e4m3+diag": ("e4m3", 1.25), "e4m3+diag+shadow": ("e4m3+diag", 1.2)},
+    "gpu": {"e4m3": ("bf16", 1.4), "e4m3+diag": ("e4m3", 1.25), "e4m3+diag+shadow": ("e4m3+diag", 1.2)},
 }
 
 
@@ -60,7 +75,8 @@ def timed_step(trainer: Trainer, step: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="auto", help="cpu | gpu | auto (gpu when CUDA is available)")
+    parser.add_argument("--preset", default="auto",
+                        help=f"cpu | gpu | auto (gpu when CUDA is available) | {' | '.join(BENCH_PRESETS)}")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
     parser.add_argument("--smoke", action="store_true", help="3 timed steps, to check the script runs")
@@ -70,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {name: build([f"preset={args.preset}", *args.overrides, *overrides], steps + warmup,
+        preset, bundle = BENCH_PRESETS.get(args.preset, (args.preset, []))
+        trainers = {name: build([f"preset={preset}", *bundle, *args.overrides, *overrides], steps + warmup,
                                 Path(tmp) / name)
                     for name, overrides in VARIANTS.items()}
         names = list(trainers)
@@ -82,21 +99,22 @@ def main(argv: list[str] | None = None) -> None:
                 if step > warmup + 1:
                     times[name].append(t)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
+    label = trainers["bf16"].cfg.preset if args.preset == "auto" else args.preset
+    targets = TARGETS[label]
 
     print(f"{'variant':<18} {'median step':>12} {'vs bf16':>8}  target")
     for name, t in medians.items():
         target = ""
-        if name in TARGETS:
-            ref, limit = TARGETS[name]
+        if name in targets:
+            ref, limit = targets[name]
             ratio = t / medians[ref]
             target = f"{ratio:.2f}x {ref} (<= {limit}x: {'ok' if ratio <= limit else 'MISSED'})"
         print(f"{name:<18} {1000 * t:>10.1f}ms {t / medians['bf16']:>7.2f}x  {target}")
     if args.record:
         claims = [Claim(name, medians[name] / medians[ref], ref, limit,
                         f"{1000 * medians[name]:.1f} vs {1000 * medians[ref]:.1f} ms, median of {steps} steps")
-                  for name, (ref, limit) in TARGETS.items()]
-        preset = trainers["bf16"].cfg.preset if args.preset == "auto" else args.preset
-        print(f"recorded in {write(f'train_step-{preset}', claims, args.record)}")
+                  for name, (ref, limit) in targets.items()]
+        print(f"recorded in {write(f'train_step-{label}', claims, args.record)}")
 
 
 if __name__ == "__main__":

@@ -78,3 +78,19 @@ def test_quantize_benchmark_records_what_it_printed(tmp_path, capsys):
         assert claim["target"] == bench.NATIVE_TARGET
     slowest = next(c for c in saved["claims"] if c["what"].startswith("slowest"))
     assert slowest["baseline"] == "compiled e4m3" and slowest["target"] == bench.EXOTIC_TARGET
+
+
+def test_train_step_host_preset_records_its_ratios(tmp_path, capsys):
+    """The host-bound proxy builds the 6-layer, 16-wide, batch-1 model and records each ratio
+    with the milliseconds it came from."""
+    bench = load("train_step")
+    preset, bundle = bench.BENCH_PRESETS["host"]
+    assert preset == "cpu" and {"model.n_layer=6", "model.n_embd=16", "train.batch_size=1"} <= set(bundle)
+    bench.main(["--preset", "host", "--smoke", "--record", str(tmp_path)])
+    capsys.readouterr()
+    saved = json.loads((tmp_path / "train_step-host.json").read_text())
+    assert {(c["what"], c["baseline"], c["target"]) for c in saved["claims"]} == {
+        (name, ref, limit) for name, (ref, limit) in bench.TARGETS["host"].items()}
+    for claim in saved["claims"]:
+        a, b = (float(x) for x in re.findall(r"([\d.]+) (?:vs|ms)", claim["detail"])[:2])
+        assert (a - 0.05) / (b + 0.05) <= claim["ratio"] <= (a + 0.05) / (b - 0.05)  # printed to 0.1 ms
