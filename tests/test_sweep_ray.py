@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,6 +155,8 @@ def test_kill9_then_resume_equals_uninterrupted(reference, ray_address, sweep_ar
     assert main(["trials", str(exp), "--json"]) == 0  # readable while the sweep runs
     live = json.loads(capsys.readouterr().out)
     assert [r["status"] for r in live] == ["RUNNING", "PENDING", "PENDING"] and live[0]["steps"] > CHECKPOINT
+    assert sweep_main(FormatAblation, CONFIG, "test", [*args, "--resume"]) == 2  # a second driver
+    assert f"sweep {exp} is running right now (driver pid {proc.pid}" in capsys.readouterr().err
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = last_step(exp, first)
@@ -200,6 +203,24 @@ def test_signal_exits_nonzero_with_the_resume_command(ray_address, sweep_args, t
     assert "resume with: " in out and command in out
     sweep = json.loads((tmp_path / "stopped" / STATE_DIR / "sweep.json").read_text())
     assert sweep["status"] == "interrupted" and command in sweep["resume_command"]
+    if signum == signal.SIGTERM:  # what a spot instance's shutdown sends: the resume finishes it
+        resume(args, ray_address)
+        assert [r["status"] for r in table(tmp_path / "stopped")] == ["TERMINATED"] * 3
+
+
+def test_fresh_moves_a_finished_sweep_aside_and_runs_again(reference, sweep_args, tmp_path, capsys):
+    """`--fresh` through the CLI, on a copy of a real finished sweep: the old experiment is moved
+    aside intact, the new one runs from scratch."""
+    exp = tmp_path / "ref"
+    shutil.copytree(reference[1], exp)
+    old_table = table(exp)
+    args = ["--set", "grid.formats=[bf16]", "--set", "base.train.max_steps=12", "--name", "ref",
+            "--storage-path", str(tmp_path), "--fresh"]
+    assert sweep_main(FormatAblation, CONFIG, "test", [*sweep_args, *args]) == 0
+    (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith("ref.old-")]
+    assert f"moved the previous experiment aside to {moved}" in capsys.readouterr().out
+    assert table(moved) == old_table
+    assert [(r["trial"], r["steps"]) for r in table(exp)] == [("bf16-adamw-all-s42", 12)]
 
 
 def test_dead_worker_is_retried_from_its_checkpoint(ray_address, sweep_args, tmp_path):
@@ -226,3 +247,32 @@ def test_dead_worker_is_retried_from_its_checkpoint(ray_address, sweep_args, tmp
     (entry,) = json.loads((exp / STATE_DIR / TRIALS_FILE).read_text()).values()
     assert entry["failures"] == 1
     assert [e["step"] for e in record.events if e["kind"] == "resume"] == [CHECKPOINT]
+
+
+def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, capsys):
+    """sweeps/lr_search.py's path through Tune and Optuna on a tiny grid: the grid's learning rates
+    run first, then Optuna's sample inside [low, high]; the table and lr_search.json name the
+    largest rate that trained stably (1000 diverges, 0.01 learns)."""
+    from altgrad.tune.lr_search import RESULT_FILE, LrSearch
+
+    sets = [
+        "preset=cpu", "formats=[e4m3]", "lr={grid: [0.01, 1000.0], low: 0.001, high: 1000.0, samples: 1}",
+        f"base.data.source=jsonl:{eurlex_dir}", f"base.data.data_root={data_root}", "base.data.max_docs=40",
+        "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
+        "base.train.max_steps=10", "base.train.warmup_steps=2", "base.train.eval_interval=5",
+        "base.train.checkpoint_interval=5", "base.train.eval_iters=2", "base.train.diag_every=5",
+        "stopper.nan_patience=3", "wandb.enabled=false", "dashboard.enabled=false",
+    ]
+    args = [a for s in sets for a in ("--set", s)] + ["--name", "lr", "--storage-path", str(tmp_path)]
+    assert sweep_main(LrSearch, ROOT / "sweeps" / "configs" / "lr_search.yaml", "test", args) == 0
+    out = capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "lr" / RESULT_FILE).read_text())
+    records = load_experiment(tmp_path / "lr" / "e4m3")
+    sampled = sorted(r.params["lr"] for r in records)
+    assert len(sampled) == 3 and {0.01, 1000.0} <= set(sampled) and all(1e-3 <= x <= 1e3 for x in sampled)
+    stable = [r.params["lr"] for r in records if r.stop_reason == "completed"
+              and r.val_series()[1][-1] < r.val_series()[1][0]]
+    assert row["format"] == "e4m3" and row["trials"] == 3
+    assert 0.01 in stable and 1000.0 not in stable and row["largest_stable_lr"] == max(stable)
+    assert row["smallest_unstable_lr"] == min(set(sampled) - set(stable))
+    assert "largest stable lr" in out and f"results: {tmp_path / 'lr' / RESULT_FILE}" in out
