@@ -22,8 +22,7 @@ from collections.abc import Callable
 import torch
 from record import Claim, add_record_argument, write
 
-from altgrad.quant import FORMATS, quantize
-from altgrad.quant.quantize import compile_status
+from altgrad.quant import FORMATS, compile_status, quantize
 
 EXOTIC = ("e0m7", "e1m6", "e2m5", "e3m4", "e6m1", "e7m0")
 NATIVE_TARGET = 0.5  # x torch's float8 round trip of the same family

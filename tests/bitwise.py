@@ -5,7 +5,7 @@ import math
 import numpy as np
 import torch
 
-from altgrad.quant import FormatSpec
+from altgrad.quant import FormatSpec, decode
 
 CODES = torch.arange(256, dtype=torch.uint8)
 SPECIALS = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 2.0**-130, 1e-39, 3.4e38,
@@ -25,7 +25,7 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 def edge_values(f: FormatSpec) -> torch.Tensor:
     """Every code value, every midpoint between neighbouring codes (and above max) with its float32
     neighbours, the quarter points, both signs, plus zeros, infinities, NaN and float32 extremes."""
-    v = f.decode(CODES[:128])
+    v = decode(CODES[:128], f)
     v = v[v.isfinite()].double()
     v = torch.cat([v, 2 * v[-1:] - v[-2:-1]])  # one step beyond max
     gap = v[1:] - v[:-1]

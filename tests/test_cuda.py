@@ -11,9 +11,8 @@ import torch
 from bitwise import edge_values, ordinal, random_values, same_values
 
 from altgrad.experiment import read_jsonl
-from altgrad.quant import FORMATS, code_moves, encode, quantize
+from altgrad.quant import FORMATS, code_moves, compile_status, decode, encode, quantize
 from altgrad.quant.codes import code_histogram, quantizer_counts
-from altgrad.quant.quantize import compile_status
 from altgrad.quant.scaling import TensorScaler
 from altgrad.train import Trainer
 
@@ -117,7 +116,7 @@ def test_cuda_stochastic_rounding_lands_on_a_neighbour_code(name):
     q = quantize(x, f, rounding="stochastic", generator=torch.Generator(CUDA).manual_seed(0))
     codes, near = encode(q, f).long(), encode(down, f).long()
     assert (ordinal(codes) - ordinal(near)).abs().max() <= 1
-    lo, hi = f.decode(torch.tensor([0x30, 0x31], dtype=torch.uint8)).tolist()
+    lo, hi = decode(torch.tensor([0x30, 0x31], dtype=torch.uint8), f).tolist()
     quarter = torch.full((1 << 20,), lo + (hi - lo) / 4, device=CUDA)
     sr = quantize(quarter, f, rounding="stochastic", generator=torch.Generator(CUDA).manual_seed(1))
     assert set(sr.unique().tolist()) == {lo, hi}

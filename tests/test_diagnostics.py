@@ -9,7 +9,7 @@ from torch import nn
 
 from altgrad.quant import FORMATS, code_moves
 from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
-from altgrad.train.diagnostics import Diagnostics, finite_code_count
+from altgrad.train.diagnostics import Diagnostics
 
 
 def quantized(fmt: str, scale: float, act: str | None = None, roles: tuple[str, ...] = ROLES) -> QuantizedLinear:
@@ -69,7 +69,7 @@ def test_diagnostics_quant_metrics_per_layer_and_overall(path, last_roles):
         counts = sum(layer.stats[r].counts()[0] for r in ROLES)
         totals += counts
         on = [r for r in ROLES if layer.policy.quantizes(r)]
-        used = sum((layer.stats[r].counts()[1] > 0).sum().item() / finite_code_count(layer.policy.format_of(r))
+        used = sum((layer.stats[r].counts()[1] > 0).sum().item() / layer.policy.format_of(r).num_finite_codes
                    for r in on) / len(on)
         used_all.append(used)
         assert out[f"quant/overflow_rate/{name}"].item() == pytest.approx((counts[0] / counts[2]).item())

@@ -4,8 +4,6 @@ Tests run eagerly unless they take the `path` fixture: every compiled graph cost
 the float32 graphs training uses (plus bf16) are compiled here.
 """
 
-import importlib
-import importlib.util
 import math
 import warnings
 
@@ -16,9 +14,15 @@ import pytest
 import torch
 from bitwise import CODES, edge_values, random_values, same_values
 
-from altgrad.quant import FORMATS, FormatSpec, compile_status, fake_quantize, quantize
-
-kernels = importlib.import_module("altgrad.quant.quantize")  # the module; `quantize` is the function
+from altgrad.quant import (
+    FORMATS,
+    FormatSpec,
+    compile_status,
+    decode,
+    fake_quantize,
+    kernels,
+    quantize,
+)
 
 ALL = sorted(FORMATS)
 ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn,
@@ -147,7 +151,7 @@ def test_fp16_inputs_round_like_float32():
 def test_float64_inputs_round_once(name):
     """float64 is quantized in float64: values off the float32 grid must not be double-rounded."""
     f = FORMATS[name]
-    v = f.decode(CODES[:127]).double()
+    v = decode(CODES[:127], f).double()
     v = v[v.isfinite()]
     mids = (v[1:] + v[:-1]) / 2
     x = torch.cat([mids * (1 + 2.0**-40), mids * (1 - 2.0**-40), random_values(f, 4096).double()
@@ -171,7 +175,7 @@ def test_flush_to_zero_format():
 @pytest.mark.parametrize("name", ALL)
 def test_stochastic_rounding_is_unbiased_between_the_two_neighbours(name):
     f = FORMATS[name]
-    v = f.decode(CODES[:127])
+    v = decode(CODES[:127], f)
     v = v[v.isfinite()]
     i = len(v) // 2
     lo, hi = v[i].item(), v[i + 1].item()
@@ -187,7 +191,7 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours(name):
 
 def test_stochastic_rounding_keeps_codes_and_is_reproducible(path):
     f = FORMATS["e4m3"]
-    codes = f.decode(CODES)
+    codes = decode(CODES, f)
     codes = codes[codes.isfinite()]
     assert same_values(quantize(codes, f, rounding="stochastic"), codes)
     x = random_values(f, n=1 << 16, seed=6).clamp(-f.max, f.max)
@@ -252,9 +256,9 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", broken)
     monkeypatch.delenv("ALTGRAD_NO_COMPILE")
-    monkeypatch.setattr(kernels._Kernel, "registry", [])  # this broken kernel stays out of compile_status
-    kernel = kernels._Kernel(kernels._nearest)
-    p = kernels._params(FORMATS["e4m3"], True, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(kernels.Kernel, "registry", [])  # this broken kernel stays out of compile_status
+    kernel = kernels.Kernel(kernels.nearest)
+    p = kernels.grid_params(FORMATS["e4m3"], True, torch.float32, torch.device("cpu"))
     x = torch.randn(100) * 100
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         q = kernel(x, p, False, False)

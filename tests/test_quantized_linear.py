@@ -10,7 +10,7 @@ from bitwise import same_values
 from torch import nn
 
 from altgrad.model import GPT, GPTConfig
-from altgrad.quant import get_format
+from altgrad.quant import encode, get_format
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, linear_layers, quantized_layers
 from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
 from altgrad.quant.quantize import quantize, straight_through
@@ -114,7 +114,7 @@ def test_overflow_underflow_and_histogram_counters():
     layer(x)
     counts, hist = layer.stats["input"].counts()
     assert counts.tolist() == [2, 1, 4]
-    assert hist.sum() == 4 and hist[fmt.encode(torch.tensor([448.0])).long()] == 1
+    assert hist.sum() == 4 and hist[encode(torch.tensor([448.0]), fmt).long()] == 1
 
 
 def test_counters_count_the_tensors_as_they_were_observed():
@@ -152,7 +152,7 @@ def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
 def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
     """quantize_step (one kernel) against scaler.update + quantize, over steps that grow, zero and
     poison the amax; the counters see the same q and scale (one tensor counted whole, one sampled).
-    Both share `scaling._scale_step`: this checks the fusion; test_scaling.py checks the scaling
+    Both share `scaling.scale_step`: this checks the fusion; test_scaling.py checks the scaling
     itself against compute_scale and the history."""
     f = get_format(fmt)
     gen = torch.Generator().manual_seed(0)

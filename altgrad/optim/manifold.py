@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from altgrad.optim.adamw import param_groups
+from altgrad.quant.kernels import Kernel, grid_params, ulp
 from altgrad.quant.linear import QuantizedLinear, by_weight_format
-from altgrad.quant.quantize import _MANTISSA_BITS, _Kernel, _magic, _params
 
 
 class ManifoldAdamW(torch.optim.Optimizer):
@@ -97,7 +97,7 @@ class ManifoldAdamW(torch.optim.Optimizer):
         # change; a format shift that regroups the layers compiles one more graph.
         for fmt, ps in by_weight_format({p: self.layers[p] for p in quantized}).items():
             states = [self.state[p] for p in ps]
-            _ADAMW_ULP_ALL(_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
+            _ADAMW_ULP_ALL(grid_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
                            _Hyper(lr, beta1, beta2, group["eps"], group["weight_decay"], lr_ulp),
                            ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
                            [s["exp_avg_sq"] for s in states],
@@ -141,21 +141,28 @@ class _Hyper(NamedTuple):
     lr_ulp: float  # ULPs per unit Adam direction at this step's lr
 
 
+# The rows of `_adamw_ulp_all`'s per-weight coefficients.
+SCALE = 0           # the weight's scale
+RATE = 1            # lr_ulp / (1 - beta1^t) / scale: ULPs of the scaled weight -> the weight's step
+V_CORRECTION = 2    # 1 / sqrt(1 - beta2^t)
+M_KEEP, M_NEW, V_KEEP, V_NEW, DECAY = 3, 4, 5, 6, 7  # the moments' weights and the decay, gated
+
+
 def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, coef: torch.Tensor,
                go: torch.Tensor, eps: float, fmt_params: torch.Tensor, ftz: bool) -> None:
     """In place: p <- p * decay - lr_ulp * S(p) * m_hat / (sqrt(v_hat) + eps), when `go` is 1.
 
-    S is the ULP of the weight before the step, in its format at scale coef[0]. coef[1] folds the
-    scalars of the update, so each element costs a single division; coef[2] = 1 / sqrt(1 - beta2^t);
-    coef[3:] are the moments' weights and the decay, gated by `go` (see `_adamw_ulp_all`). When `go`
-    is 0 nothing changes, exactly: the moments keep weight 1, the step is 0, the decay factor 1, and
-    the grads (NaN on a skipped step) are zeroed.
+    S is the ULP of the weight before the step, in its format at its scale. The coefficients (rows
+    SCALE ... DECAY) fold the scalars of the update, so each element costs a single division; the
+    moments' weights and the decay are gated by `go` (see `_adamw_ulp_all`). When `go` is 0 nothing
+    changes, exactly: the moments keep weight 1, the step is 0, the decay factor 1, and the grads
+    (NaN on a skipped step) are zeroed.
     """
-    ulp = _magic((p * coef[0]).abs(), fmt_params, ftz)
+    step = ulp((p * coef[SCALE]).abs(), fmt_params, ftz)
     g = torch.where(go > 0, g, 0)
-    m.mul_(coef[3]).add_(g * coef[4])
-    v.mul_(coef[5]).add_(g * g * coef[6])
-    p.mul_(coef[7]).sub_(m / (v.sqrt() * coef[2] + eps) * ulp * coef[1])
+    m.mul_(coef[M_KEEP]).add_(g * coef[M_NEW])
+    v.mul_(coef[V_KEEP]).add_(g * g * coef[V_NEW])
+    p.mul_(coef[DECAY]).sub_(m / (v.sqrt() * coef[V_CORRECTION] + eps) * step * coef[RATE])
 
 
 def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyper: _Hyper,
@@ -177,14 +184,13 @@ def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyp
     rate = go * hyper.lr_ulp / (1 - hyper.beta1**t)  # with bias correction 1
     w1, w2 = go * (1 - hyper.beta1), go * (1 - hyper.beta2)  # the moments' weights of the new grad
     gates = torch.stack([1 - w1, w1, 1 - w2, w2, 1 - go * (hyper.lr * hyper.weight_decay)])
-    coef = torch.cat([torch.stack([scale, rate * 2.0**-_MANTISSA_BITS[ps[0].dtype] / scale,  # magic -> ULP -> weight
-                                   (1 - hyper.beta2**t).rsqrt()]),
+    coef = torch.cat([torch.stack([scale, rate / scale, (1 - hyper.beta2**t).rsqrt()]),  # SCALE, RATE, V_CORRECTION
                       gates[:, None].expand(-1, len(ps))])
     for i in range(len(ps)):
         _adamw_ulp(ps[i], gs[i], ms[i], vs[i], coef[:, i], go, hyper.eps, fmt_params, ftz)
 
 
-_ADAMW_ULP_ALL = _Kernel(_adamw_ulp_all)
+_ADAMW_ULP_ALL = Kernel(_adamw_ulp_all)
 
 
 def quantized_weights(model: nn.Module) -> dict[nn.Parameter, QuantizedLinear]:

@@ -21,37 +21,33 @@ from functools import cache
 import torch
 
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.quantize import (
-    _MANTISSA_BITS,
-    Scale,
-    _Kernel,
-    _magic,
-    _params,
-    _round,
-    _scale_tensor,
-)
+from altgrad.quant.kernels import MAX, Kernel, Scale, grid_params, round_nearest, scale_tensor, ulp
 
 MOVE_BINS = ("0", "1", "2", "3", "4-7", "8-15", "16+")
 _MOVE_EDGES = (1, 2, 3, 4, 8, 16)  # lower edges of the bins after "0"
-_P = _MANTISSA_BITS[torch.float32]
+# The entries of `code_params`.
+CODES_PER_BINADE = 0  # 2^mbits
+ULP_FIELD = 1         # float32 exponent field of the smallest ULP 2^(emin - mbits)
+INF_CODE = 2          # the code of +inf (-1 where inf saturates to max like any overflow)
+NAN_CODE = 3          # the NaN code ...
+NAN_SIGN = 4          # ... and its sign bit (0x80, or 0 for 'none' formats, which encode NaN as +0)
 
 
 @cache
-def _code_params(fmt: FormatSpec, device: torch.device) -> torch.Tensor:
-    """[0] 2^mbits; [1] float32 exponent field of the smallest ULP 2^(emin - mbits); [2] the code
-    of +inf (-1 where inf saturates to max like any overflow); [3] the NaN code, [4] its sign bit
-    (0x80, or 0 for 'none' formats, which encode NaN as +0)."""
+def code_params(fmt: FormatSpec, device: torch.device) -> torch.Tensor:
+    """fmt's code layout as one float32 tensor (entries CODES_PER_BINADE ... NAN_SIGN)."""
     inf = fmt.inf_code if fmt.specials == "ieee" else fmt.nan_code if fmt.specials == "fn" else -1
     nan, nan_sign = (fmt.nan_code, 0x80) if fmt.nan_code is not None else (0, 0)
-    values = [2.0 ** fmt.mbits, fmt.emin - fmt.mbits + 127, inf, nan, nan_sign]
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    values = {CODES_PER_BINADE: 2.0 ** fmt.mbits, ULP_FIELD: fmt.emin - fmt.mbits + 127, INF_CODE: inf,
+              NAN_CODE: nan, NAN_SIGN: nan_sign}
+    return torch.tensor([values[i] for i in range(len(values))], dtype=torch.float32, device=device)
 
 
 def _magnitude(a: torch.Tensor, p: torch.Tensor, c: torch.Tensor, ftz: bool) -> torch.Tensor:
     """Code of the non-negative grid value `a`, as an exact float32 integer."""
-    ulp = _magic(a, p, ftz) * 2.0 ** -_P
-    k = (ulp.view(torch.int32) >> 23).to(torch.float32) - c[1]
-    return torch.where(a == 0, 0.0, a / ulp + k * c[0])
+    step = ulp(a, p, ftz)
+    k = (step.view(torch.int32) >> 23).to(torch.float32) - c[ULP_FIELD]
+    return torch.where(a == 0, 0.0, a / step + k * c[CODES_PER_BINADE])
 
 
 def _negative(y: torch.Tensor) -> torch.Tensor:
@@ -62,18 +58,18 @@ def _negative(y: torch.Tensor) -> torch.Tensor:
 def _encode(x: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tensor, m0: bool,
             ftz: bool) -> torch.Tensor:
     y = x.to(torch.float32) * scale
-    q = _round(y, p, m0, ftz)
+    q = round_nearest(y, p, m0, ftz)
     code = _magnitude(q.abs(), p, c, ftz) + torch.where(_negative(q), 128.0, 0.0)
     sign = torch.where(_negative(y), 128.0, 0.0)
     # isinf / isnan as comparisons: inductor's CPU code does not vectorize them (1.5x on encode)
-    code = torch.where((y.abs() == math.inf) & (c[2] >= 0), c[2] + sign, code)
-    code = torch.where(q != q, c[3] + torch.where(_negative(q), c[4], 0.0), code)
+    code = torch.where((y.abs() == math.inf) & (c[INF_CODE] >= 0), c[INF_CODE] + sign, code)
+    code = torch.where(q != q, c[NAN_CODE] + torch.where(_negative(q), c[NAN_SIGN], 0.0), code)
     return code.to(torch.uint8)
 
 
 def _ordinal(w: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tensor, m0: bool,
              ftz: bool) -> torch.Tensor:
-    q = _round(w.to(torch.float32) * scale, p, m0, ftz)
+    q = round_nearest(w.to(torch.float32) * scale, p, m0, ftz)
     return torch.copysign(_magnitude(q.abs(), p, c, ftz), q)
 
 
@@ -105,33 +101,48 @@ def _counts_all(xs: list[torch.Tensor], qs: list[torch.Tensor], scales: list[tor
     rows, codes = [], []
     for i in range(len(xs)):
         x, q = xs[i].reshape(-1), qs[i].reshape(-1)
-        overflow = _count((x.to(torch.float32) * scales[i]).abs() > p[3])
+        overflow = _count((x.to(torch.float32) * scales[i]).abs() > p[MAX])
         underflow = _count((x != 0) & (q == 0))
         rows.append(torch.stack([overflow, underflow, torch.full_like(overflow, x.numel())]))
         codes.append(_encode(q, scales[i], p, c, m0, ftz).to(torch.int32) + offsets[i])
     return torch.stack(rows), torch.cat(codes)
 
 
-_ENCODE = _Kernel(_encode)
-_MOVES = _Kernel(_moves_all)
-_COUNTS = _Kernel(_counts_all)
+_ENCODE = Kernel(_encode)
+_MOVES = Kernel(_moves_all)
+_COUNTS = Kernel(_counts_all)
 
 
 def encode(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None) -> torch.Tensor:
     """uint8 codes of quantize(x * s), round-to-nearest-even, finite overflow saturating.
 
     ±inf becomes the inf code ('ieee'), the NaN code ('fn', as ml_dtypes casts) or ±max ('none');
-    NaN becomes the NaN code with its sign, or +0 in a 'none' format, which has no NaN.
+    NaN becomes the NaN code with its sign, or +0 in a 'none' format, which has no NaN (so a code
+    histogram counts it as a zero).
     """
     fmt = get_format(fmt)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"encode expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    p = _params(fmt, True, torch.float32, x.device)
-    s = _scale_tensor(scale, torch.float32, x.device)
+    p = grid_params(fmt, True, torch.float32, x.device)
+    s = scale_tensor(scale, torch.float32, x.device)
     with torch.no_grad():
-        codes = _ENCODE(x.reshape(-1).detach(), s, p, _code_params(fmt, x.device), fmt.mbits == 0,
+        codes = _ENCODE(x.reshape(-1).detach(), s, p, code_params(fmt, x.device), fmt.mbits == 0,
                         not fmt.subnormals)
     return codes.view(x.shape)
+
+
+def decode(codes: torch.Tensor, fmt: str | FormatSpec) -> torch.Tensor:
+    """uint8 codes -> float32 values of fmt (NaN codes -> NaN, inf codes -> ±inf)."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"decode expects uint8 codes, got {codes.dtype}")
+    return decode_table(get_format(fmt), codes.device)[codes.long()]
+
+
+@cache
+def decode_table(fmt: FormatSpec, device: torch.device) -> torch.Tensor:
+    """float32 value of each of fmt's 256 codes: one table per format and device, so decode never
+    copies it host-to-device."""
+    return torch.tensor([fmt.value_of(c) for c in range(256)], dtype=torch.float32, device=device)
 
 
 def code_moves(w_old: torch.Tensor, w_new: torch.Tensor, fmt: str | FormatSpec,
@@ -154,11 +165,11 @@ def code_moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], fmt: 
         if w_old.shape != w_new.shape:
             raise ValueError(f"code_moves: shapes differ, {tuple(w_old.shape)} vs {tuple(w_new.shape)}")
     device = w_olds[0].device
-    p = _params(fmt, True, torch.float32, device)
-    s = [_scale_tensor(scale, torch.float32, device) for scale in scales]
+    p = grid_params(fmt, True, torch.float32, device)
+    s = [scale_tensor(scale, torch.float32, device) for scale in scales]
     with torch.no_grad():
         counts = _MOVES([w.detach() for w in w_olds], [w.detach() for w in w_news], s, p,
-                        _code_params(fmt, device), fmt.mbits == 0, not fmt.subnormals)
+                        code_params(fmt, device), fmt.mbits == 0, not fmt.subnormals)
     at_least = torch.cat([counts[:, :1], counts[:, 3:], counts.new_zeros(len(w_olds), 1)], dim=1)
     return {"changed": counts[:, 1], "stalled": counts[:, 2], "histogram": at_least[:, :-1] - at_least[:, 1:]}
 
@@ -171,13 +182,13 @@ def quantizer_counts(xs: list[torch.Tensor], qs: list[torch.Tensor], fmt: str | 
     (default 0), concatenated: with offsets 256 * i, one `code_histogram` counts each pair apart."""
     fmt = get_format(fmt)
     device = xs[0].device
-    p = _params(fmt, True, torch.float32, device)
+    p = grid_params(fmt, True, torch.float32, device)
     if offsets is None:
         offsets = torch.zeros(len(xs), dtype=torch.int32, device=device)
     with torch.no_grad():
         return _COUNTS([x.detach() for x in xs], [q.detach() for q in qs],
-                       [_scale_tensor(s, torch.float32, device) for s in scales], offsets, p,
-                       _code_params(fmt, device), fmt.mbits == 0, not fmt.subnormals)
+                       [scale_tensor(s, torch.float32, device) for s in scales], offsets, p,
+                       code_params(fmt, device), fmt.mbits == 0, not fmt.subnormals)
 
 
 def code_histogram(codes: torch.Tensor, bins: int = 256) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """8-bit floating-point formats as data: one frozen `FormatSpec` per format, everything else derived.
 
+Pure data: nothing here computes on tensors. Rounding, encoding and decoding are functions that
+take the format as an argument (`altgrad.quant.kernels`, `quantize`, `codes`), so this module
+imports none of them.
+
 A code is 1 sign bit, `ebits` exponent bits and `mbits` mantissa bits. Exponent field 0 holds the
 subnormals (0.m * 2^emin) and zero; field f > 0 holds the normals 1.m * 2^(f - bias).
 `specials` says which codes are not finite numbers:
@@ -26,10 +30,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import cache
 from typing import TYPE_CHECKING, Literal
-
-import torch
 
 if TYPE_CHECKING:
     import gfloat
@@ -114,14 +115,14 @@ class FormatSpec:
     @property
     def num_finite_codes(self) -> int:
         """Codes that decode to a finite value (±0 count twice)."""
-        return int(torch.isfinite(self.decode_table).sum())
+        return sum(math.isfinite(self.value_of(code)) for code in range(256))
 
     @property
     def _top_field(self) -> int:
         return ((1 << self.ebits) - 1) << self.mbits
 
     def value_of(self, code: int) -> float:
-        """Exact value of one code (python float), the definition `decode` tabulates."""
+        """Exact value of one code (python float), the definition `codes.decode` tabulates."""
         sign = -1.0 if code & 0x80 else 1.0
         field = (code & 0x7F) >> self.mbits
         mant = code & ((1 << self.mbits) - 1)
@@ -133,29 +134,6 @@ class FormatSpec:
             return sign * math.ldexp(mant, self.emin - self.mbits) if self.subnormals else sign * 0.0
         return sign * math.ldexp((1 << self.mbits) + mant, field - self.bias - self.mbits)
 
-    @property
-    def decode_table(self) -> torch.Tensor:
-        """float32 value of each of the 256 codes (CPU)."""
-        return _decode_table(self, torch.device("cpu"))
-
-    # -- transfer functions -------------------------------------------------------------------
-
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """uint8 codes -> float32 values (NaN codes -> NaN, inf codes -> ±inf)."""
-        if codes.dtype != torch.uint8:
-            raise TypeError(f"decode expects uint8 codes, got {codes.dtype}")
-        return _decode_table(self, codes.device)[codes.long()]
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Float values -> uint8 codes, round-to-nearest-even, finite overflow saturating to ±max.
-
-        ±inf maps to the inf code ('ieee'), the NaN code ('fn', as ml_dtypes casts) or ±max
-        ('none'). NaN maps to the NaN code with its sign; a 'none' format has no NaN code and
-        encodes NaN as +0 (code 0), so a code histogram counts it as a zero.
-        """
-        from altgrad.quant.codes import encode
-
-        return encode(x, self)
 
     def next_mantissa_format(self) -> FormatSpec | None:
         """The registered format with one exponent bit traded for a mantissa bit (SPEC §6 shift)."""
@@ -172,12 +150,6 @@ class FormatSpec:
             self.name, k=8, precision=self.mbits + 1, bias=self.bias, is_signed=True,
             domain=gfloat.Domain.Extended if self.specials == "ieee" else gfloat.Domain.Finite,
             has_nz=True, num_high_nans=high_nans, has_subnormals=True, is_twos_complement=False)
-
-
-@cache
-def _decode_table(spec: FormatSpec, device: torch.device) -> torch.Tensor:
-    """One 256-entry table per format and device, so decode never copies it host-to-device."""
-    return torch.tensor([spec.value_of(c) for c in range(256)], dtype=torch.float32, device=device)
 
 
 def _exotic(ebits: int) -> FormatSpec:

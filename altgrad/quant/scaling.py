@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.quantize import _Kernel
+from altgrad.quant.kernels import Kernel
 
 ScalingMode = Literal["none", "dynamic", "delayed"]
 AmaxAlgo = Literal["max", "most_recent"]
@@ -64,17 +64,21 @@ def scale_for(amax: torch.Tensor, target: float | torch.Tensor, pow2: bool | tor
     return torch.where(ok, s, prev)
 
 
+# The entries of `scaler_params`: the target fmt.max * 2^-margin, then 1.0/0.0 flags.
+TARGET, POW2, SCALED, DELAYED, MOST_RECENT = range(5)
+
+
 @cache
-def _step_params(fmt: FormatSpec, margin: float, pow2: bool, mode: ScalingMode, algo: AmaxAlgo,
-                 device: torch.device) -> torch.Tensor:
-    """A scaler's settings as one float32 tensor, so one compiled graph serves every scaler:
-    [0] target fmt.max * 2^-margin, [1] pow2, [2] scaled (mode != 'none'), [3] delayed,
-    [4] most_recent."""
-    flags = [pow2, mode != "none", mode == "delayed", algo == "most_recent"]
-    return torch.tensor([_target(fmt, margin), *map(float, flags)], device=device)
+def scaler_params(fmt: FormatSpec, margin: float, pow2: bool, mode: ScalingMode, algo: AmaxAlgo,
+                device: torch.device) -> torch.Tensor:
+    """A scaler's settings as one float32 tensor (entries TARGET ... MOST_RECENT), so one compiled
+    graph serves every scaler."""
+    flags = {POW2: pow2, SCALED: mode != "none", DELAYED: mode == "delayed", MOST_RECENT: algo == "most_recent"}
+    return torch.tensor([_target(fmt, margin), *(float(flags[i]) for i in range(POW2, MOST_RECENT + 1))],
+                        device=device)
 
 
-def _scale_step(history: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor,
+def scale_step(history: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor,
                 last_amax: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """One training step of a TensorScaler, in place on its buffers: record amax = max(-lo, hi),
     roll the history, return the new scale. Compiled, this is one small kernel instead of ~25
@@ -82,16 +86,16 @@ def _scale_step(history: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale
     `aminmax`: fused into the kernel, the reduction ran in one CUDA thread block (41 ms over a
     154M-element logits gradient)."""
     amax = _amax_of(lo, hi)
-    past = torch.where(p[4] > 0, history[-1], history.max())
-    for_scale = torch.where((p[3] > 0) & (past > 0), past, amax)
-    s = torch.where(p[2] > 0, scale_for(for_scale, p[0], p[1] > 0, scale), 1.0)
+    past = torch.where(p[MOST_RECENT] > 0, history[-1], history.max())
+    for_scale = torch.where((p[DELAYED] > 0) & (past > 0), past, amax)
+    s = torch.where(p[SCALED] > 0, scale_for(for_scale, p[TARGET], p[POW2] > 0, scale), 1.0)
     history.copy_(_roll(history, amax))
     last_amax.copy_(amax)
     scale.copy_(s)
     return s
 
 
-_SCALE_STEP = _Kernel(_scale_step)
+_SCALE_STEP = Kernel(scale_step)
 
 
 def _roll(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -149,7 +153,7 @@ class TensorScaler(AmaxHistory):
 
     def step_params(self) -> torch.Tensor:
         """This scaler's settings, as the one tensor the compiled scaler step takes."""
-        return _step_params(self.fmt, self.margin, self.pow2, self.mode, self.algo, self.scale.device)
+        return scaler_params(self.fmt, self.margin, self.pow2, self.mode, self.algo, self.scale.device)
 
     @torch.no_grad()
     def current(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,15 +11,8 @@ from __future__ import annotations
 import torch
 
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.quantize import (
-    _MANTISSA_BITS,
-    Scale,
-    _container,
-    _magic,
-    _params,
-    _scale_tensor,
-    quantize,
-)
+from altgrad.quant.kernels import Scale, container_dtype, grid_params, scale_tensor, ulp
+from altgrad.quant.quantize import quantize
 
 
 def stiffness(w: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None) -> torch.Tensor:
@@ -32,14 +25,13 @@ def stiffness(w: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None) -> to
     fmt = get_format(fmt)
     if not w.is_floating_point():
         raise TypeError(f"stiffness expects a floating-point tensor, got {w.dtype}")
-    dtype = _container(w.dtype)
+    dtype = container_dtype(w.dtype)
     y = w.detach().to(dtype)
-    s = None if scale is None else _scale_tensor(scale, dtype, w.device)
+    s = None if scale is None else scale_tensor(scale, dtype, w.device)
     if s is not None:
         y = y * s
-    p = _params(fmt, True, dtype, w.device)
-    ulp = _magic(y.abs(), p, not fmt.subnormals) * 2.0 ** -_MANTISSA_BITS[dtype]
-    return (ulp if s is None else ulp / s).to(w.dtype)
+    step = ulp(y.abs(), grid_params(fmt, True, dtype, w.device), not fmt.subnormals)
+    return (step if s is None else step / s).to(w.dtype)
 
 
 def bit_stall_mask(w: torch.Tensor, delta: torch.Tensor, fmt: str | FormatSpec,

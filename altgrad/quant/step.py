@@ -4,7 +4,7 @@ A `QuantizedLinear` quantizes three tensors per step. Done one by one (scaler up
 quantizer) that was ~30 kernel launches and two compiled calls per tensor, so a GPU step at the gpu
 preset spent most of its time launching kernels (7x a bf16 step). `quantize_step` runs the same
 functions, in the same order, as one compiled graph after an eager `aminmax` (see
-`scaling._scale_step`), so its results are bit-identical to the separate calls:
+`scaling.scale_step`), so its results are bit-identical to the separate calls:
 `tests/test_quantized_linear.py` compares them. The counters stay out of that graph (fused into
 it, inductor's code for the sampled counts over a 25M-element logits gradient cost 12x a separate
 kernel on CPU): `TensorStats` keeps copies of the samples, and `observed_counts` counts every
@@ -28,16 +28,9 @@ from torch import nn
 
 from altgrad.quant.codes import code_histogram, quantizer_counts
 from altgrad.quant.formats import FormatSpec
-from altgrad.quant.quantize import (
-    Rounding,
-    _container,
-    _Kernel,
-    _nearest_scaled,
-    _params,
-    _stochastic,
-    rounding_noise,
-)
-from altgrad.quant.scaling import TensorScaler, _scale_step
+from altgrad.quant.kernels import Kernel, container_dtype, grid_params, nearest_scaled, stochastic
+from altgrad.quant.quantize import Rounding, rounding_noise
+from altgrad.quant.scaling import TensorScaler, scale_step
 
 STATS_SAMPLE = 1 << 16
 STATS_RUNS = 64
@@ -124,12 +117,12 @@ def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, history: torch.Te
           scale: torch.Tensor, last_amax: torch.Tensor, sp: torch.Tensor, p: torch.Tensor, m0: bool,
           ftz: bool, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """scaler.update(x), then quantize(x, scale), as one graph (x flat; lo, hi = aminmax(x))."""
-    s = _scale_step(history, lo, hi, scale, last_amax, sp)
-    q = _nearest_scaled(x, s, p, m0, ftz) if noise is None else _stochastic(x, s, p, ftz, noise)
+    s = scale_step(history, lo, hi, scale, last_amax, sp)
+    q = nearest_scaled(x, s, p, m0, ftz) if noise is None else stochastic(x, s, p, ftz, noise)
     return q, s
 
 
-_STEP = _Kernel(_step)
+_STEP = Kernel(_step)
 
 
 @torch.no_grad()
@@ -143,6 +136,6 @@ def quantize_step(x: torch.Tensor, fmt: FormatSpec, scaler: TensorScaler,
         return x.detach().clone(), scaler.update(x)
     lo, hi = torch.aminmax(flat)
     q, s = _STEP(flat, lo, hi, scaler.amax_history, scaler.scale, scaler.amax, scaler.step_params(),
-                 _params(fmt, True, _container(x.dtype), x.device), fmt.mbits == 0, not fmt.subnormals,
+                 grid_params(fmt, True, container_dtype(x.dtype), x.device), fmt.mbits == 0, not fmt.subnormals,
                  noise)
     return q.view(x.shape), s

@@ -14,8 +14,8 @@ from torch import nn
 from altgrad.quant.codes import code_moves_all
 from altgrad.quant.convert import linear_layers
 from altgrad.quant.formats import FormatSpec
+from altgrad.quant.kernels import MAX, Kernel, grid_params, nearest_scaled
 from altgrad.quant.linear import ROLES, QuantizedLinear, by_weight_format
-from altgrad.quant.quantize import _Kernel, _nearest_scaled, _params
 from altgrad.quant.scaling import abs_max, scale_for
 from altgrad.quant.step import observed_counts
 
@@ -33,7 +33,7 @@ def _kurtosis(x: torch.Tensor) -> torch.Tensor:
     return d.square().square().mean() / var.square().clamp_min(1e-30)
 
 
-_KURTOSIS = _Kernel(_kurtosis)
+_KURTOSIS = Kernel(_kurtosis)
 
 
 def kurtosis(x: torch.Tensor) -> torch.Tensor:
@@ -46,8 +46,8 @@ def _gradient_stats(g: torch.Tensor, p: torch.Tensor, m0: bool, ftz: bool) -> to
     g = g.float()
     l2, linf = torch.linalg.vector_norm(g), abs_max(g)
     dead = 1 - torch.count_nonzero(g) / g.numel()
-    s = scale_for(linf, p[3], True, torch.ones_like(linf))  # compute_scale(linf, fmt); p[3] = fmt.max
-    noise = torch.linalg.vector_norm(g - _nearest_scaled(g, s, p, m0, ftz))
+    s = scale_for(linf, p[MAX], True, torch.ones_like(linf))  # compute_scale(linf, fmt)
+    noise = torch.linalg.vector_norm(g - nearest_scaled(g, s, p, m0, ftz))
     snr = 20 * torch.log10(l2.clamp_min(1e-30) / noise.clamp_min(1e-30))
     return torch.stack([l2, linf, dead, snr])
 
@@ -56,7 +56,7 @@ def _gradient_stats_all(gs: list[torch.Tensor], p: torch.Tensor, m0: bool, ftz: 
     return torch.stack([_gradient_stats(g.reshape(-1), p, m0, ftz) for g in gs])
 
 
-_GRADIENT_STATS = _Kernel(_gradient_stats_all)
+_GRADIENT_STATS = Kernel(_gradient_stats_all)
 GRADIENT_STATS = ("l2", "linf", "dead_frac", "snr")
 
 
@@ -69,19 +69,14 @@ def gradient_stats(grads: list[torch.Tensor], fmt: FormatSpec) -> torch.Tensor:
     gradient before; one call per gradient cost ~0.1 ms of host time each).
     """
     grads = [g.detach() for g in grads]
-    return _GRADIENT_STATS(grads, _params(fmt, True, torch.float32, grads[0].device), fmt.mbits == 0,
+    return _GRADIENT_STATS(grads, grid_params(fmt, True, torch.float32, grads[0].device), fmt.mbits == 0,
                            not fmt.subnormals)
 
 
 @cache
-def finite_code_count(fmt: FormatSpec) -> int:
-    return int(torch.isfinite(fmt.decode(torch.arange(256, dtype=torch.uint8))).sum())
-
-
-@cache
 def finite_code_counts(formats: tuple[FormatSpec, ...], device: torch.device) -> torch.Tensor:
-    """`finite_code_count` of each format, on the device (made once per set of formats)."""
-    return torch.tensor([finite_code_count(f) for f in formats], dtype=torch.float32, device=device)
+    """Each format's `num_finite_codes`, on the device (made once per set of formats)."""
+    return torch.tensor([f.num_finite_codes for f in formats], dtype=torch.float32, device=device)
 
 
 class Diagnostics:

@@ -1,0 +1,229 @@
+"""The quantizer's arithmetic, and the machinery that compiles it: the API every kernel builds on.
+
+Exact rounding onto a format's grid (no log2, no tables, no integer bit-casts in the hot loop):
+with P the container's mantissa width (23 for float32) and e = floor(log2 |y|) clamped to the
+format's [emin, emax], build the magic number 2^(e + P - mbits) exactly -- clamp |y| * 2^(P - mbits)
+to the format's binades, keep its leading bit with a Veltkamp split, halve if that rounded up. Then
+(|y| + magic) - magic is |y| rounded by the FPU to a multiple of the format's ULP 2^(e - mbits),
+ties to even: exact, and the same ops in eager and in the inductor kernel (compiled with FP
+contraction and unsafe-math reassociation pinned off, and on CUDA with IEEE division and subnormals
+kept). Only E?M0 needs a fix-up: there the even *multiple* is not always the even *code* (1.5 * 2^e
+must go to whichever of 2^e, 2^(e+1) has the even exponent field). Overflow then saturates or
+becomes inf/NaN, and the sign is copied back, so -0 stays -0 and NaN propagates. Stochastic
+rounding uses the same ULP: floor(|y| / ULP + U) * ULP.
+
+A format enters a kernel as `grid_params`, one small tensor, not as constants, so one compiled graph
+serves every format of a family (E?M0 and flush-to-zero formats, input dtypes and the rounding mode
+add graphs). Its entries are named by the index constants below (`p[MAX]`, not `p[3]`).
+
+`Kernel` compiles a function lazily with `torch.compile(dynamic=True)`. If compiling fails, the
+reason is kept (`compile_status`) and the eager function is used from then on;
+ALTGRAD_NO_COMPILE=1 forces eager. Both are bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable
+from functools import cache
+
+import torch
+
+from altgrad.quant.formats import FormatSpec
+
+Scale = float | torch.Tensor | None
+
+MANTISSA_BITS = {torch.float32: 23, torch.float64: 52}
+
+# The entries of `grid_params`.
+CLAMP_LO = 0     # 2^(emin + P - mbits): |y| * 2^(P - mbits) is clamped to [CLAMP_LO, CLAMP_HI]
+CLAMP_HI = 1     # 2^(max(emax, emin) + P - mbits) (E0 has one ULP everywhere)
+TO_MAGIC = 2     # 2^(P - mbits)
+MAX = 3          # the largest finite value
+OVERFLOW = 4     # what overflow becomes: MAX when saturating or without specials, else inf or NaN
+MIN_NORMAL = 5   # below it a flush-to-zero format's grid is {0, MIN_NORMAL} ...
+FTZ_MAGIC = 6    # ... whose magic number this is
+TO_FIELD = 7     # 2^(bias - P): maps an E?M0 magic number 2^(e + P) to 2^(e + bias), e + bias
+                 # being the code's exponent field
+
+
+def container_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel computes in: float64 stays float64 (no double rounding), else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@cache
+def grid_params(fmt: FormatSpec, saturate: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """fmt's constants as one tensor of the container dtype (entries: CLAMP_LO ... TO_FIELD), made
+    once per format, dtype and device."""
+    mant = MANTISSA_BITS[dtype]
+    shift = mant - fmt.mbits
+    overflow = fmt.max if saturate or fmt.specials == "none" else (
+        math.inf if fmt.specials == "ieee" else math.nan)
+    values = {CLAMP_LO: math.ldexp(1.0, fmt.emin + shift),
+              CLAMP_HI: math.ldexp(1.0, max(fmt.emax, fmt.emin) + shift),
+              TO_MAGIC: math.ldexp(1.0, shift), MAX: fmt.max, OVERFLOW: overflow,
+              MIN_NORMAL: fmt.min_normal, FTZ_MAGIC: math.ldexp(1.0, fmt.emin + mant),
+              TO_FIELD: math.ldexp(1.0, fmt.bias - mant)}
+    return torch.tensor([values[i] for i in range(len(values))], dtype=dtype, device=device)
+
+
+def magic(a: torch.Tensor, p: torch.Tensor, ftz: bool) -> torch.Tensor:
+    """2^(e + P - mbits) for |y| = a (float32/64), e = floor(log2 a) clamped to the format."""
+    s = torch.clamp(a * p[TO_MAGIC], p[CLAMP_LO], p[CLAMP_HI])
+    c = s * (2.0 ** MANTISSA_BITS[a.dtype] + 1)
+    hi = c - (c - s)  # s rounded to one significant bit: 2^E or 2^(E+1)
+    m = torch.where(hi > s, hi * 0.5, hi)
+    if ftz:  # below min_normal the grid is {0, min_normal}
+        m = torch.where(a < p[MIN_NORMAL], p[FTZ_MAGIC], m)
+    return m
+
+
+def ulp(a: torch.Tensor, p: torch.Tensor, ftz: bool) -> torch.Tensor:
+    """The format's ULP at |y| = a: 2^(e - mbits), the gap from a grid value to the next one away
+    from zero (exact: the magic number scaled by a power of two)."""
+    return magic(a, p, ftz) * 2.0 ** -MANTISSA_BITS[a.dtype]
+
+
+def round_nearest(y: torch.Tensor, p: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
+    """y (float32/64) rounded to the nearest-even code, overflow handled, sign kept."""
+    a = y.abs()
+    mg = magic(a, p, ftz)
+    q = (a + mg) - mg
+    if m0:  # a tie a = 1.5 * 2^e went up to the even multiple 2^(e+1); the even *code* wins
+        # instead: 2^e when its exponent field e + bias is even, i.e. 2^(e + bias) has an exact
+        # square root. (mg = 2^(e + P); below min_normal a < 2^emin is never such a tie.)
+        field = mg * p[TO_FIELD]
+        root = torch.sqrt(field)
+        tie = a == mg * (1.5 * 2.0 ** -MANTISSA_BITS[y.dtype])
+        q = torch.where(tie & (root * root == field), q * 0.5, q)
+    q = torch.where(q > p[MAX], p[OVERFLOW], q)
+    return torch.copysign(q, y)
+
+
+def nearest(x: torch.Tensor, p: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
+    """x rounded to nearest-even, in x's dtype."""
+    return round_nearest(x.to(container_dtype(x.dtype)), p, m0, ftz).to(x.dtype)
+
+
+def nearest_scaled(x: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, m0: bool,
+                   ftz: bool) -> torch.Tensor:
+    """round_nearest(x * scale) / scale, in x's dtype."""
+    return (round_nearest(x.to(container_dtype(x.dtype)) * scale, p, m0, ftz) / scale).to(x.dtype)
+
+
+def stochastic(x: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, ftz: bool,
+               noise: torch.Tensor) -> torch.Tensor:
+    """floor(|x * scale| / ULP + noise) * ULP / scale with the sign kept, in x's dtype."""
+    y = x.to(container_dtype(x.dtype)) * scale
+    a = y.abs()
+    step = ulp(a, p, ftz)
+    q = torch.floor(a / step + noise) * step
+    q = torch.where(q > p[MAX], p[OVERFLOW], q)
+    return (torch.copysign(q, y) / scale).to(x.dtype)
+
+
+@cache
+def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=dtype, device=device)
+
+
+def scale_tensor(scale: Scale, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Validate a scale and make it a 0-dim tensor of the compute dtype (None: 1).
+
+    Python numbers and CPU tensors are checked here (ValueError). A scale on an accelerator is
+    checked with an asynchronous device assert instead, so the hot path never waits on the host.
+    """
+    if scale is None:
+        return _one(dtype, device)
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.is_floating_point():
+            raise ValueError(f"scale must be a single float, got shape {tuple(scale.shape)} "
+                             f"{scale.dtype}")
+        s = scale.detach().reshape(()).to(device=device, dtype=dtype)
+        if s.device.type == "cpu" and not torch.compiler.is_compiling():
+            if not 0 < s.item() < math.inf:  # NaN fails too
+                raise ValueError(f"scale must be finite and > 0, got {s.item()}")
+        else:
+            torch._assert_async((s > 0) & (s < math.inf), "altgrad quantize: scale must be finite and > 0")
+        return s
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise TypeError(f"scale must be a float or a tensor, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    return torch.full((), scale, dtype=dtype, device=device)
+
+
+# -- compiling ---------------------------------------------------------------------------------
+
+@cache
+def compile_options() -> dict[str, object]:
+    """Inductor options under which a compiled kernel computes exactly what eager does, op by op:
+    no FP contraction (an FMA breaks the Veltkamp split; `emulate_precision_casts` turns off
+    Triton's fp fusion), IEEE division (Triton's `/` is approximate), subnormals kept; plus no
+    wrapper asserts of every input's size, stride and alignment per call (dynamo's guards checked
+    them; with a few dozen inputs they cost ~0.1 ms a call). Options this torch does not know are
+    left out; tests/test_cuda.py checks the results bit for bit."""
+    from torch._inductor import config
+
+    wanted = {"cpp.enable_unsafe_math_opt_flag": False, "cpp.enable_floating_point_contract_flag": "off",
+              "emulate_precision_casts": True, "eager_numerics.division_rounding": True,
+              "eager_numerics.disable_ftz": True,
+              "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+    known = config.get_config_copy()
+    return {k: v for k, v in wanted.items() if k in known}
+
+
+GRAPHS_PER_KERNEL = 64  # a kernel's graphs: format family (m0, ftz) x dtype x rounding x input kind
+
+
+class Kernel:
+    """A kernel function, compiled on first use; eager when compiling is off or has failed.
+
+    `Kernel(fn)(x, *args)` is `fn(x, *args)`. x (a tensor, or a non-empty list of them for one call
+    over many) decides whether to compile (tensors of 0/1 elements are not) and which device's
+    autocast to leave."""
+
+    registry: list[Kernel] = []  # every kernel, for `compile_status`
+
+    def __init__(self, fn: Callable[..., torch.Tensor]):
+        self.fn = fn
+        self.compiled: Callable[..., torch.Tensor] | None = None
+        self.error: str | None = None
+        Kernel.registry.append(self)
+
+    def __call__(self, x: torch.Tensor | list[torch.Tensor], *args) -> torch.Tensor:
+        first = x[0] if isinstance(x, list) else x
+        # 0/1-element tensors would each specialise a new graph; they are not worth compiling.
+        if (self.error is None and (first is not x or x.numel() > 1)
+                and os.environ.get("ALTGRAD_NO_COMPILE") != "1"):
+            try:
+                if self.compiled is None:
+                    # More graphs than dynamo's default of 8, past which it fails. The limit is
+                    # process-wide (dynamo has no per-function one); it only grows.
+                    dynamo = torch._dynamo.config  # (named cache_size_limit before torch 2.6)
+                    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+                    setattr(dynamo, name, max(getattr(dynamo, name), GRAPHS_PER_KERNEL))
+                    self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
+                                                  options=compile_options())
+                # Autocast is part of a graph's guards: called from both forward (autocast on) and
+                # backward (off), each kernel would compile twice and soon hit the recompile limit.
+                if torch.is_autocast_enabled(first.device.type):
+                    with torch.autocast(first.device.type, enabled=False):
+                        return self.compiled(x, *args)
+                return self.compiled(x, *args)
+            except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager
+                self.error = f"{type(err).__name__}: {err}".splitlines()[0]
+                warnings.warn(f"altgrad quantizer: torch.compile failed, using eager ({self.error})",
+                              RuntimeWarning, stacklevel=3)
+        return self.fn(x, *args)
+
+
+def compile_status() -> str:
+    """'compiled', 'eager (ALTGRAD_NO_COMPILE=1)' or 'eager (<why compiling failed>)'."""
+    if os.environ.get("ALTGRAD_NO_COMPILE") == "1":
+        return "eager (ALTGRAD_NO_COMPILE=1)"
+    errors = [k.error for k in Kernel.registry if k.error]
+    return f"eager ({errors[0]})" if errors else "compiled"
