@@ -1,6 +1,8 @@
 """Shared test setup: an offline-safe environment and the paths of the shared fixtures."""
 
+import logging
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,31 @@ def ray_address():
     context = ray.init(num_cpus=2, include_dashboard=False)
     yield context.address_info["gcs_address"]
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_bucket():
+    """A real S3-compatible server (moto's) on 127.0.0.1 with one bucket; the AWS variables that
+    point pyarrow (and so Ray, and every driver the tests start) at it are set for the session.
+    Yields the bucket's URI."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "altgrad", "AWS_SECRET_ACCESS_KEY": "altgrad", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    boto3.client("s3").create_bucket(Bucket="altgrad-sweeps")
+    yield "s3://altgrad-sweeps"
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

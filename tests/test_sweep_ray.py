@@ -4,18 +4,22 @@
 - kill -9 of the driver mid-trial, then `--resume`: the same table as the reference;
 - with two trials at a time, kill -9 then `--resume`: ASHA keeps every rung record made before;
 - SIGINT / SIGTERM: exit 130 / 143 and the resume command;
-- a trial whose worker process dies is retried from its checkpoint.
-Drivers that get killed run in subprocesses that join the shared instance through RAY_ADDRESS.
+- a trial whose worker process dies is retried from its checkpoint;
+- a sweep on a bucket (a real S3 server), its machine lost mid-sweep, resumed from another.
+Drivers that get killed run in subprocesses that join the shared instance through RAY_ADDRESS
+(the bucket's drivers each start their own Ray, as on their own machines).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -96,9 +100,20 @@ def test_sweep_end_to_end(reference, capsys):
         assert (trial.trial_dir / "trial.log").is_file() and (trial.trial_dir / "worker.json").is_file()
 
 
-def start_driver(args: list[str], ray_address: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, text=True,
-                            env={**os.environ, "RAY_ADDRESS": ray_address},
+def start_driver(args: list[str], ray_address: str | None, machine: Path | None = None) -> subprocess.Popen:
+    """A driver joining the session's Ray; or, with `machine` (a folder standing for a machine's
+    disk: its working directory, home and Ray's temp dir), on a Ray of its own, in its own process
+    group."""
+    env = {**os.environ, "RAY_ADDRESS": ray_address} if ray_address else {
+        k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cwd = ROOT
+    if machine is not None:
+        for sub in ("work", "home", "ray"):
+            (machine / sub).mkdir(parents=True)
+        env.update(HOME=str(machine / "home"), RAY_TMPDIR=str(machine / "ray"))
+        cwd = machine / "work"
+    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=cwd, text=True, env=env,
+                            start_new_session=machine is not None,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -276,3 +291,53 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
     assert 0.01 in stable and 1000.0 not in stable and row["largest_stable_lr"] == max(stable)
     assert row["smallest_unstable_lr"] == min(set(sampled) - set(stable))
     assert "largest stable lr" in out and f"results: {tmp_path / 'lr' / RESULT_FILE}" in out
+
+
+def test_bucket_sweep_survives_losing_its_machine(reference, sweep_args, s3_bucket, tmp_path, capsys, request):
+    """A sweep stored on S3 (a real S3-compatible server) loses its machine mid-trial: the driver's
+    whole process group and its own Ray get SIGKILL, and its working directory, home and Ray temp
+    dir are deleted. The printed resume command, run on another "machine" (fresh folders, a new
+    Ray), finishes the sweep from the bucket alone: the trial table equals the uninterrupted one,
+    and `trials` and `report` read the bucket directly."""
+    import psutil
+    from pyarrow.fs import FileSelector, FileSystem
+
+    uri = f"{s3_bucket}/sweeps"
+    args = [*sweep_args, "--name", "spot", "--storage-path", uri]
+    fs, root = FileSystem.from_uri(f"{uri}/spot")
+
+    def checkpointed() -> bool:  # a trial has uploaded a checkpoint to the bucket
+        try:
+            return any("/checkpoint_" in f.path for f in fs.get_file_info(FileSelector(root, recursive=True)))
+        except OSError:
+            return False
+
+    machines = Path(tempfile.mkdtemp(prefix="altgrad-"))  # short: Ray's socket paths must fit 107 bytes
+    request.addfinalizer(lambda: shutil.rmtree(machines, ignore_errors=True))
+    lost = machines / "m1"
+    proc = start_driver(args, None, machine=lost)
+    wait_for(checkpointed, proc, timeout=180)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for p in psutil.process_iter(["cmdline"]):  # its Ray, wherever it sits: the machine is gone
+        if str(lost) in " ".join(p.info["cmdline"] or []):
+            p.kill()
+    shutil.rmtree(lost)
+
+    capsys.readouterr()
+    assert main(["trials", f"{uri}/spot"]) == 0  # from the bucket: who is gone, and how to resume
+    banner = capsys.readouterr().out
+    assert f"experiment {uri}/spot: interrupted (its driver is gone)" in banner
+    command = shlex.split(banner.split("resume with: ")[1].splitlines()[0])
+    assert command[command.index("--storage-path") + 1] == uri and "--resume" in command
+    proc = start_driver(command[command.index("--name"):], None, machine=machines / "m2")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert "resuming sweep spot" in out and f"python -m altgrad trials {uri}/spot" in out
+
+    assert main(["trials", f"{uri}/spot", "--json"]) == 0
+    rows = [{k: r[k] for k in COMPARED} for r in json.loads(capsys.readouterr().out)]
+    assert rows == table(reference[1])
+    assert main(["report", f"{uri}/spot", "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "report.md").is_file()
+    assert fs.get_file_info(f"{root}/report/report.md").size > 0  # the sweep's own report, in the bucket

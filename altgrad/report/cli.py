@@ -1,14 +1,21 @@
 """`python -m altgrad report <experiment> [--out DIR]`: plots + report.md of a sweep (SPEC §8).
 
-Works on a running or interrupted sweep (the report says what is missing). Exit 2 with a message
-when the path is not an experiment, no trial has data yet, or a trial's files cannot be read.
+Works on a running or interrupted sweep (the report says what is missing), local or on `s3://`
+(the files it reads are fetched; without --out the report goes next to the experiment, in the
+bucket). Exit 2 with a message when the path is not an experiment, no trial has data yet, or a
+trial's files cannot be read.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
+
+from altgrad.remote import is_remote, readable, upload_dir
+
+REPORT_DIR = "report"  # the report's folder inside an experiment
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "report", help="plots and report.md for a sweep (works while it runs)",
         description="Plots and report.md of a sweep: the sweet-spot format per layer precision, how "
                     "formats fail, manifold vs adamw, and the verdict 'E5M2 within 10 % of BF16'.")
-    p.add_argument("experiment", type=Path, help="the experiment directory a sweep printed")
+    p.add_argument("experiment", help="the experiment directory (or s3://…) a sweep printed")
     p.add_argument("--out", type=Path, metavar="DIR", help="output folder (default: <experiment>/report)")
     p.set_defaults(func=run)
 
@@ -24,20 +31,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported on use, so that the other sub-commands do not pay for matplotlib.
     from altgrad.experiment import ExperimentError, load_experiment
-    from altgrad.report import write_report
 
     try:
-        records = load_experiment(args.experiment)
+        with readable(args.experiment) as exp_dir:
+            records = load_experiment(exp_dir)
+            name = exp_dir.resolve().name
     except ExperimentError as e:
         return _fail(str(e))
     except ValueError as e:  # a corrupt sweep or trial file
         return _fail(f"{args.experiment}: cannot read the experiment: {e}")
+    except OSError as e:  # remote storage unreachable, or no permission
+        return _fail(f"cannot read {args.experiment}: {e}")
     if not any(r.history for r in records):
         return _fail(f"{args.experiment}: no trial has recorded any metrics yet "
                      f"({len(records)} grid points); run or resume the sweep first")
-    out = args.out or args.experiment / "report"
+    out = args.out or f"{str(args.experiment).rstrip('/')}/{REPORT_DIR}"
     try:
-        path = write_report(records, out, title=f"AltGrad report: {args.experiment.resolve().name}")
+        path = _write(records, out, name)
     except OSError as e:
         return _fail(f"cannot write the report to {out}: {e}")
     print(f"report written: {path}")
@@ -52,20 +62,30 @@ def report_after_sweep(experiment: str, name: str) -> int:
     `<experiment>/report/`. 0 when written, 1 (with the command that retries it) when not: the
     sweep's data is safe either way."""
     from altgrad.experiment import load_experiment
-    from altgrad.report import write_report
 
-    if "://" in experiment:
-        print(f"report: copy {experiment} to local disk, then run `python -m altgrad report DIR`")
-        return 0
-    exp_dir = Path(experiment)
+    out = f"{experiment.rstrip('/')}/{REPORT_DIR}"
     try:
-        path = write_report(load_experiment(exp_dir), exp_dir / "report", title=f"AltGrad report: {name}")
+        with readable(experiment) as exp_dir:
+            path = _write(load_experiment(exp_dir), out, name)
     except Exception as e:  # noqa: BLE001 - any failure: say how to retry the report alone
-        print(f"report failed ({type(e).__name__}: {e}); retry: python -m altgrad report {exp_dir} "
-              f"--out {exp_dir / 'report'}")
+        print(f"report failed ({type(e).__name__}: {e}); retry: python -m altgrad report {experiment}")
         return 1
     print(f"report: {path}")
     return 0
+
+
+def _write(records: list, out: str | Path, name: str) -> str:
+    """The report of `records` written to `out`, a local folder or a remote one (written locally,
+    then uploaded); returns where report.md is."""
+    from altgrad.report import write_report
+
+    title = f"AltGrad report: {name}"
+    if not is_remote(out):
+        return str(write_report(records, Path(out), title=title))
+    with tempfile.TemporaryDirectory(prefix="altgrad-report-") as tmp:
+        path = write_report(records, Path(tmp), title=title)
+        upload_dir(Path(tmp), str(out))
+    return f"{str(out).rstrip('/')}/{path.name}"
 
 
 def _fail(message: str) -> int:

@@ -119,8 +119,6 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     resuming = any(status.values())
     _warn(cfg)  # of the config it runs with: a resumed sweep's stored one
     table = experiments[0].path if len(experiments) == 1 else cfg.experiment_path + "/<format>"
-    if "://" in table:
-        table = f"DIR after copying {table} to local disk (e.g. `aws s3 sync`)"
     print(f"{'resuming' if resuming else 'starting'} sweep {cfg.name}: {total} trials in "
           f"{cfg.experiment_path}\n  trial table, any time: python -m altgrad trials {table}")
     start_ray(cfg)

@@ -130,6 +130,10 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
     # verbose=0; its classic reporter at verbose=0 prints nothing. `SweepProgress` prints one line
     # per trial event instead.
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # Tune adds a TensorBoard logger by default, which warns on every non-finite metric (a
+    # diverging format's whole tail) and whose files nothing reads; `_new_tuner` names the JSON
+    # and CSV loggers it keeps.
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     # The config decides W&B's mode; Ray's callback (also the restored one) checks it for a key.
     os.environ["WANDB_MODE"] = exp.settings.wandb.mode
     trainable = _trainable(exp)
@@ -172,6 +176,7 @@ def _trainable(exp: Experiment):
 
 def _new_tuner(exp: Experiment, trainable):
     from ray import tune
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     from altgrad.tune.heartbeat import DriverHeartbeat
     from altgrad.tune.index import TrialIndex
@@ -183,7 +188,8 @@ def _new_tuner(exp: Experiment, trainable):
     storage_path, name = exp.path.rstrip("/").rsplit("/", 1)
     remote = "://" in exp.path
     callbacks: list[Any] = [TrialIndex(exp.store, {k: p.labels for k, p in exp.points.items()}),
-                            SweepProgress(exp.store, exp.total_trials), DriverHeartbeat(exp.store)]
+                            SweepProgress(exp.store, exp.total_trials), DriverHeartbeat(exp.store),
+                            JsonLoggerCallback(), CSVLoggerCallback()]
     if s.wandb.enabled and s.wandb.mode != "disabled":
         from altgrad.tune.wandb_runs import wandb_callback
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from altgrad.experiment import STATE_DIR
+from altgrad.remote import filesystem, is_remote
 
 
 class StateStore:
@@ -21,19 +22,15 @@ class StateStore:
     def __init__(self, experiment_path: str):
         self.experiment_path = experiment_path
 
-    @property
-    def _remote(self) -> bool:
-        return "://" in self.experiment_path
-
     def _path(self, name: str) -> str:
         return f"{self.experiment_path.rstrip('/')}/{STATE_DIR}/{name}"
 
     def read(self, name: str) -> Any:
         """The document, or None if it was never written."""
-        if not self._remote:
+        if not is_remote(self.experiment_path):
             path = Path(self._path(name))
             return json.loads(path.read_text()) if path.is_file() else None
-        fs, path = _filesystem(self._path(name))
+        fs, path = filesystem(self._path(name))
         from pyarrow.fs import FileType
 
         if fs.get_file_info(path).type == FileType.NotFound:
@@ -43,8 +40,8 @@ class StateStore:
 
     def write(self, name: str, document: Any) -> None:
         text = json.dumps(document, indent=1, sort_keys=False)
-        if self._remote:
-            fs, path = _filesystem(self._path(name))
+        if is_remote(self.experiment_path):
+            fs, path = filesystem(self._path(name))
             fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
             with fs.open_output_stream(path) as f:
                 f.write(text.encode())
@@ -55,8 +52,3 @@ class StateStore:
         tmp.write_text(text)
         os.replace(tmp, path)
 
-
-def _filesystem(uri: str):
-    from pyarrow.fs import FileSystem
-
-    return FileSystem.from_uri(uri)

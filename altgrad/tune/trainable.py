@@ -87,6 +87,7 @@ def _fetch_run_dir(storage, destination: Path) -> None:
 
     source = f"{storage.trial_fs_path}/{RUN_DIR}"
     if storage.storage_filesystem.get_file_info(source).type == FileType.Directory:
+        destination.mkdir(parents=True, exist_ok=True)  # copy_files makes the sub-folders, not the root
         copy_files(source, str(destination), source_filesystem=storage.storage_filesystem,
                    destination_filesystem=LocalFileSystem())
 

@@ -29,6 +29,7 @@ from altgrad.experiment import (
     load_experiment,
     read_json,
 )
+from altgrad.remote import readable
 
 # The text table's columns (extra grid axes go after `precision`, `same_as` last when present).
 COLUMNS = ("trial", "format", "optimizer", "precision", "status", "stop_reason", "steps",
@@ -42,7 +43,8 @@ HEADERS = ("trial", "format", "optimizer", "precision", "status", "stop reason",
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trials", help="the trial table of a sweep (works while it runs)")
-    p.add_argument("experiment", type=Path, help="experiment directory, e.g. experiments/format_ablation")
+    p.add_argument("experiment", help="experiment directory (or s3://bucket/prefix/<name>), e.g. "
+                                      "experiments/format_ablation")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--csv", action="store_true", help="CSV on stdout")
     fmt.add_argument("--json", action="store_true", help="JSON on stdout")
@@ -51,9 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        records = load_experiment(args.experiment)
+        with readable(args.experiment) as exp_dir:
+            records = load_experiment(exp_dir)
+            banner = sweep_banner(args.experiment, exp_dir, records)
     except ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # remote storage unreachable, or no permission
+        print(f"error: cannot read {args.experiment}: {e}", file=sys.stderr)
         return 2
     rows = [trial_row(r) for r in records]
     if args.json:
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.csv:
         print(to_csv(rows), end="")
     else:
-        print(sweep_banner(args.experiment, records))
+        print(banner)
         print(render_table(rows))
     unreadable = [r.key for r in records if r.unreadable]
     if unreadable:
@@ -163,13 +170,14 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def sweep_banner(exp_dir: Path, records: list[TrialRecord]) -> str:
-    """One line: the sweep's state and, when it stopped before the end, how to resume it."""
+def sweep_banner(experiment: str | Path, exp_dir: Path, records: list[TrialRecord]) -> str:
+    """One line: the sweep's state and, when it stopped before the end, how to resume it
+    (`experiment` as the user named it, `exp_dir` where its files were read)."""
     sweep = read_json(Path(exp_dir) / STATE_DIR / SWEEP_FILE)
     status = sweep.get("status", "unknown")
     if status == "running" and not driver_alive(sweep.get("driver", {})):
         status = "interrupted (its driver is gone)"
-    text = f"experiment {exp_dir}: {status}"
+    text = f"experiment {experiment}: {status}"
     unfinished = any(r.status != "TERMINATED" for r in records)
     if status != "running" and unfinished and sweep.get("resume_command"):
         text += f"\nresume with: {sweep['resume_command']}"

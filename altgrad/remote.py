@@ -1,0 +1,78 @@
+"""Experiments on object storage (`s3://bucket/prefix/<name>`, or any URI pyarrow opens): readers
+fetch the files they read into a local directory and read that.
+
+A sweep on `s3://` keeps everything in the bucket, so a researcher reads it from any machine
+without `aws s3 sync`. Only what the trial table and the report read is fetched: the sweep's state
+and each run directory's small files, never checkpoints or Ray's files. Credentials and endpoint
+come from the usual AWS variables (`AWS_ENDPOINT_URL` for an S3-compatible server), as for the
+sweep itself.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from altgrad.experiment import RUN_DIR, STATE_DIR
+
+READ_FILES = ("metrics.jsonl", "events.jsonl", "summary.json", "config.yaml")  # of a run directory
+
+
+def is_remote(path: str | Path) -> bool:
+    return "://" in str(path)
+
+
+def filesystem(uri: str):
+    """(pyarrow filesystem, path inside it) of a URI."""
+    from pyarrow.fs import FileSystem
+
+    return FileSystem.from_uri(uri)
+
+
+def _read(relative: str) -> bool:
+    """Whether a reader needs the experiment file at this relative path."""
+    parts = relative.split("/")
+    return parts[0] == STATE_DIR or (len(parts) >= 2 and parts[-2] == RUN_DIR and parts[-1] in READ_FILES)
+
+
+def fetch_experiment(uri: str, destination: Path) -> Path:
+    """Copy the files readers need of the experiment at `uri` under `destination`; returns
+    `destination / <name>`, which `load_experiment` reads like a local experiment."""
+    from pyarrow.fs import FileSelector, FileType
+
+    fs, root = filesystem(uri.rstrip("/"))
+    local = destination / root.rsplit("/", 1)[-1]
+    if fs.get_file_info(root).type != FileType.Directory:
+        local.mkdir(parents=True, exist_ok=True)  # empty: load_experiment says what is missing
+        return local
+    for info in fs.get_file_info(FileSelector(root, recursive=True)):
+        relative = info.path[len(root):].lstrip("/")
+        if info.type != FileType.File or not _read(relative):
+            continue
+        target = local / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with fs.open_input_stream(info.path) as f:
+            target.write_bytes(f.read())
+    return local
+
+
+@contextmanager
+def readable(experiment: str | Path) -> Iterator[Path]:
+    """A local directory to read the experiment from: itself, or a fetched copy of a remote one."""
+    if not is_remote(experiment):
+        yield Path(experiment)
+        return
+    with tempfile.TemporaryDirectory(prefix="altgrad-fetch-") as tmp:
+        yield fetch_experiment(str(experiment), Path(tmp))
+
+
+def upload_dir(local: Path, uri: str) -> None:
+    """Copy a local directory's files to `uri` (a report written next to a remote experiment)."""
+    fs, root = filesystem(uri.rstrip("/"))
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        target = f"{root}/{path.relative_to(local).as_posix()}"
+        fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(target) as f:
+            f.write(path.read_bytes())
