@@ -13,7 +13,7 @@ A run directory, written by `altgrad.train.Trainer` and knowing nothing of Ray, 
 An experiment directory, written by a sweep (`altgrad.tune`) as `<storage_path>/<name>/`, holds
 Ray's own files (`experiment_state-*.json`, `tuner.pkl`, and per Ray trial `<key>_<id>/` with
 `result.json`, `checkpoint_XXXXXX/`, `error.txt`), our trial directories `trials/<key>/` (`run/`
-the run directory, `trial.log` across every attempt, `worker.json` the current worker's pid),
+the run directory, `trial.log` across every attempt, `worker.json` the current worker (pid, host, Ray node id)),
 keyed by grid point so that a trial Ray re-creates after a kill finds its checkpoints, and the
 sweep's state in `sweep_state/` (a sub-folder, so that Ray's restore, which copies the
 experiment root's `*.json` around, never touches it):
@@ -49,7 +49,7 @@ ASHA_FILE = "asha.json"
 STOPPER_FILE = "stopper.json"
 TRIALS_DIR = "trials"  # our trial directories, one per grid key
 RUN_DIR = "run"  # the Trainer's run directory inside a trial directory
-WORKER_FILE = "worker.json"  # in a trial directory: the process running it (pid, host, start time)
+WORKER_FILE = "worker.json"  # in a trial directory: the process running it (pid, host, Ray node, start)
 
 
 class ExperimentError(ValueError):

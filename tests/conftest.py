@@ -81,6 +81,14 @@ def ray_address():
 
 
 @pytest.fixture(scope="session")
+def sweep_args(eurlex_dir, data_root) -> list[str]:
+    """The sweep tests' command-line overrides (`sweep_helpers.tiny_sweep`)."""
+    from sweep_helpers import tiny_sweep
+
+    return tiny_sweep(eurlex_dir, data_root)
+
+
+@pytest.fixture(scope="session")
 def s3_bucket():
     """A real S3-compatible server (moto's) on 127.0.0.1 with one bucket; the AWS variables that
     point pyarrow (and so Ray, and every driver the tests start) at it are set for the session.

@@ -17,24 +17,21 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from sweep_helpers import CHECKPOINT, ROOT, STEPS, last_step, start_driver, wait_for
 
 from altgrad.__main__ import main
 from altgrad.experiment import (
     ASHA_FILE,
-    RUN_DIR,
     STATE_DIR,
     TRIALS_DIR,
     TRIALS_FILE,
     load_experiment,
-    read_jsonl,
 )
 from altgrad.report.cli import report_after_sweep
 from altgrad.tune.ablation import FormatAblation
@@ -43,29 +40,8 @@ from altgrad.tune.trials import trial_row
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "sweeps" / "format_ablation.py"
 CONFIG = ROOT / "sweeps" / "configs" / "format_ablation.yaml"
-STEPS, CHECKPOINT = 20, 5
 COMPARED = ("trial", "status", "stop_reason", "steps", "best_val_loss", "bit_stall", "overflow", "shadow_cos")
-
-
-@pytest.fixture(scope="module")
-def sweep_args(eurlex_dir, data_root):
-    """bf16, e4m3 and e7m0 (at a learning rate it cannot take) on a tiny model; one at a time."""
-    sets = [
-        "preset=cpu", "grid.formats=[bf16, e4m3, e7m0]", "grid.optimizers=[adamw]", "grid.precisions=[all]",
-        "grid.seeds=[42]",
-        "grid.format_overrides={e7m0: {optim: {lr: 1000}}}",
-        f"base.data.source=jsonl:{eurlex_dir}", f"base.data.data_root={data_root}", "base.data.max_docs=40",
-        "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
-        f"base.train.max_steps={STEPS}", "base.train.warmup_steps=2", "base.train.eval_interval=5",
-        f"base.train.checkpoint_interval={CHECKPOINT}", "base.train.eval_iters=2",
-        "base.train.diag_every=5", "base.train.shadow_every=5",
-        "asha.grace_period=10", "stopper.nan_patience=3", "max_concurrent_trials=1",
-        "wandb.enabled=false", "dashboard.enabled=false",
-    ]
-    return [arg for s in sets for arg in ("--set", s)]
 
 
 def table(exp_dir: Path) -> list[dict]:
@@ -98,40 +74,6 @@ def test_sweep_end_to_end(reference, capsys):
     assert (exp / "report" / "report.md").is_file()
     for trial in load_experiment(exp):
         assert (trial.trial_dir / "trial.log").is_file() and (trial.trial_dir / "worker.json").is_file()
-
-
-def start_driver(args: list[str], ray_address: str | None, machine: Path | None = None) -> subprocess.Popen:
-    """A driver joining the session's Ray; or, with `machine` (a folder standing for a machine's
-    disk: its working directory, home and Ray's temp dir), on a Ray of its own, in its own process
-    group."""
-    env = {**os.environ, "RAY_ADDRESS": ray_address} if ray_address else {
-        k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cwd = ROOT
-    if machine is not None:
-        for sub in ("work", "home", "ray"):
-            (machine / sub).mkdir(parents=True)
-        env.update(HOME=str(machine / "home"), RAY_TMPDIR=str(machine / "ray"))
-        cwd = machine / "work"
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=cwd, text=True, env=env,
-                            start_new_session=machine is not None,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            pytest.fail(f"the driver exited ({proc.returncode}) early:\n{proc.stdout.read()[-4000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("timed out waiting for the sweep")
-        time.sleep(0.2)
-
-
-def last_step(exp: Path, key: str) -> int:
-    """The newest step a trial has logged (0 if it has not started)."""
-    rows = read_jsonl(exp / TRIALS_DIR / key / RUN_DIR / "metrics.jsonl")
-    return int(rows[-1]["step"]) if rows else 0
 
 
 def _read(path: Path) -> str | None:

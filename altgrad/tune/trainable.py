@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import tune
 
 from altgrad.config import RunConfig
@@ -50,7 +51,8 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # no line per persisted checkpoint
     with trial_log(trial_dir / "trial.log"):
         (trial_dir / WORKER_FILE).write_text(json.dumps(
-            {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
+            {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
+             "started": time.time()}))
         reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr,
                                              stall_halts_learning(cfg)),
                                 read_jsonl(run_dir / "metrics.jsonl"),  # read before the trainer trims it

@@ -1,0 +1,72 @@
+"""What the sweep tests share: a tiny three-trial sweep's overrides, and drivers run as
+subprocesses (joining a Ray cluster, or on a Ray of their own as if on another machine)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from altgrad.experiment import RUN_DIR, TRIALS_DIR, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "sweeps" / "format_ablation.py"
+STEPS, CHECKPOINT = 20, 5
+
+
+def tiny_sweep(eurlex_dir: Path, data_root: Path) -> list[str]:
+    """bf16, e4m3 and e7m0 (at a learning rate it cannot take) on a tiny model, one trial at a
+    time, STEPS steps with a checkpoint every CHECKPOINT."""
+    sets = [
+        "preset=cpu", "grid.formats=[bf16, e4m3, e7m0]", "grid.optimizers=[adamw]", "grid.precisions=[all]",
+        "grid.seeds=[42]",
+        "grid.format_overrides={e7m0: {optim: {lr: 1000}}}",
+        f"base.data.source=jsonl:{eurlex_dir}", f"base.data.data_root={data_root}", "base.data.max_docs=40",
+        "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
+        f"base.train.max_steps={STEPS}", "base.train.warmup_steps=2", "base.train.eval_interval=5",
+        f"base.train.checkpoint_interval={CHECKPOINT}", "base.train.eval_iters=2",
+        "base.train.diag_every=5", "base.train.shadow_every=5",
+        "asha.grace_period=10", "stopper.nan_patience=3", "max_concurrent_trials=1",
+        "wandb.enabled=false", "dashboard.enabled=false",
+    ]
+    return [arg for s in sets for arg in ("--set", s)]
+
+
+def start_driver(args: list[str], ray_address: str | None, machine: Path | None = None) -> subprocess.Popen:
+    """A driver joining the session's Ray; or, with `machine` (a folder standing for a machine's
+    disk: its working directory, home and Ray's temp dir), on a Ray of its own, in its own process
+    group."""
+    env = {**os.environ, "RAY_ADDRESS": ray_address} if ray_address else {
+        k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cwd = ROOT
+    if machine is not None:
+        for sub in ("work", "home", "ray"):
+            (machine / sub).mkdir(parents=True)
+        env.update(HOME=str(machine / "home"), RAY_TMPDIR=str(machine / "ray"))
+        cwd = machine / "work"
+    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=cwd, text=True, env=env,
+                            start_new_session=machine is not None,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"the driver exited ({proc.returncode}) early:\n{proc.stdout.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("timed out waiting for the sweep")
+        time.sleep(0.2)
+
+
+def last_step(exp: Path, key: str) -> int:
+    """The newest step a trial has logged (0 if it has not started)."""
+    rows = read_jsonl(exp / TRIALS_DIR / key / RUN_DIR / "metrics.jsonl")
+    return int(rows[-1]["step"]) if rows else 0
+
+
