@@ -19,7 +19,8 @@ sweep's state in `sweep_state/` (a sub-folder, so that Ray's restore, which copi
 experiment root's `*.json` around, never touches it):
 
 - `sweep.json`    the validated sweep config, the grid points in order, status, resume command and
-                  the driver (pid, host, `beat`: its heartbeat time)
+                  the driver (pid, host, `beat`: its heartbeat time), `started` (with the path, the
+                  sweep's identity: a `--fresh` sweep at the same path is another)
 - `trials.json`   Ray trial id -> grid key, Ray's trial dir, status (PENDING/RUNNING/TERMINATED/ERROR)
 - `asha.json`     the rung records and which trial a rung stopped, why (`asha` / `nan`), at which
                   step and the numbers (value, reference, how far behind, tolerance)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from sweep_helpers import CHECKPOINT, ROOT, STEPS, last_step, start_driver, wait_for
+from wandb_files import history_steps, offline_runs
 
 from altgrad.__main__ import main
 from altgrad.experiment import (
@@ -37,6 +38,7 @@ from altgrad.report.cli import report_after_sweep
 from altgrad.tune.ablation import FormatAblation
 from altgrad.tune.cli import sweep_main
 from altgrad.tune.trials import trial_row
+from altgrad.tune.wandb_runs import run_id
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -209,7 +211,8 @@ def test_dead_worker_is_retried_from_its_checkpoint(ray_address, sweep_args, tmp
 def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, capsys):
     """sweeps/lr_search.py's path through Tune and Optuna on a tiny grid: the grid's learning rates
     run first, then Optuna's sample inside [low, high]; the table and lr_search.json name the
-    largest rate that trained stably (1000 diverges, 0.01 learns)."""
+    largest rate that trained stably (1000 diverges, 0.01 learns). W&B is on, as lr_search.yaml
+    has it."""
     from altgrad.tune.lr_search import RESULT_FILE, LrSearch
 
     sets = [
@@ -218,12 +221,13 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
         "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
         "base.train.max_steps=10", "base.train.warmup_steps=2", "base.train.eval_interval=5",
         "base.train.checkpoint_interval=5", "base.train.eval_iters=2", "base.train.diag_every=5",
-        "stopper.nan_patience=3", "wandb.enabled=false", "dashboard.enabled=false",
+        "stopper.nan_patience=3", "wandb={enabled: true, mode: offline}", "dashboard.enabled=false",
     ]
     args = [a for s in sets for a in ("--set", s)] + ["--name", "lr", "--storage-path", str(tmp_path)]
     assert sweep_main(LrSearch, ROOT / "sweeps" / "configs" / "lr_search.yaml", "test", args) == 0
     out = capsys.readouterr().out
     (row,) = json.loads((tmp_path / "lr" / RESULT_FILE).read_text())
+    sweep_id = f"{tmp_path / 'lr' / 'e4m3'}@{json.loads((tmp_path / 'lr' / 'e4m3' / STATE_DIR / 'sweep.json').read_text())['started']}"
     records = load_experiment(tmp_path / "lr" / "e4m3")
     sampled = sorted(r.params["lr"] for r in records)
     assert len(sampled) == 3 and {0.01, 1000.0} <= set(sampled) and all(1e-3 <= x <= 1e3 for x in sampled)
@@ -233,6 +237,14 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
     assert 0.01 in stable and 1000.0 not in stable and row["largest_stable_lr"] == max(stable)
     assert row["smallest_unstable_lr"] == min(set(sampled) - set(stable))
     assert "largest stable lr" in out and f"results: {tmp_path / 'lr' / RESULT_FILE}" in out
+    for record in records:  # W&B: one offline run per trial, in the trial's directory
+        runs = offline_runs(record.trial_dir)
+        assert list(runs) == [run_id(sweep_id, record.key)]
+        logged, reported = history_steps(*runs.values()), [int(r["step"]) for r in record.history]
+        if record.stop_reason == "completed":
+            assert logged == reported
+        else:  # Ray kills a stopped trial's process: W&B may not have written its last rows
+            assert logged == reported[:len(logged)]
 
 
 def test_bucket_sweep_survives_losing_its_machine(reference, sweep_args, s3_bucket, tmp_path, capsys, request):

@@ -47,6 +47,7 @@ from altgrad.train.shadow import FP32Shadow
 from altgrad.train.stability import Event, StabilityMonitor
 
 ReportFn = Callable[[dict[str, float], Path | None], None]
+EventFn = Callable[[dict[str, Any]], None]  # an event as events.jsonl records it
 CHECKPOINT_VERSION = 1
 
 
@@ -108,17 +109,22 @@ class Trainer:
         self.val_loss = math.nan
         self.val_step = 0
         self.wall_time = 0.0
+        self.on_event: EventFn | None = None
 
     # -- public --------------------------------------------------------------------------
-    def fit(self, report: ReportFn | None = None, resume: Path | str | None = None) -> dict[str, Any]:
-        """Train to `max_steps` or until the stability policy stops the run; returns the summary."""
+    def fit(self, report: ReportFn | None = None, resume: Path | str | None = None,
+            on_event: EventFn | None = None) -> dict[str, Any]:
+        """Train to `max_steps` or until the stability policy stops the run; returns the summary.
+        `report` gets each logged step's metrics (and the checkpoint written at it), `on_event`
+        each event as it is recorded."""
+        self.on_event = on_event
         start, skipped = self._resume(Path(resume)) if resume is not None else (0, [])
         self.files.start(dump_config(self.cfg), resume_step=start if resume is not None else None)
         self.bit_file.start(start if resume is not None else None)
         for problem in skipped:
-            self.files.log_event(start, "checkpoint_skipped", problem)
+            self._log_event(start, Event("checkpoint_skipped", problem))
         if resume is not None:
-            self.files.log_event(start, "resume", f"resumed from step {start}")
+            self._log_event(start, Event("resume", f"resumed from step {start}"))
         max_steps = self.cfg.train.max_steps
         stop_reason = None
         step = start
@@ -249,11 +255,16 @@ class Trainer:
             path = self.checkpoints.save_anomaly(step, self._state(step - 1))  # is the pre-step state
             events.append(Event("anomaly_checkpoint", f"pre-step state saved to {path.name}", {"path": str(path)}))
         for e in events:
-            self.files.log_event(step, e.kind, e.message, **e.extra)
+            self._log_event(step, e)
         metrics["stability/nan_streak"] = float(self.monitor.nan_streak)
         metrics["stability/divergence"] = float(self.monitor.diverging)
         metrics["quant/format_shifts"] = float(self.monitor.format_shifts)
         return stop
+
+    def _log_event(self, step: int, event: Event) -> None:
+        logged = self.files.log_event(step, event.kind, event.message, **event.extra)
+        if self.on_event is not None:
+            self.on_event(logged)
 
     def _shift(self, names: list[str] | None, reason: str) -> list[Event]:
         return shift_layers(self.layers, list(self.layers) if names is None else names, reason)

@@ -106,6 +106,9 @@ def dashboard_help(url: str | None, host: str) -> str:
 
 
 def write_sweep_state(exp: Experiment, status: str, resume_command: str) -> None:
+    """sweep.json; `started` is kept from the first write: with the path it names this sweep (a
+    `--fresh` one at the same path is another)."""
+    started = (exp.store.read(SWEEP_FILE) or {}).get("started", time.time())
     exp.store.write(SWEEP_FILE, {
         "kind": exp.kind,
         "status": status,
@@ -115,6 +118,7 @@ def write_sweep_state(exp: Experiment, status: str, resume_command: str) -> None
         "resume_command": resume_command,
         "driver": {"pid": os.getpid(), "host": socket.gethostname(), "beat": time.time()},
         "commit": source_commit(),
+        "started": started,
         "updated": time.time(),
     })
 
@@ -134,8 +138,6 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
     # diverging format's whole tail) and whose files nothing reads; `_new_tuner` names the JSON
     # and CSV loggers it keeps.
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
-    # The config decides W&B's mode; Ray's callback (also the restored one) checks it for a key.
-    os.environ["WANDB_MODE"] = exp.settings.wandb.mode
     trainable = _trainable(exp)
     if restore and _restorable(exp.path):
         tuner = tune.Tuner.restore(exp.path, trainable=trainable, resume_errored=True)
@@ -163,14 +165,22 @@ def _restorable(path: str) -> bool:
 
 
 def _trainable(exp: Experiment):
-    """`train_trial` with the grid's run configs bound (object store) and its resources."""
+    """`train_trial` with the grid's run configs and W&B settings bound (object store) and its
+    resources."""
     from ray import tune
 
     from altgrad.tune.trainable import train_trial
+    from altgrad.tune.wandb_runs import WandbSpec
 
-    r = exp.settings.resources
+    s = exp.settings
+    r = s.resources
     runs = {key: point.run for key, point in exp.points.items()}
-    return tune.with_resources(tune.with_parameters(train_trial, runs=runs),
+    wandb = None
+    if s.wandb.enabled and s.wandb.mode != "disabled":
+        sweep_id = f"{exp.path}@{exp.store.read(SWEEP_FILE)['started']}"
+        wandb = WandbSpec(s.wandb.project, s.wandb.mode, group=exp.path.rstrip("/").rsplit("/", 1)[1],
+                          sweep_id=sweep_id)
+    return tune.with_resources(tune.with_parameters(train_trial, runs=runs, wandb=wandb),
                                {"cpu": r.cpus_per_trial, "gpu": r.gpu_per_trial})
 
 
@@ -190,11 +200,6 @@ def _new_tuner(exp: Experiment, trainable):
     callbacks: list[Any] = [TrialIndex(exp.store, {k: p.labels for k, p in exp.points.items()}),
                             SweepProgress(exp.store, exp.total_trials), DriverHeartbeat(exp.store),
                             JsonLoggerCallback(), CSVLoggerCallback()]
-    if s.wandb.enabled and s.wandb.mode != "disabled":
-        from altgrad.tune.wandb_runs import wandb_callback
-
-        callbacks.append(wandb_callback(s.wandb.project, s.wandb.mode, name,
-                                        Path("wandb" if remote else exp.path).resolve()))
     stopper = None
     if s.stopper.enabled:
         stopper = StabilityStopper(exp.store, nan_patience=s.stopper.nan_patience,

@@ -35,15 +35,17 @@ from altgrad.experiment import RUN_DIR, TRIALS_DIR, WORKER_FILE, read_jsonl
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
 from altgrad.tune.trial_spec import STABLE_LR, STALL_STREAK, learning, trial_key, trial_run_config
+from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
 
 STALL_RATE = "quant/bit_stall_rate"
 log = logging.getLogger("altgrad.tune.trial")
 
 
-def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
+def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: WandbSpec | None = None) -> None:
     """Run (or resume) the trial's training to its end; Tune may stop it at any report.
 
-    `runs` maps grid keys to run configs (bound once with `tune.with_parameters`)."""
+    `runs` maps grid keys to run configs, `wandb` says where the trial's W&B run goes (None: no
+    W&B); both bound once with `tune.with_parameters`."""
     cfg = trial_run_config(config, runs[config["key"]])
     trial_dir = local_trial_dir(trial_key(config))
     run_dir = trial_dir / RUN_DIR
@@ -53,14 +55,16 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None
         (trial_dir / WORKER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
              "started": time.time()}))
-        reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr,
-                                             stall_halts_learning(cfg)),
-                                read_jsonl(run_dir / "metrics.jsonl"),  # read before the trainer trims it
-                                attach_checkpoints=not storage_is_local())
-        with resume_point(run_dir) as resume:
-            log.info("trial %s: %s", trial_key(config), f"resuming from {resume}" if resume else "starting")
-            summary = Trainer(cfg, run_dir).fit(report=reporter, resume=resume)
-        reporter.report_if_silent()
+        history = read_jsonl(run_dir / "metrics.jsonl")  # read before the trainer trims it
+        with trial_run(wandb, trial_key(config), cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
+            reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr,
+                                                 stall_halts_learning(cfg)),
+                                    history, attach_checkpoints=not storage_is_local(), wandb_run=run)
+            with resume_point(run_dir) as resume:
+                log.info("trial %s: %s", trial_key(config), f"resuming from {resume}" if resume else "starting")
+                summary = Trainer(cfg, run_dir).fit(report=reporter, resume=resume,
+                                                    on_event=None if run is None else run.event)
+            reporter.report_if_silent()
         log.info("trial %s: %s after %s steps, best val loss %.4f", trial_key(config),
                  summary["stop_reason"], summary["steps"], summary["best_val_loss"])
 
@@ -182,8 +186,10 @@ class SweepSignals:
 class TuneReporter:
     """The `report` callback of `Trainer.fit`: forwards to `tune.report` with `SweepSignals`."""
 
-    def __init__(self, signals: SweepSignals, history: list[dict[str, Any]], attach_checkpoints: bool):
+    def __init__(self, signals: SweepSignals, history: list[dict[str, Any]], attach_checkpoints: bool,
+                 wandb_run: TrialRun | None = None):
         self.signals = signals
+        self.wandb_run = wandb_run
         self._history: list[dict[str, Any]] | None = history
         self._last = history[-1] if history else None
         self.attach_checkpoints = attach_checkpoints
@@ -204,6 +210,8 @@ class TuneReporter:
                      metrics["val/loss"], f", checkpoint {checkpoint_dir.name}" if checkpoint_dir else "")
         attach = checkpoint_dir is not None and self.attach_checkpoints
         checkpoint = tune.Checkpoint.from_directory(str(checkpoint_dir)) if attach else None
+        if self.wandb_run is not None:  # first: Tune may stop the trial inside `report`
+            self.wandb_run.log(out)
         tune.report(out, checkpoint=checkpoint)
         self._last = None
 

@@ -1,29 +1,120 @@
-"""W&B: one run per trial, logged from the driver through Ray's callback; offline by default.
+"""W&B: one run per trial, created in the trial's own process; offline by default.
 
-Ray's `WandbLoggerCallback` closes a trial's run only when the trial ends. After Ctrl-C (or
-SIGTERM) the interrupted trials never end, and at experiment end Ray waits up to `upload_timeout`
-for their runs; this subclass closes them first, so an interrupted sweep exits at once and every
-W&B run is finished cleanly (a resumed trial logs to a new run of the same id).
+Nothing runs on the driver (no logging actors, no stalls at trial start). The run id is derived
+from the experiment and the trial's grid key, so every attempt at a trial -- a retry after a crash,
+a resume after the driver was killed -- logs into the same run. A resumed attempt re-trains the
+steps between its checkpoint and where the previous attempt stopped; those were logged already, so
+the run skips every step up to the last one logged (kept in `<run dir>/wandb.json`) and its
+history holds each step once. Offline, each attempt writes an `offline-run-*` folder under the
+trial directory; `wandb sync` merges them by id.
+
+Stability events (non-finite steps, a NaN stop, format shifts, overflow / underflow / bit-stall /
+kurtosis warnings, divergence) become W&B alerts, at most one per kind every ALERT_COOLDOWN_S: a
+NaN streak is one alert, not one per step (W&B's own `wait_duration` applies only online).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ray.air.integrations.wandb import WandbLoggerCallback
+log = logging.getLogger(__name__)
 
-UPLOAD_TIMEOUT_S = 120  # online mode: time for the last uploads at the end of a sweep
-
-
-class WandbPerTrial(WandbLoggerCallback):
-    def on_experiment_end(self, trials: list, **info) -> None:
-        for trial in list(self._trial_queues):  # Ray's own bookkeeping of the open runs
-            self._signal_logging_actor_stop(trial)
-        super().on_experiment_end(trials, **info)
+ALERT_COOLDOWN_S = 300
+ALERT_LEVELS = {"nan_skip": "WARN", "nan_stop": "ERROR", "format_shift": "WARN", "divergence_warn": "WARN",
+                "bit_stall_warn": "WARN", "overflow_warn": "WARN", "underflow_warn": "WARN",
+                "kurtosis_warn": "INFO"}
+STATE_FILE = "wandb.json"  # in the run directory: the W&B run id and the last step it logged
 
 
-def wandb_callback(project: str, mode: str, group: str, directory: Path) -> WandbPerTrial:
-    import wandb
+@dataclass(frozen=True)
+class WandbSpec:
+    """Where a sweep's trials log: the W&B project, the mode, the group (the experiment's name) and
+    what tells this sweep apart from any other (its path and start time)."""
 
-    return WandbPerTrial(project=project, group=group, mode=mode, dir=str(directory),
-                         upload_timeout=UPLOAD_TIMEOUT_S, settings=wandb.Settings(silent=True))
+    project: str
+    mode: str
+    group: str
+    sweep_id: str
+
+
+def run_id(sweep_id: str, key: str) -> str:
+    """The W&B run id of a trial: the same for every attempt at it, another in any other sweep."""
+    return hashlib.sha1(f"{sweep_id}/{key}".encode()).hexdigest()[:16]
+
+
+class TrialRun:
+    """A trial's W&B run: `log` each reported row, `event` each stability event, `finish`."""
+
+    def __init__(self, spec: WandbSpec, key: str, config: dict[str, Any], run_dir: Path, trial_dir: Path):
+        import wandb
+
+        self.state_file = run_dir / STATE_FILE
+        state = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
+        self.last_step = int(state.get("last_step", 0))
+        self.id = run_id(spec.sweep_id, key)
+        self.run = wandb.init(project=spec.project, group=spec.group, name=key, id=self.id, resume="allow",
+                              mode=spec.mode, dir=str(trial_dir), config=config, reinit="create_new",
+                              settings=wandb.Settings(silent=True, console="off"))
+        self.alerted: dict[str, float] = {}
+
+    def log(self, row: dict[str, float]) -> None:
+        step = int(row["step"])
+        if step <= self.last_step:  # logged by an earlier attempt
+            return
+        # committed now, not when the next step arrives: a stopped or killed trial keeps its last row
+        self.run.log({k: v for k, v in row.items() if k != "step"}, step=step, commit=True)
+        self.last_step = step
+        self.state_file.write_text(json.dumps({"run_id": self.id, "last_step": step}))
+
+    def event(self, event: dict[str, Any]) -> None:
+        """An alert for a stability event, unless its kind alerted less than the cooldown ago or
+        its step was logged by an earlier attempt."""
+        level = ALERT_LEVELS.get(event["kind"])
+        now = time.monotonic()
+        if level is None or event["step"] <= self.last_step or \
+                now - self.alerted.get(event["kind"], -ALERT_COOLDOWN_S) < ALERT_COOLDOWN_S:
+            return
+        self.alerted[event["kind"]] = now
+        self.run.alert(title=f"{self.run.name}: {event['kind']}", text=f"step {event['step']}: {event['message']}",
+                       level=level, wait_duration=ALERT_COOLDOWN_S)
+
+    def finish(self, exit_code: int = 0) -> None:
+        """Close the run and W&B's service process (a trial process outlives its trial when Ray
+        reuses it; left running, the service is torn down at exit after Ray's, with a traceback)."""
+        import wandb
+
+        self.run.finish(exit_code=exit_code)
+        wandb.teardown()
+
+
+@contextmanager
+def trial_run(spec: WandbSpec | None, key: str, config: dict[str, Any], run_dir: Path,
+              trial_dir: Path) -> Iterator[TrialRun | None]:
+    """The trial's W&B run (None when W&B is off), finished however the trial ends: Tune stops a
+    trial by raising SystemExit(0) in it, which is not a failure. W&B never fails a trial: a run
+    that cannot be finished (Ray may kill a stopped trial's process, W&B's service with it) is
+    logged and left; the run directory holds the record."""
+    if spec is None:
+        yield None
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = TrialRun(spec, key, config, run_dir, trial_dir)
+    code = 0
+    try:
+        yield run
+    except BaseException as e:
+        code = 0 if isinstance(e, SystemExit) and not e.code else 1
+        raise
+    finally:
+        try:
+            run.finish(exit_code=code)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("W&B run %s not finished cleanly: %s: %s", run.id, type(e).__name__, e)

@@ -1,0 +1,65 @@
+"""W&B runs from the trial's own process (`altgrad.tune.wandb_runs`), read back from the offline
+run files: one run per trial, the same run id across a crash and resume with every step logged
+once, and stability events as alerts with a cooldown."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from wandb_files import alerts, history_rows, history_steps, offline_runs
+
+from altgrad.train import Trainer
+from altgrad.train.checkpoint import resume_candidates
+from altgrad.tune.wandb_runs import WandbSpec, run_id, trial_run
+
+SPEC = WandbSpec(project="altgrad-test", mode="offline", group="test", sweep_id="/tmp/x/test@1")
+MAX_STEPS, CRASH_AT, CHECKPOINT = 12, 10, 4
+
+
+class Crash(Exception):
+    pass
+
+
+def attempt(cfg, trial_dir, crash_at: int | None) -> None:
+    """What `train_trial` does with W&B, with a crash in the middle when asked."""
+    run_dir = trial_dir / "run"
+    with trial_run(SPEC, "e7m0-adamw-all-s42", cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
+
+        def report(metrics, checkpoint):
+            run.log({k: v for k, v in metrics.items() if k.count("/") <= 1})
+            if metrics["step"] == crash_at:
+                raise Crash
+
+        Trainer(cfg, run_dir).fit(report=report, resume=run_dir if resume_candidates(run_dir) else None,
+                                  on_event=run.event)
+
+
+def test_a_crashed_trial_resumes_into_its_run_with_each_step_once(make_config, tmp_path):
+    # e7m0 at a learning rate it cannot take: every step after the first few is non-finite and
+    # skipped; a patience above the run keeps it going.
+    cfg = make_config("quant.format=e7m0", "optim.lr=1000", f"train.max_steps={MAX_STEPS}",
+                      f"train.checkpoint_interval={CHECKPOINT}", "train.eval_interval=4",
+                      "train.diag_every=0", "train.shadow_every=0", "stability.nan_patience=100")
+    trial_dir = tmp_path / "trial"
+    with pytest.raises(Crash):
+        attempt(cfg, trial_dir, crash_at=CRASH_AT)
+    attempt(cfg, trial_dir, crash_at=None)  # resumes from the step-8 checkpoint
+
+    runs = offline_runs(trial_dir)
+    assert list(runs) == [run_id(SPEC.sweep_id, "e7m0-adamw-all-s42")]  # one run, both attempts
+    (attempts,) = runs.values()
+    assert len(attempts) == 2
+    assert history_steps(attempts) == list(range(1, MAX_STEPS + 1))  # 9 and 10 were not logged twice
+    assert history_steps(attempts[1:]) == [CRASH_AT + 1, CRASH_AT + 2]
+    nan_skips = [a for a in alerts(attempts) if a.title.endswith("nan_skip")]
+    skipped = [step for step, row in history_rows(attempts).items()
+               if row["stability/loss_is_nan"] + row["stability/grad_has_nan"] > 0]
+    assert len(skipped) >= 4  # a long NaN streak...
+    assert len(nan_skips) == 2 and all(a.level == "WARN" for a in nan_skips)  # ...one alert per attempt
+    assert "optimizer step skipped" in nan_skips[0].text
+
+
+def test_run_ids_differ_between_sweeps_and_trials():
+    ids = {run_id(s, k) for s in ("exp@1", "exp@2", "other@1") for k in ("a", "b")}
+    assert len(ids) == 6 and all(len(i) == 16 and not math.isnan(int(i, 16)) for i in ids)
