@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_dataset(cfg.base_run.data)
 
     t0 = time.perf_counter()
-    start_ray(cfg)
+    start_ray(cfg.dashboard)
     ray_start = time.perf_counter() - t0
     first = first_result_watch(exp_dir)
     t1 = time.perf_counter()

@@ -70,3 +70,13 @@ def last_step(exp: Path, key: str) -> int:
     return int(rows[-1]["step"]) if rows else 0
 
 
+
+
+def kill_processes_mentioning(path: str | Path) -> None:
+    """SIGKILL every process whose command line names `path` (a Ray node's temp dir or session
+    folder: its GCS, raylet and workers), as when its machine disappears."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        if str(path) in " ".join(p.info["cmdline"] or []):
+            p.kill()

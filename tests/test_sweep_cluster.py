@@ -17,7 +17,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from sweep_helpers import CHECKPOINT, STEPS, last_step, start_driver, wait_for
+from sweep_helpers import (
+    CHECKPOINT,
+    STEPS,
+    kill_processes_mentioning,
+    last_step,
+    start_driver,
+    wait_for,
+)
 
 from altgrad.experiment import STATE_DIR, TRIALS_DIR, TRIALS_FILE, WORKER_FILE, load_experiment
 
@@ -52,7 +59,7 @@ def cluster(monkeypatch):
     yield address, worker
     if worker.poll() is None:
         worker.kill()
-    subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True)  # this machine's Ray nodes
+    kill_processes_mentioning(temp)  # the head (not `ray stop`: it would stop every Ray here)
     shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -23,7 +23,15 @@ import time
 from pathlib import Path
 
 import pytest
-from sweep_helpers import CHECKPOINT, ROOT, STEPS, last_step, start_driver, wait_for
+from sweep_helpers import (
+    CHECKPOINT,
+    ROOT,
+    STEPS,
+    kill_processes_mentioning,
+    last_step,
+    start_driver,
+    wait_for,
+)
 from wandb_files import history_steps, offline_runs
 
 from altgrad.__main__ import main
@@ -253,7 +261,6 @@ def test_bucket_sweep_survives_losing_its_machine(reference, sweep_args, s3_buck
     dir are deleted. The printed resume command, run on another "machine" (fresh folders, a new
     Ray), finishes the sweep from the bucket alone: the trial table equals the uninterrupted one,
     and `trials` and `report` read the bucket directly."""
-    import psutil
     from pyarrow.fs import FileSelector, FileSystem
 
     uri = f"{s3_bucket}/sweeps"
@@ -273,9 +280,7 @@ def test_bucket_sweep_survives_losing_its_machine(reference, sweep_args, s3_buck
     wait_for(checkpointed, proc, timeout=180)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    for p in psutil.process_iter(["cmdline"]):  # its Ray, wherever it sits: the machine is gone
-        if str(lost) in " ".join(p.info["cmdline"] or []):
-            p.kill()
+    kill_processes_mentioning(lost)  # its Ray, wherever it sits: the machine is gone
     shutil.rmtree(lost)
 
     capsys.readouterr()

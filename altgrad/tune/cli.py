@@ -121,7 +121,7 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     table = experiments[0].path if len(experiments) == 1 else cfg.experiment_path + "/<format>"
     print(f"{'resuming' if resuming else 'starting'} sweep {cfg.name}: {total} trials in "
           f"{cfg.experiment_path}\n  trial table, any time: python -m altgrad trials {table}")
-    start_ray(cfg)
+    start_ray(cfg.dashboard)
     errored = False
     for exp in todo:
         outcome, signum = run_experiment(exp, restore=status[exp.path] is not None, resume_command=command)

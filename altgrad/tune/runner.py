@@ -24,7 +24,7 @@ from typing import Any
 
 from altgrad.experiment import SWEEP_FILE, TRIALS_FILE
 from altgrad.provenance import source_commit
-from altgrad.tune.config import SweepSettings
+from altgrad.tune.config import DashboardSettings, SweepSettings
 from altgrad.tune.grid import GridPoint
 from altgrad.tune.store import StateStore
 
@@ -62,7 +62,7 @@ class Experiment:
         return Outcome.ERRORED if "ERROR" in ended else Outcome.FINISHED
 
 
-def start_ray(settings: SweepSettings) -> None:
+def start_ray(d: DashboardSettings) -> None:
     """Start a local Ray (dashboard on the configured host) or join the cluster in RAY_ADDRESS."""
     import ray
 
@@ -72,7 +72,6 @@ def start_ray(settings: SweepSettings) -> None:
         ray.init(logging_level=logging.WARNING)
         print(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}")
         return
-    d = settings.dashboard
     # Ray's INFO lines ("Started a local Ray instance", "Wrote the latest version of all result
     # files") repeat what the sweep prints itself; its warnings and errors still show. The token
     # warning is replaced by `dashboard_help`, which also says how to get past it.
