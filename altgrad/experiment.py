@@ -36,9 +36,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from altgrad.metrics import VAL_LOSS, VAL_STEP
 
 STOP_REASONS = ("completed", "asha", "nan", "bit_stall", "error")
 TERMINAL_STATUSES = ("TERMINATED", "ERROR")
@@ -51,6 +56,9 @@ STOPPER_FILE = "stopper.json"
 TRIALS_DIR = "trials"  # our trial directories, one per grid key
 RUN_DIR = "run"  # the Trainer's run directory inside a trial directory
 WORKER_FILE = "worker.json"  # in a trial directory: the process running it (pid, host, Ray node, start)
+# The driver refreshes `driver.beat` in sweep.json this often (`heartbeat.DriverHeartbeat`); a
+# driver on another host whose beat is older than STALE_S is taken for gone (its node was lost).
+BEAT_S, STALE_S = 30.0, 90.0
 
 
 class ExperimentError(ValueError):
@@ -87,8 +95,8 @@ class TrialRecord:
 
     def val_series(self) -> tuple[list[int], list[float]]:
         """Validation loss at the steps where it was actually evaluated."""
-        rows = [r for r in self.history if "val/loss" in r and r.get("val/step") == r["step"]]
-        return [int(r["step"]) for r in rows], [float(r["val/loss"]) for r in rows]
+        rows = [r for r in self.history if VAL_LOSS in r and r.get(VAL_STEP) == r["step"]]
+        return [int(r["step"]) for r in rows], [float(r[VAL_LOSS]) for r in rows]
 
 
 def axis_names(paths: list[str]) -> dict[str, str]:
@@ -241,7 +249,20 @@ def _by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _summary_at(history: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary fields that the history up to a stop determines."""
-    vals = [r["val/loss"] for r in history if "val/loss" in r and r.get("val/step") == r["step"]]
+    vals = [r[VAL_LOSS] for r in history if VAL_LOSS in r and r.get(VAL_STEP) == r["step"]]
     finite = [v for v in vals if math.isfinite(v)]
     return {"best_val_loss": min(finite, default=math.inf),
             "final_val_loss": vals[-1] if vals else math.nan}
+
+
+def driver_alive(driver: dict[str, Any]) -> bool:
+    """On this host: its pid exists. On another (a cluster head): its heartbeat is recent."""
+    if driver.get("host") != socket.gethostname():
+        return time.time() - float(driver.get("beat", 0)) < STALE_S
+    try:
+        os.kill(int(driver["pid"]), 0)
+    except (KeyError, ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -28,6 +28,7 @@ from record import Claim, add_record_argument, write
 
 from altgrad.data import prepare_dataset
 from altgrad.experiment import RUN_DIR, STATE_DIR, TRIALS_DIR, TRIALS_FILE, load_experiment
+from altgrad.metrics import TOKENS_PER_S
 from altgrad.tune.ablation import FormatAblation
 from altgrad.tune.config import SweepConfig, load_sweep_config
 from altgrad.tune.grid import concurrency, machine_resources
@@ -50,7 +51,7 @@ def train_seconds(trial_dir: Path) -> float:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
     total, prev = 0.0, 0
     for row in rows:
-        total += tokens / row["train/tokens_per_s"] * (row["step"] - prev)
+        total += tokens / row[TOKENS_PER_S] * (row["step"] - prev)
         prev = row["step"]
     return total
 
@@ -89,7 +90,7 @@ def trial_startup_seconds(ray_dir: Path, run_dir: Path) -> float:
     first_report = json.loads((ray_dir / "result.json").read_text().splitlines()[0])
     first_row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    step = cfg["train"]["batch_size"] * cfg["model"]["block_size"] / first_row["train/tokens_per_s"]
+    step = cfg["train"]["batch_size"] * cfg["model"]["block_size"] / first_row[TOKENS_PER_S]
     return max(0.0, first_report["time_this_iter_s"] - step)
 
 

@@ -15,6 +15,7 @@ from altgrad.quant.quantize import quantize
 from altgrad.train import Trainer
 from altgrad.train.format_shift import layer_formats
 from altgrad.train.stability import NAN_UNLOCALIZED, Event, StabilityMonitor
+from altgrad.train.trainer import StepResult
 
 
 class Interrupt(Exception):
@@ -35,7 +36,7 @@ def step_counter(trainer: Trainer) -> list[int]:
     current = [0]
     train_step = trainer.train_step
 
-    def counted(step: int) -> dict[str, float]:
+    def counted(step: int) -> StepResult:
         current[0] = step
         return train_step(step)
 

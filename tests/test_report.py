@@ -443,9 +443,9 @@ def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, t
     the keys and the report's cells carry the axis, and the report's numbers match the trial data
     (stops for NaN are tested in test_sweep_ray.py)."""
     from altgrad.report.cli import report_after_sweep
+    from altgrad.trial_table import render_table, to_csv, trial_row
     from altgrad.tune.ablation import FormatAblation
     from altgrad.tune.cli import sweep_main
-    from altgrad.tune.trials import render_table, to_csv, trial_row
 
     sets = [
         "preset=cpu", "grid.formats=[bf16, e0m7, e1m6]", "grid.optimizers=[adamw]", "grid.precisions=[all]",

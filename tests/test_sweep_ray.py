@@ -43,9 +43,9 @@ from altgrad.experiment import (
     load_experiment,
 )
 from altgrad.report.cli import report_after_sweep
+from altgrad.trial_table import trial_row
 from altgrad.tune.ablation import FormatAblation
 from altgrad.tune.cli import sweep_main
-from altgrad.tune.trials import trial_row
 from altgrad.tune.wandb_runs import run_id
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -11,13 +11,13 @@ import pytest
 
 from altgrad.config import build_run_config
 from altgrad.experiment import ASHA_FILE, STATE_DIR, STOPPER_FILE, stop_detail
+from altgrad.metrics import STABLE_LR, STALL_STREAK
 from altgrad.tune.asha import StabilityRungs, asha_milestones
 from altgrad.tune.config import SweepConfig
 from altgrad.tune.runner import _sigterm_stops_gracefully
 from altgrad.tune.stopper import StabilityStopper
 from altgrad.tune.store import StateStore
 from altgrad.tune.trainable import SweepSignals, TuneReporter, stall_halts_learning
-from altgrad.tune.trial_spec import STABLE_LR, STALL_STREAK
 
 STOP, CONTINUE = "STOP", "CONTINUE"
 

@@ -24,11 +24,11 @@ from altgrad.experiment import (
     TRIALS_DIR,
     TRIALS_FILE,
     ExperimentError,
+    driver_alive,
     load_experiment,
 )
 from altgrad.tune.heartbeat import DriverHeartbeat
 from altgrad.tune.store import StateStore
-from altgrad.tune.trials import driver_alive
 
 KEYS = ["bf16-adamw-all-s1", "e4m3-adamw-all-s1", "e7m0-adamw-all-s1", "e5m2-adamw-all-s1",
         "e2m5-adamw-all-s1", "e3m4-adamw-all-s1"]

@@ -17,6 +17,17 @@ from typing import Any
 
 from altgrad.config import BASELINE
 from altgrad.experiment import TrialRecord, axis_names, axis_value_text
+from altgrad.metrics import (
+    BIT_STALL_RATE,
+    GRAD_DEAD_FRAC,
+    GRAD_HAS_NAN,
+    LOSS_IS_NAN,
+    OVERFLOW_RATE,
+    TRAIN_LOSS,
+    UNDERFLOW_RATE,
+    ZERO_UPDATE_FRAC,
+    layer_values,
+)
 from altgrad.report.stats import (
     Comparison,
     Interval,
@@ -38,11 +49,11 @@ WINDOW = 5  # logged rows up to the stop that are searched for signals
 # (metric, threshold, site): a signal above its threshold points at that site. The thresholds are
 # the trainer's warning levels (SPEC §5); `grad/dead_frac` is the mean over layers.
 SIGNALS = (
-    ("quant/overflow_rate", 0.01, "forward"),
-    ("quant/underflow_rate", 0.01, "backward"),
-    ("grad/dead_frac", 0.5, "backward"),
-    ("quant/bit_stall_rate", 0.5, "optimizer"),
-    ("quant/zero_update_frac", 0.5, "optimizer"),
+    (OVERFLOW_RATE, 0.01, "forward"),
+    (UNDERFLOW_RATE, 0.01, "backward"),
+    (GRAD_DEAD_FRAC, 0.5, "backward"),
+    (BIT_STALL_RATE, 0.5, "optimizer"),
+    (ZERO_UPDATE_FRAC, 0.5, "optimizer"),
 )
 
 DEFINITIONS = f"""\
@@ -131,7 +142,7 @@ def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
     """(step, is_collapse): where the trial collapsed, else where it stopped."""
     if _finite(r.summary.get("collapse_step")):
         return int(r.summary["collapse_step"]), True
-    steps, losses = r.series("train/loss")
+    steps, losses = r.series(TRAIN_LOSS)
     bad = next((s for s, v in zip(steps, losses, strict=True) if not math.isfinite(v)), None)
     if bad is not None:
         return bad, True
@@ -143,7 +154,7 @@ def _metric(row: dict[str, float], key: str) -> float:
     """A model-wide metric, or the mean of its per-layer values (`key/<layer>`)."""
     if key in row:
         return row[key]
-    values = [v for k, v in row.items() if k.startswith(key + "/")]
+    values = list(layer_values(key, row).values())
     return fmean(values) if values else math.nan
 
 
@@ -161,9 +172,9 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
         return "unknown", "no metrics recorded"
     last = rows[-1]
     for broken, site, what in (
-        (not math.isfinite(last.get("train/loss", 0.0)) or last.get("stability/loss_is_nan", 0) > 0,
+        (not math.isfinite(last.get(TRAIN_LOSS, 0.0)) or last.get(LOSS_IS_NAN, 0) > 0,
          "forward", "loss non-finite"),
-        (last.get("stability/grad_has_nan", 0) > 0, "backward", "gradient non-finite, loss finite"),
+        (last.get(GRAD_HAS_NAN, 0) > 0, "backward", "gradient non-finite, loss finite"),
     ):
         if broken:
             return WHERE[site], f"{what} at step {last['step']:.0f}{also}"

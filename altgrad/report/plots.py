@@ -19,6 +19,7 @@ from matplotlib.patches import Rectangle
 
 from altgrad.config import BASELINE
 from altgrad.experiment import TrialRecord
+from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN
 from altgrad.report.findings import (
     SIGNALS,
     AxesKey,
@@ -29,7 +30,7 @@ from altgrad.report.findings import (
     stop_step,
 )
 
-STABILITY_METRICS = ("quant/bit_stall_rate", "quant/overflow_rate", "shadow/cos_mean")
+STABILITY_METRICS = (BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN)
 THRESHOLDS = {key: threshold for key, threshold, _ in SIGNALS}
 
 
@@ -166,7 +167,7 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
                 steps, values = r.series(metric)
                 if steps:
                     _curve(ax, r, steps, values)
-            if metric == "quant/overflow_rate":  # rare events matter: show 0, 1e-4 and 0.5 alike
+            if metric == OVERFLOW_RATE:  # rare events matter: show 0, 1e-4 and 0.5 alike
                 ax.set_yscale("symlog", linthresh=1e-4)
             if metric in THRESHOLDS:
                 ax.axhline(THRESHOLDS[metric], color="grey", ls=":", lw=1, label="_threshold")

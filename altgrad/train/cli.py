@@ -9,6 +9,7 @@ from pathlib import Path
 
 from altgrad.config import ConfigError, load_config
 from altgrad.data import DataError
+from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, UNDERFLOW_RATE, VAL_STEP
 from altgrad.train.checkpoint import CheckpointError
 
 
@@ -63,7 +64,7 @@ class ProgressPrinter:
 
     def __call__(self, m: dict[str, float], checkpoint: Path | None) -> None:
         step = int(m["step"])
-        if m["val/step"] != step and checkpoint is None:
+        if m[VAL_STEP] != step and checkpoint is None:
             return
         parts = [
             f"step {step:>{self.width}}/{self.max_steps}",
@@ -72,8 +73,8 @@ class ProgressPrinter:
             f"lr {m['train/lr']:.2e}",
             f"{m['train/tokens_per_s']:,.0f} tok/s",
         ]
-        for key, label in (("quant/bit_stall_rate", "stall"), ("quant/overflow_rate", "ovf"),
-                           ("quant/underflow_rate", "unf")):
+        for key, label in ((BIT_STALL_RATE, "stall"), (OVERFLOW_RATE, "ovf"),
+                           (UNDERFLOW_RATE, "unf")):
             if key in m:
                 parts.append(f"{label} {100 * m[key]:.2f}%")
         if checkpoint is not None:

@@ -11,6 +11,17 @@ from functools import cache
 import torch
 from torch import nn
 
+from altgrad.metrics import (
+    ACT_KURTOSIS,
+    BIT_STALL_RATE,
+    CODES_USED,
+    KURTOSIS_MAX,
+    OVERFLOW_RATE,
+    UNDERFLOW_RATE,
+    ZERO_UPDATE_FRAC,
+    gradient_stat,
+    per_layer,
+)
 from altgrad.quant.codes import code_moves_all
 from altgrad.quant.convert import linear_layers
 from altgrad.quant.formats import FormatSpec
@@ -119,9 +130,9 @@ class Diagnostics:
         self._kurtosis = {}
 
     def activation_metrics(self) -> Metrics:
-        out = {f"act/kurtosis/{n}": k for n, k in self._kurtosis.items()}
+        out = {per_layer(ACT_KURTOSIS, n): k for n, k in self._kurtosis.items()}
         if self._kurtosis:
-            out["act/kurtosis_max"] = torch.stack(list(self._kurtosis.values())).max()
+            out[KURTOSIS_MAX] = torch.stack(list(self._kurtosis.values())).max()
         return out
 
     # -- backward: gradient statistics (before clipping) ---------------------------------
@@ -130,7 +141,7 @@ class Diagnostics:
         if not grads:
             return {}
         stats = gradient_stats(list(grads.values()), self.grad_format)
-        return {f"grad/{stat}/{name}": v
+        return {per_layer(gradient_stat(stat), name): v
                 for name, row in zip(grads, stats, strict=True) for stat, v in zip(GRADIENT_STATS, row, strict=True)}
 
     # -- quantizer counters ------------------------------------------------------------
@@ -140,7 +151,7 @@ class Diagnostics:
         names, layers = list(self.quantized), list(self.quantized.values())
         if not layers:
             zero = torch.zeros((), device=self._device())
-            return {"quant/overflow_rate": zero, "quant/underflow_rate": zero, "quant/codes_used": zero}
+            return {OVERFLOW_RATE: zero, UNDERFLOW_RATE: zero, CODES_USED: zero}
         shape = (len(layers), len(ROLES))
         counts, histograms = observed_counts([layer.stats[r] for layer in layers for r in ROLES], self._device())
         counts = counts.view(*shape, 3).sum(1)  # overflow, underflow, elements
@@ -151,13 +162,13 @@ class Diagnostics:
         rates = counts[:, :2] / counts[:, 2:].clamp_min(1)
         out: Metrics = {}
         for i, name in enumerate(names):
-            out[f"quant/overflow_rate/{name}"] = rates[i, 0]
-            out[f"quant/underflow_rate/{name}"] = rates[i, 1]
-            out[f"quant/codes_used/{name}"] = used[i]
+            out[per_layer(OVERFLOW_RATE, name)] = rates[i, 0]
+            out[per_layer(UNDERFLOW_RATE, name)] = rates[i, 1]
+            out[per_layer(CODES_USED, name)] = used[i]
         totals = counts.sum(0)
-        out["quant/overflow_rate"] = totals[0] / totals[2].clamp_min(1)
-        out["quant/underflow_rate"] = totals[1] / totals[2].clamp_min(1)
-        out["quant/codes_used"] = used.mean()
+        out[OVERFLOW_RATE] = totals[0] / totals[2].clamp_min(1)
+        out[UNDERFLOW_RATE] = totals[1] / totals[2].clamp_min(1)
+        out[CODES_USED] = used.mean()
         return out
 
     # -- optimizer: bit-stall on the weights each quantized layer stores ---------------------
@@ -180,7 +191,7 @@ class Diagnostics:
             moves = code_moves_all([before[n] for n in names], [m.weight.detach() for m in layers], fmt,
                                    [m.weight_scale for m in layers])
             rates = moves["stalled"] / moves["changed"].clamp_min(1)
-            out.update({f"quant/bit_stall_rate/{n}": r for n, r in zip(names, rates, strict=True)})
+            out.update({per_layer(BIT_STALL_RATE, n): r for n, r in zip(names, rates, strict=True)})
             histograms.update(zip(names, moves["histogram"], strict=True))
             stalled.append(moves["stalled"])
             changed.append(moves["changed"])
@@ -190,8 +201,8 @@ class Diagnostics:
         stalled_total, moved_q = (torch.cat(x).sum() if x else torch.zeros((), device=dev) for x in (stalled, changed))
         moved = moved_q + (torch.stack(moved_all).sum() if moved_all else 0)
         elements = sum(w.numel() for w in before.values())
-        out["quant/bit_stall_rate"] = stalled_total / moved_q.clamp_min(1)
-        out["quant/zero_update_frac"] = 1 - moved / max(elements, 1)
+        out[BIT_STALL_RATE] = stalled_total / moved_q.clamp_min(1)
+        out[ZERO_UPDATE_FRAC] = 1 - moved / max(elements, 1)
         return out, histograms
 
     def _device(self) -> torch.device:

@@ -29,9 +29,6 @@ from torch import nn
 
 from altgrad.quant.linear import QuantizedLinear
 
-NAN_PROBE = "stability/nan_probe"
-"""Key of the probe index in the step's synced values; the policy consumes it, it is not logged."""
-
 
 class NanOrigin:
     def __init__(self, layers: dict[str, QuantizedLinear], model: nn.Module):

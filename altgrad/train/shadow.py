@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from altgrad.metrics import SHADOW_COS, SHADOW_COS_MEAN, SHADOW_COS_MIN, per_layer
 from altgrad.model import GPT, GPTConfig
 from altgrad.quant.convert import linear_layers
 from altgrad.train.diagnostics import Metrics, short_name
@@ -37,11 +38,11 @@ class FP32Shadow:
         for name in self.layers:
             g_master = master.get_submodule(name).weight.grad
             g_shadow = self.model.get_submodule(name).weight.grad
-            out[f"shadow/cos/{short_name(name)}"] = F.cosine_similarity(
+            out[per_layer(SHADOW_COS, short_name(name))] = F.cosine_similarity(
                 g_master.detach().float().flatten(), g_shadow.flatten(), dim=0
             )
         self.model.zero_grad(set_to_none=True)
         cos = torch.stack(list(out.values()))
-        out["shadow/cos_mean"] = cos.mean()
-        out["shadow/cos_min"] = cos.min()
+        out[SHADOW_COS_MEAN] = cos.mean()
+        out[SHADOW_COS_MIN] = cos.min()
         return out

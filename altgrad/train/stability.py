@@ -12,12 +12,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from altgrad.config import StabilityConfig
+from altgrad.metrics import (
+    BIT_STALL_RATE,
+    GRAD_HAS_NAN,
+    KURTOSIS_MAX,
+    LOSS_IS_NAN,
+    OVERFLOW_RATE,
+    UNDERFLOW_RATE,
+    layer_values,
+)
 
 WARNINGS = {  # event kind -> (metric, config threshold attribute)
-    "bit_stall_warn": ("quant/bit_stall_rate", "stall_warn"),
-    "overflow_warn": ("quant/overflow_rate", "overflow_warn"),
-    "underflow_warn": ("quant/underflow_rate", "underflow_warn"),
-    "kurtosis_warn": ("act/kurtosis_max", "kurtosis_warn"),
+    "bit_stall_warn": (BIT_STALL_RATE, "stall_warn"),
+    "overflow_warn": (OVERFLOW_RATE, "overflow_warn"),
+    "underflow_warn": (UNDERFLOW_RATE, "underflow_warn"),
+    "kurtosis_warn": (KURTOSIS_MAX, "kurtosis_warn"),
 }
 
 
@@ -33,9 +42,6 @@ ShiftFn = Callable[[list[str] | None, str], list[Event]]
 
 NAN_UNLOCALIZED = "nan_unlocalized"
 """Shift reason when no step of a NaN streak could be traced to a layer: every layer shifts."""
-
-STALL_PREFIX = "quant/bit_stall_rate/"
-
 
 @dataclass
 class StabilityMonitor:
@@ -62,8 +68,8 @@ class StabilityMonitor:
         """
         events: list[Event] = []
         patience = self.cfg.shift_patience if shift is not None else None
-        loss_bad = m["stability/loss_is_nan"] > 0
-        grad_bad = m["stability/grad_has_nan"] > 0
+        loss_bad = m[LOSS_IS_NAN] > 0
+        grad_bad = m[GRAD_HAS_NAN] > 0
         if loss_bad or grad_bad:
             self.nan_streak += 1
             where = "forward" if loss_bad else "backward"
@@ -100,14 +106,12 @@ class StabilityMonitor:
     def _stall_shifts(self, m: dict[str, float], patience: int, shift: ShiftFn) -> list[Event]:
         """Per-layer streaks of diagnostic steps with bit-stall above the threshold."""
         stalled = []
-        for key, rate in m.items():
-            if key.startswith(STALL_PREFIX):
-                name = key.removeprefix(STALL_PREFIX)
-                above = rate > self.cfg.shift_stall_threshold
-                self.stall_streaks[name] = self.stall_streaks.get(name, 0) + 1 if above else 0
-                if self.stall_streaks[name] >= patience:
-                    stalled.append(name)
-                    self.stall_streaks[name] = 0
+        for name, rate in layer_values(BIT_STALL_RATE, m).items():
+            above = rate > self.cfg.shift_stall_threshold
+            self.stall_streaks[name] = self.stall_streaks.get(name, 0) + 1 if above else 0
+            if self.stall_streaks[name] >= patience:
+                stalled.append(name)
+                self.stall_streaks[name] = 0
         shifted = shift(stalled, "bit_stall") if stalled else []
         self.format_shifts += len(shifted)
         return shifted

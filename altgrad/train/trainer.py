@@ -16,6 +16,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,21 @@ import torch
 
 from altgrad.config import RunConfig, dump_config
 from altgrad.data import TokenBatches, prepare_dataset
+from altgrad.metrics import (
+    DIVERGENCE,
+    FORMAT_SHIFTS,
+    GRAD_HAS_NAN,
+    GRAD_NORM,
+    LOSS_IS_NAN,
+    NAN_STREAK,
+    TOKENS_PER_S,
+    TRAIN_LOSS,
+    TRAIN_LR,
+    TRAIN_PPL,
+    VAL_LOSS,
+    VAL_PPL,
+    VAL_STEP,
+)
 from altgrad.model import GPT, GPTConfig
 from altgrad.optim import build_optimizer
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, quantized_layers
@@ -39,7 +55,7 @@ from altgrad.train.checkpoint import (
 from altgrad.train.cpu_allocator import retain_freed_memory
 from altgrad.train.diagnostics import Diagnostics, Metrics, short_name
 from altgrad.train.format_shift import layer_formats, restore_formats, shift_layers
-from altgrad.train.nan_origin import NAN_PROBE, NanOrigin
+from altgrad.train.nan_origin import NanOrigin
 from altgrad.train.partition_clip import PartitionClipper
 from altgrad.train.run_files import RunFiles
 from altgrad.train.schedule import lr_at
@@ -49,6 +65,33 @@ from altgrad.train.stability import Event, StabilityMonitor
 ReportFn = Callable[[dict[str, float], Path | None], None]
 EventFn = Callable[[dict[str, Any]], None]  # an event as events.jsonl records it
 CHECKPOINT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A step as the host reads it: its metrics, and the quantized layers a non-finite step was
+    traced to (`NanOrigin`; empty for a finite step, or when it could not be localized)."""
+
+    metrics: dict[str, float]
+    nan_origin: list[str]
+
+
+def to_host(named: Metrics, *tensors: torch.Tensor | None) -> tuple[dict[str, float], ...]:
+    """The step's one host sync: every named 0-dim metric and each further tensor (None stays
+    None) copied to the host in a single `tolist`. Returns the metrics as floats, then each tensor's
+    values as a flat list."""
+    parts = [torch.stack([v.detach().float().reshape(()) for v in named.values()])]
+    parts += [t.detach().float().flatten() for t in tensors if t is not None]
+    values = torch.cat(parts).tolist()
+    out: list[Any] = [dict(zip(named, values[:len(named)], strict=True))]
+    at = len(named)
+    for t in tensors:
+        if t is None:
+            out.append(None)
+        else:
+            out.append(values[at:at + t.numel()])
+            at += t.numel()
+    return tuple(out)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -130,12 +173,13 @@ class Trainer:
         step = start
         t_last = time.perf_counter()
         for step in range(start + 1, max_steps + 1):
-            metrics = self.train_step(step)
+            result = self.train_step(step)
+            metrics = result.metrics
             now = time.perf_counter()
             self.wall_time += now - t_last
-            metrics["train/tokens_per_s"] = self.cfg.train.batch_size * self.cfg.model.block_size / (now - t_last)
+            metrics[TOKENS_PER_S] = self.cfg.train.batch_size * self.cfg.model.block_size / (now - t_last)
             t_last = now
-            stop_reason = self._apply_policy(step, metrics)
+            stop_reason = self._apply_policy(step, metrics, result.nan_origin)
             checkpoint_due = step % self.cfg.train.checkpoint_interval == 0 or step == max_steps
             if step % self.cfg.train.log_interval == 0 or checkpoint_due or stop_reason:
                 self.files.log_metrics(metrics)  # before the checkpoint: a checkpoint's rows exist
@@ -152,8 +196,13 @@ class Trainer:
         return summary
 
     # -- one step -------------------------------------------------------------------------
-    def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step (1-based) and its metrics; `fit` adds the policy, files and checkpoints."""
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step (1-based): its metrics and, for a non-finite step, the layers it was
+        traced to. `fit` adds the policy, files and checkpoints.
+
+        The phases, in order: schedule; forward and backward; gradient clipping and the skip
+        decision (made on the device); the optimizer step; diagnostics of the update; the one
+        host sync of everything the step measured."""
         t = self.cfg.train
         x, y = self.batches.train_batch(step - 1)
         lr = lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, t.max_steps, self.cfg.optim.min_lr_ratio)
@@ -161,14 +210,15 @@ class Trainer:
             group["lr"] = lr
         diag = bool(t.diag_every) and (step % t.diag_every == 0 or step == 1)
         shadow = self.shadow is not None and (step % t.shadow_every == 0 or step == 1)
+        evaluate = step % t.eval_interval == 0 or step in (1, t.max_steps)
 
+        # forward and backward; what the diagnostics read from them before the update
         self.model.train()
         if diag:
             self.diagnostics.begin()
         with self._autocast():
             _, loss = self.model(x, y)
         loss.backward()
-
         m: Metrics = {}
         if diag:
             m.update(self.diagnostics.activation_metrics())
@@ -176,6 +226,48 @@ class Trainer:
             before = self.diagnostics.snapshot()
         if shadow:
             m.update(self.shadow.cosines(self.model, x, y))
+
+        # clipping and the skip decision, on the device
+        loss, grad_norm, nan_probe = self._clip_and_gate(loss)
+
+        # the update
+        self.optimizer.step()
+        bits = None
+        if diag:
+            update, moves = self.diagnostics.update_metrics(before)  # the raw update, before re-quantizing
+            m.update(update)
+            m.update(self.diagnostics.quant_metrics())
+            self.diagnostics.end()
+        if self.cfg.quant.master_weights == "format":
+            self._requantize_weights()
+        if diag and self.bit_tracker is not None:
+            bits = self.bit_tracker.observe(moves)
+        self.optimizer.zero_grad(set_to_none=True)
+
+        m[TRAIN_LOSS] = loss
+        m[GRAD_NORM] = grad_norm
+        m[LOSS_IS_NAN] = (~torch.isfinite(loss)).float()
+        m[GRAD_HAS_NAN] = (~torch.isfinite(grad_norm)).float()
+        if evaluate:
+            m[VAL_LOSS] = self._evaluate()
+
+        # the one host sync
+        values, probe, bit_values = to_host(m, nan_probe, bits)
+        if bits is not None:
+            self.bit_file.write(self.bit_tracker.rows(step, bit_values))
+        metrics = {"step": float(step), TRAIN_LR: lr, **values}
+        metrics[TRAIN_PPL] = _ppl(metrics[TRAIN_LOSS])
+        if evaluate:
+            self.val_loss = metrics[VAL_LOSS] if math.isfinite(metrics[VAL_LOSS]) else math.inf
+            self.val_step = step
+            self.best_val = min(self.best_val, self.val_loss)
+        metrics.update({VAL_LOSS: self.val_loss, VAL_PPL: _ppl(self.val_loss), VAL_STEP: float(self.val_step)})
+        return StepResult(metrics, self.nan_origin.blame(int(probe[0])))
+
+    def _clip_and_gate(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Clip the gradients and tell the optimizer to skip a non-finite step (`found_inf`, read
+        on the device). Returns the detached loss, the gradient norm before clipping and the probe
+        that locates a non-finite value (`NanOrigin.first_bad`)."""
         if self.clipper is not None:
             self.clipper.clip_()
         clip = self.cfg.optim.grad_clip or math.inf
@@ -185,40 +277,7 @@ class Trainer:
         torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
         loss_ok, grad_ok = torch.isfinite(loss.detach()), torch.isfinite(grad_norm)
         self.optimizer.found_inf = (~(loss_ok & grad_ok)).float()  # the step is skipped on device
-        m[NAN_PROBE] = self.nan_origin.first_bad(loss, dict(zip(params, norms, strict=True)))
-        self.optimizer.step()
-        if diag:
-            update, moves = self.diagnostics.update_metrics(before)  # the raw update, before re-quantizing
-            m.update(update)
-            m.update(self.diagnostics.quant_metrics())
-            self.diagnostics.end()
-        if self.cfg.quant.master_weights == "format":
-            self._requantize_weights()
-        bits = self.bit_tracker.observe(moves) if diag and self.bit_tracker is not None else None
-        self.optimizer.zero_grad(set_to_none=True)
-
-        m["train/loss"] = loss.detach()
-        m["train/grad_norm"] = grad_norm
-        m["stability/loss_is_nan"] = (~loss_ok).float()
-        m["stability/grad_has_nan"] = (~grad_ok).float()
-        evaluate = step % t.eval_interval == 0 or step in (1, t.max_steps)
-        if evaluate:
-            m["val/loss"] = self._evaluate()
-        flat = torch.stack([v.detach().float().reshape(()) for v in m.values()])
-        if bits is not None:
-            flat = torch.cat([flat, bits.flatten()])
-        values = flat.tolist()  # the sync
-        if bits is not None:
-            self.bit_file.write(self.bit_tracker.rows(step, values[len(m):]))
-            values = values[:len(m)]
-        metrics = {"step": float(step), "train/lr": lr, **dict(zip(m, values, strict=True))}
-        metrics["train/ppl"] = _ppl(metrics["train/loss"])
-        if evaluate:
-            self.val_loss = metrics["val/loss"] if math.isfinite(metrics["val/loss"]) else math.inf
-            self.val_step = step
-            self.best_val = min(self.best_val, self.val_loss)
-        metrics.update({"val/loss": self.val_loss, "val/ppl": _ppl(self.val_loss), "val/step": float(self.val_step)})
-        return metrics
+        return loss.detach(), grad_norm, self.nan_origin.first_bad(loss, dict(zip(params, norms, strict=True)))
 
     @torch.no_grad()
     def _requantize_weights(self) -> None:
@@ -246,19 +305,18 @@ class Trainer:
         return contextlib.nullcontext()
 
     # -- stability policy -----------------------------------------------------------------
-    def _apply_policy(self, step: int, metrics: dict[str, float]) -> str | None:
-        origin = self.nan_origin.blame(int(metrics.pop(NAN_PROBE)))  # internal, not a metric
+    def _apply_policy(self, step: int, metrics: dict[str, float], origin: list[str]) -> str | None:
         events, stop = self.monitor.observe_step(step, metrics, self._shift, origin)
-        if metrics["val/step"] == step:
-            events += self.monitor.observe_eval(metrics["val/loss"])
+        if metrics[VAL_STEP] == step:
+            events += self.monitor.observe_eval(metrics[VAL_LOSS])
         if self.monitor.nan_streak == 1:  # first NaN of a streak: the step was skipped, so this
             path = self.checkpoints.save_anomaly(step, self._state(step - 1))  # is the pre-step state
             events.append(Event("anomaly_checkpoint", f"pre-step state saved to {path.name}", {"path": str(path)}))
         for e in events:
             self._log_event(step, e)
-        metrics["stability/nan_streak"] = float(self.monitor.nan_streak)
-        metrics["stability/divergence"] = float(self.monitor.diverging)
-        metrics["quant/format_shifts"] = float(self.monitor.format_shifts)
+        metrics[NAN_STREAK] = float(self.monitor.nan_streak)
+        metrics[DIVERGENCE] = float(self.monitor.diverging)
+        metrics[FORMAT_SHIFTS] = float(self.monitor.format_shifts)
         return stop
 
     def _log_event(self, step: int, event: Event) -> None:

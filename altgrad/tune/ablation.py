@@ -9,13 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from altgrad.experiment import load_experiment
+from altgrad.trial_table import render_table, trial_row
 from altgrad.tune.asha import StabilityRungs
 from altgrad.tune.config import SweepConfig
 from altgrad.tune.grid import build_grid, describe_grid, trials_to_run
 from altgrad.tune.runner import Experiment
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import trial_labels, trial_limits
-from altgrad.tune.trials import render_table, trial_row
 
 
 class FormatAblation:

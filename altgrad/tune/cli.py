@@ -149,7 +149,7 @@ def _warn(cfg: SweepSettings) -> None:
 
 
 def _refuse_if_running(stored: dict[str, Any], path: str) -> None:
-    from altgrad.tune.trials import STALE_S, driver_alive
+    from altgrad.experiment import STALE_S, driver_alive
 
     driver = stored.get("driver", {})
     if stored.get("status") == "running" and driver_alive(driver):

@@ -40,6 +40,7 @@ from altgrad.config import (
     read_yaml,
     resolve_preset,
 )
+from altgrad.metrics import VAL_LOSS
 from altgrad.precision import PRECISION_PRESETS
 from altgrad.tune.trial_spec import stall_reports_in_run
 
@@ -269,7 +270,7 @@ class AshaSettings(_Strict):
     """Rungs at which a broken trial is stopped (see `altgrad.tune.asha`): never the best-k rule."""
 
     enabled: bool = True
-    metric: str = "val/loss"
+    metric: str = VAL_LOSS
     mode: Literal["min", "max"] = "min"
     grace_period: int = Field(20, ge=1, description="steps before the first rung")
     reduction_factor: float = Field(3.0, gt=1, description="rung spacing: rungs at grace_period × rf^k")

@@ -3,7 +3,7 @@
 A sweep on a cluster is driven from its head node; when that node is lost, the sweep is resumed
 from shared storage by a driver on a new head. A pid can only be checked on its own host, so the
 driver refreshes `driver.beat` (a Unix time) every `BEAT_S` seconds, and readers on other hosts
-(`trials.driver_alive`) count it as gone once the beat is `STALE_S` old.
+(`experiment.driver_alive`) count it as gone once the beat is `STALE_S` old.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import time
 
 from ray.tune import Callback
 
-from altgrad.experiment import SWEEP_FILE
+from altgrad.experiment import BEAT_S, SWEEP_FILE
 from altgrad.tune.store import StateStore
-from altgrad.tune.trials import BEAT_S
 
 
 class DriverHeartbeat(Callback):

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from altgrad.experiment import TrialRecord, load_experiment
+from altgrad.metrics import STABLE_LR
 from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
 from altgrad.tune.runner import Experiment
-from altgrad.tune.trial_spec import STABLE_LR, learning, trial_labels, trial_limits
+from altgrad.tune.trial_spec import learning, trial_labels, trial_limits
 
 RESULT_FILE = "lr_search.json"
 

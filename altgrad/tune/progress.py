@@ -13,6 +13,7 @@ from typing import Any
 from ray.tune import Callback
 
 from altgrad.experiment import ASHA_FILE, STOPPER_FILE, stop_detail
+from altgrad.metrics import NAN_STREAK, VAL_LOSS
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import trial_key
 
@@ -28,7 +29,7 @@ class SweepProgress(Callback):
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
         result: dict[str, Any] = trial.last_result or {}
-        val = result.get("val/loss", math.nan)
+        val = result.get(VAL_LOSS, math.nan)
         self._line(trials, trial, True, f"{self._reason(trial.trial_id, result)}; last report "
                    f"step {int(result.get('step', 0))}, val loss {val:.4f}{self._took(trial.trial_id)}")
 
@@ -43,7 +44,7 @@ class SweepProgress(Callback):
             stopped = (self._store.read(name) or {}).get("stopped", {}).get(trial_id)
             if stopped is not None:
                 return stop_detail({"reason": "asha", **stopped})
-        return "nan" if result.get("stability/nan_streak", 0) > 0 else "completed"
+        return "nan" if result.get(NAN_STREAK, 0) > 0 else "completed"
 
     def _took(self, trial_id: str) -> str:
         start = self._started.pop(trial_id, None)

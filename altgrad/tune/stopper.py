@@ -15,10 +15,8 @@ from typing import Any
 from ray.tune.stopper import Stopper
 
 from altgrad.experiment import STOPPER_FILE
+from altgrad.metrics import NAN_STREAK, STALL_STREAK
 from altgrad.tune.store import StateStore
-from altgrad.tune.trial_spec import STALL_STREAK
-
-NAN_STREAK = "stability/nan_streak"
 
 
 class StabilityStopper(Stopper):

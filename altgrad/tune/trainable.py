@@ -32,12 +32,20 @@ from ray import tune
 
 from altgrad.config import RunConfig
 from altgrad.experiment import RUN_DIR, TRIALS_DIR, WORKER_FILE, read_jsonl
+from altgrad.metrics import (
+    BIT_STALL_RATE,
+    LOSS_IS_NAN,
+    STABLE_LR,
+    STALL_STREAK,
+    TRAIN_LOSS,
+    VAL_LOSS,
+    VAL_STEP,
+)
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
-from altgrad.tune.trial_spec import STABLE_LR, STALL_STREAK, learning, trial_key, trial_run_config
+from altgrad.tune.trial_spec import learning, trial_key, trial_run_config
 from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
 
-STALL_RATE = "quant/bit_stall_rate"
 log = logging.getLogger("altgrad.tune.trial")
 
 
@@ -169,15 +177,15 @@ class SweepSignals:
         self.first_val: float | None = None
 
     def observe(self, row: dict[str, float]) -> dict[str, float]:
-        rate = row.get(STALL_RATE)
+        rate = row.get(BIT_STALL_RATE)
         if rate is not None and self.counts_stall:  # rows without diagnostics leave the streak alone
             self.stall_streak = self.stall_streak + 1 if rate >= self.stall_threshold else 0
-        if self.first_val is None and row.get("val/step") == row["step"]:
-            self.first_val = row["val/loss"]
-        val = row["val/loss"]
-        broken = row.get("stability/loss_is_nan", 0) > 0 or not math.isfinite(val)
+        if self.first_val is None and row.get(VAL_STEP) == row["step"]:
+            self.first_val = row[VAL_LOSS]
+        val = row[VAL_LOSS]
+        broken = row.get(LOSS_IS_NAN, 0) > 0 or not math.isfinite(val)
         return {
-            "val/loss": math.inf if broken else val,
+            VAL_LOSS: math.inf if broken else val,
             STALL_STREAK: float(self.stall_streak),
             STABLE_LR: self.lr if not broken and learning(self.first_val, val) else 0.0,
         }
@@ -205,9 +213,9 @@ class TuneReporter:
         # (`quant/overflow_rate/h.0.mlp.c_fc`, ...) stay in the run directory's metrics.jsonl.
         out = {k: v for k, v in metrics.items() if k.count("/") <= 1}
         out.update(self.signals.observe(metrics))
-        if metrics["val/step"] == step or checkpoint_dir is not None:
-            log.info("step %d: train loss %.4f, val loss %.4f%s", step, metrics["train/loss"],
-                     metrics["val/loss"], f", checkpoint {checkpoint_dir.name}" if checkpoint_dir else "")
+        if metrics[VAL_STEP] == step or checkpoint_dir is not None:
+            log.info("step %d: train loss %.4f, val loss %.4f%s", step, metrics[TRAIN_LOSS],
+                     metrics[VAL_LOSS], f", checkpoint {checkpoint_dir.name}" if checkpoint_dir else "")
         attach = checkpoint_dir is not None and self.attach_checkpoints
         checkpoint = tune.Checkpoint.from_directory(str(checkpoint_dir)) if attach else None
         if self.wandb_run is not None:  # first: Tune may stop the trial inside `report`

@@ -15,9 +15,6 @@ from altgrad.config import RunConfig, deep_merge
 
 SEARCHED = ("lr",)  # hyper-parameters a searcher may sample on top of the grid point
 
-# Metrics the trainable adds to the trainer's reports for the sweep's deciders.
-STALL_STREAK = "sweep/stall_streak"  # consecutive bit-stall reports at or above the threshold
-STABLE_LR = "sweep/stable_lr"  # the run's learning rate while it learns stably, else 0
 
 
 def sampled(config: dict[str, Any]) -> dict[str, Any]:

@@ -92,7 +92,10 @@ class TrialRun:
         import wandb
 
         self.run.finish(exit_code=exit_code)
-        wandb.teardown()
+        try:
+            wandb.teardown()
+        except SystemExit as e:  # W&B exits the process when its service died (Ray may kill it)
+            log.warning("W&B service of run %s had already exited (code %s)", self.id, e.code)
 
 
 @contextmanager

@@ -1,0 +1,84 @@
+"""The metrics contract: the name of every metric a run records, and which steps carry it.
+
+A run directory's `metrics.jsonl` has one row per logged step (every `train.log_interval` steps,
+and at each checkpoint and at a stop). Every name is defined here once; the trainer writes them,
+and the sweep's deciders, the trial table and the report read them by these names.
+
+Every logged row
+    STEP; TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, GRAD_NORM, TOKENS_PER_S;
+    LOSS_IS_NAN, GRAD_HAS_NAN (1.0 when that step was non-finite and skipped), NAN_STREAK,
+    DIVERGENCE, FORMAT_SHIFTS;
+    VAL_LOSS, VAL_PPL: the latest evaluation, made at step VAL_STEP (`train.eval_interval`,
+    step 1 and the last step).
+Diagnostic steps (every `train.diag_every` steps, and step 1), quantized runs
+    model-wide OVERFLOW_RATE, UNDERFLOW_RATE, CODES_USED, BIT_STALL_RATE, ZERO_UPDATE_FRAC,
+    KURTOSIS_MAX, and per layer (`per_layer(metric, layer)`) the first four, ACT_KURTOSIS and
+    `gradient_stat(stat)` for each of `diagnostics.GRADIENT_STATS` (GRAD_DEAD_FRAC among them).
+Shadow steps (every `train.shadow_every` steps, and step 1)
+    SHADOW_COS_MEAN, SHADOW_COS_MIN, and per layer SHADOW_COS.
+Added by a sweep's trial to what it reports to Tune (not in metrics.jsonl)
+    STALL_STREAK, STABLE_LR.
+
+Tune, W&B and the trial table get the model-wide metrics (`model_wide`); the per-layer ones stay
+in metrics.jsonl, where the report reads them. The thresholds that act on these metrics are the
+run's `stability` settings (`altgrad.config.StabilityConfig`), read by the trainer and the sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+STEP = "step"
+
+TRAIN_LOSS = "train/loss"
+TRAIN_PPL = "train/ppl"
+TRAIN_LR = "train/lr"
+GRAD_NORM = "train/grad_norm"
+TOKENS_PER_S = "train/tokens_per_s"
+
+LOSS_IS_NAN = "stability/loss_is_nan"
+GRAD_HAS_NAN = "stability/grad_has_nan"
+NAN_STREAK = "stability/nan_streak"
+DIVERGENCE = "stability/divergence"
+FORMAT_SHIFTS = "quant/format_shifts"
+
+VAL_LOSS = "val/loss"
+VAL_PPL = "val/ppl"
+VAL_STEP = "val/step"
+
+OVERFLOW_RATE = "quant/overflow_rate"
+UNDERFLOW_RATE = "quant/underflow_rate"
+CODES_USED = "quant/codes_used"
+BIT_STALL_RATE = "quant/bit_stall_rate"
+ZERO_UPDATE_FRAC = "quant/zero_update_frac"
+KURTOSIS_MAX = "act/kurtosis_max"
+ACT_KURTOSIS = "act/kurtosis"  # per layer only
+GRAD_DEAD_FRAC = "grad/dead_frac"  # per layer only; one of gradient_stat's
+
+SHADOW_COS_MEAN = "shadow/cos_mean"
+SHADOW_COS_MIN = "shadow/cos_min"
+SHADOW_COS = "shadow/cos"  # per layer only
+
+STALL_STREAK = "sweep/stall_streak"  # consecutive reports with bit-stall at or above the threshold
+STABLE_LR = "sweep/stable_lr"  # the run's learning rate while it learns stably, else 0
+
+
+def per_layer(metric: str, layer: str) -> str:
+    """The per-layer form of a model-wide metric, e.g. `quant/bit_stall_rate/h.0.mlp.c_fc`."""
+    return f"{metric}/{layer}"
+
+
+def gradient_stat(stat: str) -> str:
+    """The metric of a gradient statistic (`diagnostics.GRADIENT_STATS`), reported per layer."""
+    return f"grad/{stat}"
+
+
+def layer_values(metric: str, row: Mapping[str, float]) -> dict[str, float]:
+    """The per-layer values of a metric in a row, by layer name."""
+    prefix = f"{metric}/"
+    return {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
+
+
+def model_wide(name: str) -> bool:
+    """Whether a metric is model-wide (`group/name`) rather than per layer (`group/name/<layer>`)."""
+    return name.count("/") <= 1
