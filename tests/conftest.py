@@ -72,10 +72,15 @@ def make_config(eurlex_dir, data_root):
 @pytest.fixture(scope="session")
 def ray_address():
     """One Ray instance for the whole session (starting one costs seconds); its GCS address lets
-    sweep drivers in subprocesses join it through RAY_ADDRESS."""
+    sweep drivers in subprocesses join it through RAY_ADDRESS. Its nodes, and so every trial
+    process, get `sweep_helpers.TRIALS_ENV` (set while they start; this process keeps its own)."""
     import ray
+    from sweep_helpers import TRIALS_ENV
 
-    context = ray.init(num_cpus=2, include_dashboard=False)
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in TRIALS_ENV.items():
+            env.setenv(k, v)
+        context = ray.init(num_cpus=2, include_dashboard=False)
     yield context.address_info["gcs_address"]
     ray.shutdown()
 

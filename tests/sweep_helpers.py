@@ -16,6 +16,11 @@ from altgrad.experiment import RUN_DIR, TRIALS_DIR, read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "sweeps" / "format_ablation.py"
 STEPS, CHECKPOINT = 20, 5
+# The environment of every Ray node the sweep tests start, and so of their trial processes: the
+# quantizer kernels run eagerly. Each trial process would otherwise compile them afresh (seconds
+# to a minute each on a cold cache); the sweep tests are about orchestration, and the eager and
+# compiled kernels are bit-identical (test_quantize, test_quantized_linear, test_codes).
+TRIALS_ENV = {"ALTGRAD_NO_COMPILE": "1"}
 
 
 def tiny_sweep(eurlex_dir: Path, data_root: Path) -> list[str]:
@@ -46,7 +51,7 @@ def start_driver(args: list[str], ray_address: str | None, machine: Path | None 
     if machine is not None:
         for sub in ("work", "home", "ray"):
             (machine / sub).mkdir(parents=True)
-        env.update(HOME=str(machine / "home"), RAY_TMPDIR=str(machine / "ray"))
+        env.update(HOME=str(machine / "home"), RAY_TMPDIR=str(machine / "ray"), **TRIALS_ENV)
         cwd = machine / "work"
     return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=cwd, text=True, env=env,
                             start_new_session=machine is not None,

@@ -80,6 +80,7 @@ def test_quantize_benchmark_records_what_it_printed(tmp_path, capsys):
     assert slowest["baseline"] == "compiled e4m3" and slowest["target"] == bench.EXOTIC_TARGET
 
 
+@pytest.mark.usefixtures("eager_kernels")  # the compiled kernels are tested elsewhere
 def test_train_step_host_preset_records_its_ratios(tmp_path, capsys):
     """The host-bound proxy builds the 6-layer, 16-wide, batch-1 model and records each ratio
     with the milliseconds it came from."""

@@ -20,6 +20,7 @@ import pytest
 from sweep_helpers import (
     CHECKPOINT,
     STEPS,
+    TRIALS_ENV,
     kill_processes_mentioning,
     last_step,
     start_driver,
@@ -48,7 +49,7 @@ def cluster(monkeypatch):
     temp = tempfile.mkdtemp(prefix="altgrad-")  # short: Ray's socket paths must fit 107 bytes
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(16))
-    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **FAST_HEALTH_CHECK}
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **FAST_HEALTH_CHECK, **TRIALS_ENV}
     address = f"127.0.0.1:{free_port()}"
     subprocess.run([RAY, "start", "--head", f"--port={address.split(':')[1]}", "--node-ip-address=127.0.0.1",
                     "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"],

@@ -241,6 +241,7 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     assert f"GPU time: {hours:.2f} GPU-hours (0.25 GPU per trial) = ${hours * 4:.2f} at $4/GPU-hour" in gpu
 
 
+@pytest.mark.usefixtures("eager_kernels")  # the compiled kernels are tested elsewhere
 def test_measured_step_cost_is_timed_here(make_config):
     from altgrad.tune.estimate import measure
 
