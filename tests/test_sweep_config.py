@@ -247,3 +247,23 @@ def test_measured_step_cost_is_timed_here(make_config):
 
     cost = measure(make_config("quant.format=e4m3", "train.max_steps=30"), steps=6, threads=1)
     assert cost.source == "measured" and 0 < cost.step_s < 5 and cost.eval_s >= 0 and cost.startup_s > 0
+
+
+def test_online_wandb_without_a_key_is_refused_before_any_trial(tmp_path, monkeypatch, capsys):
+    """No API key (no WANDB_API_KEY, no `wandb login` in ~/.netrc): exit 2 with the fix, before
+    Ray starts or anything is written. With a key in ~/.netrc the check passes."""
+    from altgrad.tune.wandb_runs import missing_login
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ablation("--smoke", "--storage-path", str(tmp_path / "exp"), "--set", "wandb.enabled=true",
+                    "--set", "wandb.mode=online") == 2
+    err = capsys.readouterr().err
+    assert "needs a W&B API key for api.wandb.ai" in err and "wandb login" in err
+    assert not (tmp_path / "exp").exists()
+    assert missing_login("offline") is None
+    netrc = tmp_path / ".netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    assert missing_login("online") is None

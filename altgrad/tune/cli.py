@@ -74,6 +74,7 @@ def sweep_main(kind: SweepKind, default_config: Path, description: str, argv: li
 
 def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after: AfterSweep | None) -> int:
     from altgrad.data import DataError, prepare_dataset
+    from altgrad.tune.wandb_runs import missing_login
 
     cfg = load_sweep_config(kind.model, args.config or default_config, args.overrides, args.smoke,
                             args.name, args.storage_path)
@@ -109,6 +110,8 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     if not todo:
         print(f"sweep {cfg.name} is complete ({cfg.experiment_path}); --fresh starts it over")
         return _finish(kind, cfg, experiments, after)
+    if cfg.wandb.enabled and (problem := missing_login(cfg.wandb.mode)):
+        raise ConfigError(problem)
     try:
         prepare_dataset(cfg.base_run.data)  # once, before the trials race for it
     except DataError as e:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import netrc
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,22 @@ class WandbSpec:
     mode: str
     group: str
     sweep_id: str
+
+
+def missing_login(mode: str) -> str | None:
+    """Why an online sweep's trials could not log (no API key on this machine), else None: said
+    once by the driver before any trial starts, rather than by every trial failing at `wandb.init`."""
+    if mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc().authenticators(host):  # where `wandb login` keeps the key
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (f"wandb.mode=online needs a W&B API key for {host} on this machine: run `wandb login` or "
+            "set WANDB_API_KEY; or log offline (wandb.mode=offline) and `wandb sync` the trial "
+            "directories later")
 
 
 def run_id(sweep_id: str, key: str) -> str:
