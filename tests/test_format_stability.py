@@ -17,6 +17,11 @@ from altgrad.train.format_shift import layer_formats
 from altgrad.train.stability import NAN_UNLOCALIZED, Event, StabilityMonitor
 from altgrad.train.trainer import StepResult
 
+# Stability policy, not compilation: the kernels run eagerly (bit-identical to the compiled ones,
+# which test_quantize, test_quantized_linear and test_trainer cover); a format shift regroups the
+# layers and would compile new graphs.
+pytestmark = pytest.mark.usefixtures("eager_kernels")
+
 
 class Interrupt(Exception):
     pass
@@ -53,7 +58,6 @@ def poison(trainer: Trainer, weight_grad: str, weight_steps: set[int], output: s
         lambda mod, inp, out: out * math.inf if mod.training and current[0] in output_steps else None)
 
 
-@pytest.mark.usefixtures("eager_kernels")  # the compiled kernels are tested elsewhere
 def test_format_master_weights_stay_on_the_grid(make_config, tmp_path):
     trainer = Trainer(make_config("quant.format=e3m4", "quant.master_weights=format",
                                   "train.max_steps=3", "train.shadow_every=0"), tmp_path)
@@ -139,7 +143,6 @@ def test_a_nan_streak_shifts_the_layers_traced_over_it(origins, shifted):
     assert monitor.nan_streak == 0 and monitor.nan_origins == [] and monitor.format_shifts == 1
 
 
-@pytest.mark.usefixtures("eager_kernels")  # the compiled kernels are tested elsewhere
 def test_bit_stall_streak_shifts_the_stalled_layers(make_config, tmp_path):
     cfg = make_config("quant.format=e6m1", "quant.master_weights=format", "optim.lr=1e-5",
                       "stability.shift_patience=2", "stability.shift_stall_threshold=0.5",
