@@ -250,6 +250,12 @@ class TrainConfig(_Strict):
 
 
 class StabilityConfig(_Strict):
+    """The thresholds that act on a run's metrics (`altgrad.metrics`), read by the trainer and, for
+    NaN streaks, by a sweep's stopper. Bit-stall has three levels on purpose, one per action: a
+    warning event at `stall_warn`, an emergency mantissa shift of a layer stalled above
+    `shift_stall_threshold` for `shift_patience` diagnostic steps, and a sweep's stop at its
+    `stopper.stall_threshold` (0.99, sustained)."""
+
     nan_patience: int = Field(10, ge=1)
     stall_warn: float = Field(0.5, ge=0, le=1)
     overflow_warn: float = Field(0.01, ge=0, le=1)

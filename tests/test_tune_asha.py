@@ -14,7 +14,7 @@ from altgrad.experiment import ASHA_FILE, STATE_DIR, STOPPER_FILE, stop_detail
 from altgrad.metrics import STABLE_LR, STALL_STREAK
 from altgrad.tune.asha import StabilityRungs, asha_milestones
 from altgrad.tune.config import SweepConfig
-from altgrad.tune.runner import _sigterm_stops_gracefully
+from altgrad.tune.runner import sigterm_stops_gracefully
 from altgrad.tune.stopper import StabilityStopper
 from altgrad.tune.store import StateStore
 from altgrad.tune.trainable import SweepSignals, TuneReporter, stall_halts_learning
@@ -248,7 +248,7 @@ def test_sigterm_takes_the_sigint_path():
     seen = []
     previous = signal.signal(signal.SIGINT, lambda *a: seen.append("sigint"))
     try:
-        with _sigterm_stops_gracefully() as received:
+        with sigterm_stops_gracefully() as received:
             signal.raise_signal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -89,7 +89,9 @@ class StopperSettings(_Strict):
     with fp32 master weights a stalled 8-bit view still learns (`trainable.stall_halts_learning`)."""
 
     enabled: bool = True
-    nan_patience: int = Field(5, ge=1, description="stop after this many consecutive NaN steps")
+    nan_patience: int | None = Field(
+        None, ge=1, description="stop after this many consecutive NaN steps; null: the trainer's own "
+                                "limit, base.stability.nan_patience (one number for both)")
     stall_threshold: float = Field(0.99, gt=0, le=1, description="bit-stall rate that counts as stalled")
     stall_reports: int = Field(
         20, ge=1, description="stop after this many stalled reports in a row; only reports of "
@@ -159,6 +161,11 @@ class SweepSettings(_Strict):
 
     def check(self) -> None:
         """Cross-field checks that need the run config; ConfigError names the field."""
+
+    @property
+    def nan_patience(self) -> int:
+        """The NaN streak that ends a trial: the stopper's, else the base run's own limit."""
+        return self.stopper.nan_patience or self.base_run.stability.nan_patience
 
     @cached_property
     def base_run(self) -> RunConfig:

@@ -210,7 +210,7 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
                      "the same optimizer and seed, else the rung's best)")
     if cfg.stopper.enabled:
         s = cfg.stopper
-        lines.append(f"stability stopper: {s.nan_patience} NaN steps in a row, or bit-stall >= "
+        lines.append(f"stability stopper: {cfg.nan_patience} NaN steps in a row, or bit-stall >= "
                      f"{s.stall_threshold:g} for {s.stall_reports} reports in a row")
     cpus, gpus = machine_resources()
     can_measure = cfg.preset == "cpu" or gpus > 0

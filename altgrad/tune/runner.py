@@ -142,7 +142,7 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
         tuner = tune.Tuner.restore(exp.path, trainable=trainable, resume_errored=True)
     else:  # never started, or killed before Ray's first snapshot: trials find their checkpoints
         tuner = _new_tuner(exp, trainable)
-    with _sigterm_stops_gracefully() as received:
+    with sigterm_stops_gracefully() as received:
         try:
             tuner.fit()
         except KeyboardInterrupt:  # a second Ctrl-C during Ray's own shutdown
@@ -201,7 +201,7 @@ def _new_tuner(exp: Experiment, trainable):
                             JsonLoggerCallback(), CSVLoggerCallback()]
     stopper = None
     if s.stopper.enabled:
-        stopper = StabilityStopper(exp.store, nan_patience=s.stopper.nan_patience,
+        stopper = StabilityStopper(exp.store, nan_patience=s.nan_patience,
                                    stall_reports=s.stopper.stall_reports,
                                    stall_threshold=s.stopper.stall_threshold)
     return tune.Tuner(
@@ -230,7 +230,7 @@ def _new_tuner(exp: Experiment, trainable):
 
 
 @contextlib.contextmanager
-def _sigterm_stops_gracefully() -> Iterator[list[int]]:
+def sigterm_stops_gracefully() -> Iterator[list[int]]:
     """SIGTERM takes Ray's SIGINT path (save the experiment state, stop the trials)."""
     received: list[int] = []
 
