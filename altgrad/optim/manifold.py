@@ -108,8 +108,8 @@ def _fused_adamw(params: list[torch.Tensor], states: list[dict], group: dict,
                  found: torch.Tensor | None) -> None:
     """torch's fused AdamW kernel, called as `torch.optim.AdamW(fused=True)` calls it (one call per
     device and dtype; bit for bit the same step), without the rest of its Python wrapper, which
-    cost ~0.1-0.25 ms a call: more than the kernel on the few small plain parameters. (Grouping
-    alone cost ~0.07 ms: it is skipped when, as always here, there is one device and dtype.)"""
+    costs more host time than the kernel on the few small plain parameters. Grouping by device and
+    dtype is skipped: here there is always one of each (docs/design.md, "Where a step's time goes")."""
     beta1, beta2 = group["betas"]
     tensors = [[p.detach() for p in params], [p.grad for p in params], [s["exp_avg"] for s in states],
                [s["exp_avg_sq"] for s in states], [s["step"] for s in states]]
@@ -169,13 +169,12 @@ def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyp
                    ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
                    vs: list[torch.Tensor], steps: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
     """`_adamw_ulp` on every weight of one format, as one compiled graph with its step
-    counts, gates and bias corrections: a compiled call or an eager op costs ~0.01-0.3 ms of host
-    time, more than a small weight's update, so a step is one call per format (9x AdamW on an H200
-    when it was one per weight).
+    counts, gates and bias corrections: a compiled call or an eager op costs more host time than a
+    small weight's update, so a step is one call per format.
 
-    Every scalar the element loops need is computed here, once, into `coef` (one column per weight).
-    Inductor inlines scalar arithmetic into the loops that use it: computed there, the bias
-    corrections' `pow`s made the update 2.3x slower and the gates 1.25-1.35x slower on CPU.
+    Every scalar the element loops need is computed here, once, into `coef` (one column per weight):
+    inductor inlines scalar arithmetic into the loops that use it, which would recompute the bias
+    corrections' `pow`s and the gates for every element (measured in docs/design.md).
     """
     go = (found <= 0).float()  # 1: step, 0: skip
     torch._foreach_add_(steps, go)
