@@ -19,7 +19,7 @@ STEPS, CHECKPOINT = 20, 5
 # The environment of every Ray node the sweep tests start, and so of their trial processes: the
 # quantizer kernels run eagerly. Each trial process would otherwise compile them afresh (seconds
 # to a minute each on a cold cache); the sweep tests are about orchestration, and the eager and
-# compiled kernels are bit-identical (test_quantize, test_quantized_linear, test_codes).
+# compiled kernels are bit-identical (test_quantize, test_linear, test_codes).
 TRIALS_ENV = {"ALTGRAD_NO_COMPILE": "1"}
 
 

@@ -18,7 +18,7 @@ from altgrad.train.stability import NAN_UNLOCALIZED, Event, StabilityMonitor
 from altgrad.train.trainer import StepResult
 
 # Stability policy, not compilation: the kernels run eagerly (bit-identical to the compiled ones,
-# which test_quantize, test_quantized_linear and test_trainer cover); a format shift regroups the
+# which test_quantize, test_linear and test_trainer cover); a format shift regroups the
 # layers and would compile new graphs.
 pytestmark = pytest.mark.usefixtures("eager_kernels")
 

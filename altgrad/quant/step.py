@@ -5,7 +5,7 @@ quantizer) that was ~30 kernel launches and two compiled calls per tensor, so a 
 preset spent most of its time launching kernels (7x a bf16 step). `quantize_step` runs the same
 functions, in the same order, as one compiled graph after an eager `aminmax` (see
 `scaling.scale_step`), so its results are bit-identical to the separate calls:
-`tests/test_quantized_linear.py` compares them. The counters stay out of that graph (fused into
+`tests/test_linear.py` compares them. The counters stay out of that graph (fused into
 it, inductor's code for the sampled counts over a 25M-element logits gradient cost 12x a separate
 kernel on CPU): `TensorStats` keeps copies of the samples, and `observed_counts` counts every
 tensor of a step at once.
