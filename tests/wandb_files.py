@@ -1,53 +1,19 @@
-"""Reads W&B's offline run files: the `run-<id>.wandb` transaction log of each `offline-run-*`
-folder, a LevelDB-style log of protobuf `Record`s (7-byte header ':W&B' + magic + version, then
-32 KiB blocks of [crc32, length, type] + payload chunks)."""
+"""What the tests read from W&B's local run files, on top of `altgrad.tune.wandb_files`."""
 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-HEADER = 7
-BLOCK = 32 * 1024
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+from altgrad.tune.wandb_files import history_steps, run_logs
 
-
-def records(path: Path) -> list[pb.Record]:
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
-    out, chunks, pos = [], [], HEADER
-    while pos + 7 <= len(data):
-        block_left = BLOCK - (pos % BLOCK) if pos >= BLOCK else BLOCK - pos
-        if block_left < 7:  # a block's tail too small for a chunk header is padding
-            pos += block_left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
-            break
-        chunks.append(data[pos + 7:pos + 7 + length])
-        pos += 7 + length
-        if kind in (FULL, LAST):
-            record = pb.Record()
-            record.ParseFromString(b"".join(chunks))
-            out.append(record)
-            chunks = []
-    return out
+__all__ = ["alerts", "history_rows", "history_steps", "offline_runs"]
 
 
 def offline_runs(directory: Path) -> dict[str, list[list[pb.Record]]]:
-    """run id -> the records of each offline run folder with that id, oldest first."""
-    runs: dict[str, list[list[pb.Record]]] = {}
-    for folder in sorted(directory.rglob("offline-run-*")):
-        (log,) = folder.glob("run-*.wandb")
-        runs.setdefault(log.stem.removeprefix("run-"), []).append(records(log))
-    return runs
-
-
-def history_steps(attempts: list[list[pb.Record]]) -> list[int]:
-    return [r.history.step.num for recs in attempts for r in recs if r.HasField("history")]
+    return run_logs(directory)
 
 
 def history_rows(attempts: list[list[pb.Record]]) -> dict[int, dict[str, float]]:

@@ -40,6 +40,7 @@ from altgrad.metrics import (
     TRAIN_LOSS,
     VAL_LOSS,
     VAL_STEP,
+    model_wide,
 )
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
@@ -207,12 +208,11 @@ class TuneReporter:
         if self._history is not None:  # resumed: replay what the run logged before this step
             for row in self._history:
                 if row.get("step", math.inf) < step:
-                    self.signals.observe(row)
+                    replayed = self._reported(row)
+                    if self.wandb_run is not None:  # rows a killed attempt's W&B run lost
+                        self.wandb_run.log(replayed)
             self._history = None
-        # Tune (its loggers, W&B, the deciders) gets the model-wide metrics; the per-layer ones
-        # (`quant/overflow_rate/h.0.mlp.c_fc`, ...) stay in the run directory's metrics.jsonl.
-        out = {k: v for k, v in metrics.items() if k.count("/") <= 1}
-        out.update(self.signals.observe(metrics))
+        out = self._reported(metrics)
         if metrics[VAL_STEP] == step or checkpoint_dir is not None:
             log.info("step %d: train loss %.4f, val loss %.4f%s", step, metrics[TRAIN_LOSS],
                      metrics[VAL_LOSS], f", checkpoint {checkpoint_dir.name}" if checkpoint_dir else "")
@@ -222,6 +222,12 @@ class TuneReporter:
             self.wandb_run.log(out)
         tune.report(out, checkpoint=checkpoint)
         self._last = None
+
+    def _reported(self, metrics: dict[str, float]) -> dict[str, float]:
+        """What Tune (its loggers, W&B, the deciders) gets of a row: the model-wide metrics and the
+        sweep's signals; the per-layer ones (`quant/overflow_rate/h.0.mlp.c_fc`, ...) stay in the
+        run directory's metrics.jsonl."""
+        return {**{k: v for k, v in metrics.items() if model_wide(k)}, **self.signals.observe(metrics)}
 
     def report_if_silent(self) -> None:
         """Report the run's last logged row again if this attempt reported nothing.

@@ -2,11 +2,13 @@
 
 Nothing runs on the driver (no logging actors, no stalls at trial start). The run id is derived
 from the experiment and the trial's grid key, so every attempt at a trial -- a retry after a crash,
-a resume after the driver was killed -- logs into the same run. A resumed attempt re-trains the
-steps between its checkpoint and where the previous attempt stopped; those were logged already, so
-the run skips every step up to the last one logged (kept in `<run dir>/wandb.json`) and its
-history holds each step once. Offline, each attempt writes an `offline-run-*` folder under the
-trial directory; `wandb sync` merges them by id.
+a resume after the driver was killed -- logs into the same run, and its history holds each step
+once. An attempt starts after the last step the run really holds: what its local files under the
+trial directory hold (`wandb_files`), or what `<run dir>/wandb.json` says a finished attempt
+logged (for a retry on another machine, where only the run directory is fetched). A killed attempt
+can lose rows W&B had not written yet; the trainable logs them again from the run directory's
+`metrics.jsonl` before the resumed training reports (`TuneReporter`). Offline, each attempt
+writes an `offline-run-*` folder under the trial directory; `wandb sync` merges them by id.
 
 Stability events (non-finite steps, a NaN stop, format shifts, overflow / underflow / bit-stall /
 kurtosis warnings, divergence) become W&B alerts, at most one per kind every ALERT_COOLDOWN_S: a
@@ -34,7 +36,7 @@ ALERT_COOLDOWN_S = 300
 ALERT_LEVELS = {"nan_skip": "WARN", "nan_stop": "ERROR", "format_shift": "WARN", "divergence_warn": "WARN",
                 "bit_stall_warn": "WARN", "overflow_warn": "WARN", "underflow_warn": "WARN",
                 "kurtosis_warn": "INFO"}
-STATE_FILE = "wandb.json"  # in the run directory: the W&B run id and the last step it logged
+STATE_FILE = "wandb.json"  # in the run directory: the run id and the last step a finished attempt logged
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,12 @@ class TrialRun:
     def __init__(self, spec: WandbSpec, key: str, config: dict[str, Any], run_dir: Path, trial_dir: Path):
         import wandb
 
+        from altgrad.tune.wandb_files import last_logged_step
+
+        self.id = run_id(spec.sweep_id, key)
         self.state_file = run_dir / STATE_FILE
         state = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
-        self.last_step = int(state.get("last_step", 0))
-        self.id = run_id(spec.sweep_id, key)
+        self.last_step = max(int(state.get("last_step", 0)), last_logged_step(trial_dir, self.id))
         self.run = wandb.init(project=spec.project, group=spec.group, name=key, id=self.id, resume="allow",
                               mode=spec.mode, dir=str(trial_dir), config=config, reinit="create_new",
                               settings=wandb.Settings(silent=True, console="off"))
@@ -91,7 +95,6 @@ class TrialRun:
         # committed now, not when the next step arrives: a stopped or killed trial keeps its last row
         self.run.log({k: v for k, v in row.items() if k != "step"}, step=step, commit=True)
         self.last_step = step
-        self.state_file.write_text(json.dumps({"run_id": self.id, "last_step": step}))
 
     def event(self, event: dict[str, Any]) -> None:
         """An alert for a stability event, unless its kind alerted less than the cooldown ago or
@@ -110,7 +113,8 @@ class TrialRun:
         reuses it; left running, the service is torn down at exit after Ray's, with a traceback)."""
         import wandb
 
-        self.run.finish(exit_code=exit_code)
+        self.run.finish(exit_code=exit_code)  # returns once every row is in the run's files
+        self.state_file.write_text(json.dumps({"run_id": self.id, "last_step": self.last_step}))
         try:
             wandb.teardown()
         except SystemExit as e:  # W&B exits the process when its service died (Ray may kill it)
