@@ -221,6 +221,7 @@ def test_registry_and_bad_input(make_config):
             make_config("optim.name=manifold", bad)
 
 
+@pytest.mark.usefixtures("eager_kernels")  # the compiled optimizer is tested through `path`
 def test_manifold_changes_bit_stall_and_loss_on_eurlex(make_config, tmp_path):
     """e5m2 weights stored in the format: AdamW's small steps mostly stall, manifold's move; a ULP
     step that follows the cosine decay freezes late in the run, a constant one does not.

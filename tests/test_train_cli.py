@@ -21,6 +21,7 @@ def data_args(eurlex_dir: Path, data_root: Path) -> list[str]:
     return [arg for s in settings for arg in ("--set", s)]
 
 
+@pytest.mark.usefixtures("eager_kernels")  # the CLI, not the kernels (test_trainer trains compiled)
 def test_train_writes_a_run_dir_and_resumes(eurlex_dir, data_root, tmp_path, capsys):
     out = tmp_path / "run"
     args = [

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
-from altgrad.config import BASELINE
+from altgrad.config import BASELINE, StabilityConfig
 from altgrad.experiment import TrialRecord, axis_names, axis_value_text
 from altgrad.metrics import (
     BIT_STALL_RATE,
@@ -46,13 +46,15 @@ UNFINISHED = ("PENDING", "RUNNING", "PAUSED")
 # The pass a failure is attributed to, keyed by summary.json `collapse_where` values.
 WHERE = {"forward": "forward overflow", "backward": "backward underflow", "optimizer": "optimizer stall"}
 WINDOW = 5  # logged rows up to the stop that are searched for signals
-# (metric, threshold, site): a signal above its threshold points at that site. The thresholds are
-# the trainer's warning levels (SPEC §5); `grad/dead_frac` is the mean over layers.
+# (metric, threshold, site): a signal above its threshold points at that site. Overflow, underflow
+# and bit-stall use the trainer's default warning levels (SPEC §5); the report's own half-way mark
+# for the dead-gradient fraction (the mean over layers) and the zero-update fraction.
+_WARN = StabilityConfig()
 SIGNALS = (
-    (OVERFLOW_RATE, 0.01, "forward"),
-    (UNDERFLOW_RATE, 0.01, "backward"),
+    (OVERFLOW_RATE, _WARN.overflow_warn, "forward"),
+    (UNDERFLOW_RATE, _WARN.underflow_warn, "backward"),
     (GRAD_DEAD_FRAC, 0.5, "backward"),
-    (BIT_STALL_RATE, 0.5, "optimizer"),
+    (BIT_STALL_RATE, _WARN.stall_warn, "optimizer"),
     (ZERO_UPDATE_FRAC, 0.5, "optimizer"),
 )
 
