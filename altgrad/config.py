@@ -247,6 +247,11 @@ class TrainConfig(_Strict):
     diag_every: int = Field(1, ge=0, description="quant/grad/activation diagnostics every N steps; 0 = off")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     autocast: bool = True
+    compile: bool = Field(
+        True, description="the model's forward and backward as one compiled graph per step, the "
+        "quantizer kernels inductor regions of it (altgrad.quant.kernels.StepGraph): bit-identical "
+        "to eager, with one call a step instead of one per quantized tensor. false: the eager model "
+        "calling each kernel on its own (for debugging; ALTGRAD_NO_COMPILE=1 makes everything eager)")
 
 
 class StabilityConfig(_Strict):
@@ -303,13 +308,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Small enough that the full grid finishes in minutes on 2 cores. An evaluation (16 x 8 windows,
     # 8,192 tokens: a standard error of at most ~0.2 % of the loss on the difference of two runs)
-    # costs ~7 training steps, so it runs every 20 (docs/design.md, "Validation loss").
+    # costs ~7 training steps, so it runs every 20 (docs/design.md, "Validation loss"). Its steps
+    # are bound by compute, not host overhead, and a trial is 60 of them: compiling the step graph
+    # would cost more than it saves (docs/design.md, "The whole step in one graph").
     "cpu": {
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
         "optim": {"lr": 2e-3, "grad_clip": 1.0},
         "train": {"batch_size": 8, "max_steps": 60, "warmup_steps": 6, "seed": 42,
                   "eval_interval": 20, "eval_iters": 16, "checkpoint_interval": 20,
-                  "shadow_every": 10, "device": "cpu", "autocast": False},
+                  "shadow_every": 10, "device": "cpu", "autocast": False, "compile": False},
         "data": {"max_docs": 200},
     },
 }

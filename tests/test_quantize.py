@@ -256,7 +256,7 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", broken)
     monkeypatch.delenv("ALTGRAD_NO_COMPILE")
-    monkeypatch.setattr(kernels.Kernel, "registry", [])  # this broken kernel stays out of compile_status
+    monkeypatch.setattr(kernels.Compiled, "registry", [])  # this broken kernel stays out of compile_status
     kernel = kernels.Kernel(kernels.nearest)
     p = kernels.grid_params(FORMATS["e4m3"], True, torch.float32, torch.device("cpu"))
     x = torch.randn(100) * 100

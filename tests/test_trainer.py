@@ -14,6 +14,10 @@ from altgrad.train import Trainer
 from altgrad.train.checkpoint import CHECKPOINT_FILE, CheckpointError, step_checkpoints
 from altgrad.train.trainer import build_model
 
+# The trainer's behaviour, on eager kernels: compiling them cold costs minutes here, and the
+# compiled kernels and step graph are checked against eager in test_kernels (and through `path`).
+pytestmark = pytest.mark.usefixtures("eager_kernels")
+
 
 class Interrupt(Exception):
     """Stands in for a killed process: raised from the report callback mid-run."""

@@ -16,20 +16,26 @@ A format enters a kernel as `grid_params`, one small tensor, not as constants, s
 serves every format of a family (E?M0 and flush-to-zero formats, input dtypes and the rounding mode
 add graphs). Its entries are named by the index constants below (`p[MAX]`, not `p[3]`).
 
-`Kernel` compiles a function lazily with `torch.compile(dynamic=True)`. If compiling fails, the
-reason is kept (`compile_status`) and the eager function is used from then on;
-ALTGRAD_NO_COMPILE=1 forces eager. Both are bit-identical.
+`Kernel` compiles a function lazily with `torch.compile(dynamic=True)`: one compiled call per
+quantized tensor. `StepGraph` compiles a whole model forward (and, through AOTAutograd, its
+backward) as one graph instead, in which every kernel the forward calls is an inductor *region*
+compiled with the same options, and every other op stays the eager ATen op: one call per step, and
+still bit-identical to eager. If compiling fails, the reason is kept (`compile_status`) and the
+eager function is used from then on; ALTGRAD_NO_COMPILE=1 forces eager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 
 from altgrad.quant.formats import FormatSpec
 
@@ -179,51 +185,133 @@ def compile_options() -> dict[str, object]:
 GRAPHS_PER_KERNEL = 64  # a kernel's graphs: format family (m0, ftz) x dtype x rounding x input kind
 
 
-class Kernel:
+def allow_recompiles(graphs: int = GRAPHS_PER_KERNEL) -> None:
+    """Let dynamo keep `graphs` graphs per function instead of its default 8, past which it stops
+    compiling. The limit is process-wide (dynamo has no per-function one); it only grows."""
+    dynamo = torch._dynamo.config  # (named cache_size_limit before torch 2.6)
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, name, max(getattr(dynamo, name), graphs))
+
+
+def _no_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Autocast off around a kernel: it computes in its own container dtype. (Autocast is also part
+    of a graph's guards: called from forward, autocast on, and backward, off, each kernel would
+    compile twice.)"""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.autocast(x.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def compiling_disabled() -> bool:
+    return os.environ.get("ALTGRAD_NO_COMPILE") == "1"
+
+
+class Compiled:
+    """A function compiled on first use, eager once compiling has failed (`compile_status`)."""
+
+    registry: list[Compiled] = []  # every kernel and step graph, for `compile_status`
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.compiled: Callable[..., Any] | None = None
+        self.error: str | None = None
+        Compiled.registry.append(self)
+
+    def _fail(self, err: Exception, what: str) -> None:
+        self.error = f"{type(err).__name__}: {err}".splitlines()[0]
+        warnings.warn(f"altgrad {what}: torch.compile failed, using eager ({self.error})",
+                      RuntimeWarning, stacklevel=4)
+
+
+# Set by the first StepGraph: the fx annotation that makes a kernel an inductor region of the step
+# graph. Built outside any trace (reading inductor's config inside one breaks the graph).
+_INDUCTOR_REGION: dict[str, Any] | None = None
+
+
+class Kernel(Compiled):
     """A kernel function, compiled on first use; eager when compiling is off or has failed.
 
     `Kernel(fn)(x, *args)` is `fn(x, *args)`. x (a tensor, or a non-empty list of them for one call
     over many) decides whether to compile (tensors of 0/1 elements are not) and which device's
-    autocast to leave."""
-
-    registry: list[Kernel] = []  # every kernel, for `compile_status`
-
-    def __init__(self, fn: Callable[..., torch.Tensor]):
-        self.fn = fn
-        self.compiled: Callable[..., torch.Tensor] | None = None
-        self.error: str | None = None
-        Kernel.registry.append(self)
+    autocast to leave. Traced inside a `StepGraph`, the kernel is not a call of its own but a region
+    of the step's graph, compiled by inductor with the same options."""
 
     def __call__(self, x: torch.Tensor | list[torch.Tensor], *args) -> torch.Tensor:
         first = x[0] if isinstance(x, list) else x
+        if torch.compiler.is_compiling():
+            region = fx_traceback.annotate(_INDUCTOR_REGION) if _INDUCTOR_REGION else contextlib.nullcontext()
+            with region, _no_autocast(first):
+                return self.fn(x, *args)
         # 0/1-element tensors would each specialise a new graph; they are not worth compiling.
-        if (self.error is None and (first is not x or x.numel() > 1)
-                and os.environ.get("ALTGRAD_NO_COMPILE") != "1"):
+        if self.error is None and (first is not x or x.numel() > 1) and not compiling_disabled():
             try:
                 if self.compiled is None:
-                    # More graphs than dynamo's default of 8, past which it fails. The limit is
-                    # process-wide (dynamo has no per-function one); it only grows.
-                    dynamo = torch._dynamo.config  # (named cache_size_limit before torch 2.6)
-                    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-                    setattr(dynamo, name, max(getattr(dynamo, name), GRAPHS_PER_KERNEL))
+                    allow_recompiles()
                     self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
                                                   options=compile_options())
-                # Autocast is part of a graph's guards: called from both forward (autocast on) and
-                # backward (off), each kernel would compile twice and soon hit the recompile limit.
-                if torch.is_autocast_enabled(first.device.type):
-                    with torch.autocast(first.device.type, enabled=False):
-                        return self.compiled(x, *args)
-                return self.compiled(x, *args)
+                with _no_autocast(first):
+                    return self.compiled(x, *args)
             except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager
-                self.error = f"{type(err).__name__}: {err}".splitlines()[0]
-                warnings.warn(f"altgrad quantizer: torch.compile failed, using eager ({self.error})",
-                              RuntimeWarning, stacklevel=3)
+                self._fail(err, "quantizer")
         return self.fn(x, *args)
+
+
+# A step graph's variants: train / eval x diagnostics on / off, times the emergency format shifts
+# of a run (one layer each) and the models of one process (tests build many).
+GRAPHS_PER_STEP = 64
+
+
+class StepGraph(Compiled):
+    """`fn` (a model's forward) compiled whole: dynamo traces it into one graph, AOTAutograd derives
+    the backward graph, and `regional_inductor` compiles only the kernels' regions in both (with
+    `compile_options`), running every other op as the eager ATen op. The result is bit-identical to
+    eager -- inductor lowering the whole graph re-associates the quantizers' backward arithmetic --
+    while a step makes one compiled call instead of one per quantized tensor."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        super().__init__(fn)
+        self.graphs = 0  # graphs dynamo captured (train / eval, diagnostics on / off, formats)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        if self.error is None and not compiling_disabled():
+            try:
+                if self.compiled is None:
+                    self.compiled = self._compile()
+                return self.compiled(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager
+                self._fail(err, "step graph")
+        return self.fn(*args, **kwargs)
+
+    def _compile(self) -> Callable[..., Any]:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+        from torch.fx.passes.regional_inductor import regional_inductor
+
+        global _INDUCTOR_REGION
+        _INDUCTOR_REGION = {"compile_with_inductor": {"inductor_configs": compile_options()}}
+        allow_recompiles(GRAPHS_PER_STEP)
+        # The cached functions a step calls (`grid_params`, `scaler_params`) turn a format's fields
+        # into a small tensor; traced, they build the same constants in the graph, so dynamo's
+        # warning that it skips their cache says nothing a user can act on.
+        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+
+        def regions(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            compiled = regional_inductor(gm, example_inputs)  # boxed (takes a list) only if it found regions
+            return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
+
+        backend = aot_autograd(fw_compiler=regions, bw_compiler=regions)
+
+        def counted(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            self.graphs += 1
+            return backend(gm, example_inputs)
+
+        # Static shapes: a step's shapes never change, and inductor fails on symbolic ones here.
+        return torch.compile(self.fn, backend=counted, dynamic=False)
 
 
 def compile_status() -> str:
     """'compiled', 'eager (ALTGRAD_NO_COMPILE=1)' or 'eager (<why compiling failed>)'."""
-    if os.environ.get("ALTGRAD_NO_COMPILE") == "1":
+    if compiling_disabled():
         return "eager (ALTGRAD_NO_COMPILE=1)"
-    errors = [k.error for k in Kernel.registry if k.error]
+    errors = [k.error for k in Compiled.registry if k.error]
     return f"eager ({errors[0]})" if errors else "compiled"

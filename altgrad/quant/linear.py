@@ -78,16 +78,18 @@ def _scaler(fmt: FormatSpec, s: ScalingPolicy) -> TensorScaler:
 
 
 class _QuantizeGradOutput(torch.autograd.Function):
-    """Identity forward; quantizes the incoming gradient in backward (the 'hybrid' recipe)."""
+    """Identity forward; quantizes the incoming gradient in backward (the 'hybrid' recipe), into
+    the observation the forward reserved when `observe` is set."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, layer: QuantizedLinear, observe: bool) -> torch.Tensor:
         ctx.layer = layer
+        ctx.observe = observe
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.layer._quantize("grad_output", grad, ste=False), None
+        return ctx.layer._quantize("grad_output", grad, ste=False, reserved=ctx.observe), None, None
 
 
 class QuantizedLinear(nn.Linear):
@@ -108,7 +110,7 @@ class QuantizedLinear(nn.Linear):
         self.collect_stats = False
         self.scalers = nn.ModuleDict({role: _scaler(policy.format_of(role), policy.scaling_of(role))
                                       for role in ROLES}).to(device)
-        self.stats = nn.ModuleDict({role: TensorStats() for role in ROLES}).to(device)
+        self.stats = nn.ModuleDict({role: TensorStats(deferred=role == "grad_output") for role in ROLES}).to(device)
 
     @property
     def weight_scale(self) -> torch.Tensor:
@@ -120,26 +122,31 @@ class QuantizedLinear(nn.Linear):
         self.policy = replace(self.policy, **{role: fmt})
         self.scalers[role].fmt = fmt
 
-    def _quantize(self, role: str, x: torch.Tensor, ste: bool = True) -> torch.Tensor:
+    def _quantize(self, role: str, x: torch.Tensor, ste: bool = True, reserved: bool = False) -> torch.Tensor:
         """Training steps advance the scaling state (one fused kernel call); evaluation only reads it.
-        A role the policy does not quantize returns x itself."""
+        A role the policy does not quantize returns x itself. The quantization is observed by the
+        role's TensorStats while collecting, into its reserved observation if `reserved`
+        (backward)."""
         if not self.policy.quantizes(role):
             return x
         fmt, rounding = self.policy.format_of(role), self.policy.rounding
-        stats = self.stats[role] if self.collect_stats else None
         if self.training:
             q, scale = quantize_step(x, fmt, self.scalers[role], rounding)
         else:
             scale = self.scalers[role].current(x)
             q = quantize(x, fmt, scale, rounding=rounding)
-        if stats is not None:
-            stats.observe(x, q, fmt, scale)
+        if reserved:
+            self.stats[role].fill(x, q, scale)
+        elif self.collect_stats:
+            self.stats[role].observe(x, q, fmt, scale)
         return straight_through(x, q, fmt, scale, self.policy.clip_ste) if ste else q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(self._quantize("input", x), self._quantize("weight", self.weight), self.bias)
         if self.policy.quantizes("grad_output") and torch.is_grad_enabled() and y.requires_grad:
-            y = _QuantizeGradOutput.apply(y, self)
+            if self.collect_stats:
+                self.stats["grad_output"].reserve(y, self.policy.grad_output)
+            y = _QuantizeGradOutput.apply(y, self, self.collect_stats)
         return y
 
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ counting them all).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import cache
 from typing import NamedTuple
@@ -45,6 +46,12 @@ def sample(x: torch.Tensor) -> torch.Tensor:
     return flat[:STATS_RUNS * period].view(STATS_RUNS, period)[:, :STATS_SAMPLE // STATS_RUNS]
 
 
+def sample_shape(x: torch.Tensor) -> tuple[int, ...]:
+    """The shape of `sample(x)`."""
+    n = x.numel()
+    return (n,) if n <= STATS_SAMPLE else (STATS_RUNS, STATS_SAMPLE // STATS_RUNS)
+
+
 class Observation(NamedTuple):
     """One quantization a TensorStats saw: samples of x and of q = quantize(x, fmt, scale)."""
 
@@ -62,9 +69,16 @@ class TensorStats(nn.Module):
     a step made one compiled call and ~5 eager ops per quantized tensor: ~0.7 ms of host time each,
     27 a step at the cpu preset and 147 at the gpu one."""
 
-    def __init__(self):
+    def __init__(self, deferred: bool = False):
         super().__init__()
         self.observed: list[Observation] = []
+        self.reserved: tuple[tuple[int, ...], FormatSpec] | None = None  # (sample shape, format)
+        # Room for the one observation a step makes in backward (`reserve`, `fill`): x's and q's
+        # samples and the scale. A buffer allocated with the module, written only in backward: in
+        # a step graph an autograd.Function's backward may write a tensor the graph was given, not
+        # one its forward made or wrote or returned a view of.
+        self.register_buffer("room", torch.zeros(2, STATS_SAMPLE + 1) if deferred else torch.zeros(0),
+                             persistent=False)
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, q: torch.Tensor, fmt: FormatSpec, scale: torch.Tensor) -> None:
@@ -72,8 +86,34 @@ class TensorStats(nn.Module):
         the logits gradient, must not outlive their use)."""
         self.observed.append(Observation(sample(x).clone(), sample(q).clone(), fmt, scale.detach().clone()))
 
+    def reserve(self, like: torch.Tensor, fmt: FormatSpec) -> None:
+        """Announce an observation of a tensor shaped like `like`, made later by `fill` (grad_output
+        is quantized in backward, which must not touch Python state when traced into a step
+        graph). One per `reset`: it lives in `room`."""
+        if self.room.numel() == 0 or self.reserved is not None:
+            raise RuntimeError("TensorStats.reserve needs TensorStats(deferred=True), once per reset")
+        self.reserved = (sample_shape(like), fmt)
+
+    @torch.no_grad()
+    def fill(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Make the reserved observation of x and q = quantize(x, fmt, scale)."""
+        xs, qs = sample(x), sample(q)
+        self.room[0, :xs.numel()].view(xs.shape).copy_(xs)
+        self.room[1, :qs.numel()].view(qs.shape).copy_(qs)
+        self.room[0, STATS_SAMPLE].copy_(scale.reshape(()))
+
+    def observations(self) -> list[Observation]:
+        """Everything observed since `reset`, the reserved observation last."""
+        if self.reserved is None:
+            return list(self.observed)
+        shape, fmt = self.reserved
+        n = math.prod(shape)
+        return [*self.observed, Observation(self.room[0, :n].view(shape), self.room[1, :n].view(shape), fmt,
+                                            self.room[0, STATS_SAMPLE])]
+
     def reset(self) -> None:
         self.observed.clear()
+        self.reserved = None
 
     def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(overflow, underflow, elements) and the 256-code histogram of this tensor's observations."""
@@ -88,7 +128,7 @@ def observed_counts(stats: Sequence[TensorStats],
     format and one histogram over all (each tensor's codes offset by 256 x its row)."""
     by_format: dict[FormatSpec, list[tuple[int, Observation]]] = {}
     for row, s in enumerate(stats):
-        for seen in s.observed:
+        for seen in s.observations():
             by_format.setdefault(seen.fmt, []).append((row, seen))
     if device is None:
         device = next((seen.x.device for items in by_format.values() for _, seen in items), torch.device("cpu"))

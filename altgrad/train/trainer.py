@@ -43,6 +43,7 @@ from altgrad.model import GPT, GPTConfig
 from altgrad.optim import build_optimizer
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, quantized_layers
 from altgrad.quant.formats import get_format
+from altgrad.quant.kernels import StepGraph
 from altgrad.quant.linear import ScalingPolicy
 from altgrad.quant.quantize import quantize
 from altgrad.train.bit_tracking import BitPositionsFile, BitTracker
@@ -134,6 +135,7 @@ class Trainer:
 
         torch.manual_seed(t.seed)
         self.model = build_model(cfg).to(self.device)
+        self.forward = StepGraph(self.model) if t.compile else self.model  # (x, y) -> (logits, loss)
         self.optimizer = build_optimizer(cfg.optim.name, self.model, cfg.optim)
         if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
             raise TypeError(f"optimizer {cfg.optim.name!r} must honour `found_inf` to skip NaN steps")
@@ -217,7 +219,7 @@ class Trainer:
         if diag:
             self.diagnostics.begin()
         with self._autocast():
-            _, loss = self.model(x, y)
+            _, loss = self.forward(x, y)
         loss.backward()
         m: Metrics = {}
         if diag:
@@ -295,7 +297,7 @@ class Trainer:
         mean over tokens."""
         self.model.eval()
         with self._autocast():
-            losses = [self.model(x, y)[1] for x, y in self.val_batches]
+            losses = [self.forward(x, y)[1] for x, y in self.val_batches]
         self.model.train()
         return torch.stack(losses).mean()
 

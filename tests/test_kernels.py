@@ -1,0 +1,117 @@
+"""The step graph (`kernels.StepGraph`, `train.compile`): a whole forward and backward in one
+compiled graph, bit for bit what the eager model computes, with a bounded number of graphs, and
+resuming exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from altgrad.quant import compile_status
+from altgrad.train import Trainer
+from altgrad.train.format_shift import shift_layers
+
+# One layer 16 wide: every quantizer and diagnostic of a step, compiled in seconds.
+TINY = ("model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=8", "train.batch_size=2",
+        "train.shadow_every=0", "train.diag_every=1", "train.eval_interval=4")
+# Metrics that are float sums over a tensor and computed inside the graph (kurtosis, in the
+# forward): inductor's region and the kernel's own graph may add in a different order. Everything
+# else -- the loss, every weight, scale and counter -- must match bit for bit.
+SUMMED = ("act/kurtosis",)
+
+
+@pytest.fixture(autouse=True)
+def fresh_counters():
+    """Dynamo's counters are process-wide: count this test's graphs and graph breaks only."""
+    counters.clear()
+
+
+@pytest.fixture(autouse=True)
+def run_dirs(tmp_path):
+    """train_step without fit writes bit positions to the run directory: make the ones used here."""
+    for name in ("False", "True"):
+        (tmp_path / name).mkdir()
+
+
+def step_both(eager: Trainer, compiled: Trainer, step: int) -> tuple[dict, dict]:
+    """The same step on both trainers from the same RNG state (stochastic rounding draws from it)."""
+    rng = torch.get_rng_state()
+    a = eager.train_step(step).metrics
+    torch.set_rng_state(rng)
+    return a, compiled.train_step(step).metrics
+
+
+def assert_identical(eager: Trainer, compiled: Trainer, a: dict, b: dict, step: int) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if key.startswith(SUMMED):
+            assert b[key] == pytest.approx(value, rel=1e-5), (step, key)
+        elif key != "train/tokens_per_s":
+            assert value == b[key] or (value != value and b[key] != b[key]), (step, key, value, b[key])
+    for (name, p), q in zip(eager.model.state_dict().items(), compiled.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), (step, name)
+
+
+# Every compiled region costs a C++ compile (~2 s here), so few layers are quantized: two format
+# families (E?M0 with its tie fix-up; e5m2, whose unscaled overflow becomes inf) in one model, and
+# stochastic rounding with format-stored weights on one layer. The other layers are in the graph
+# unquantized.
+MIXED = ("quant.format=e4m3", "quant.precision=[{pattern: lm_head, format: e7m0}, "
+         "{pattern: '*.attn.c_proj', format: e5m2}]")
+STOCHASTIC = ("quant.format=e3m4", "quant.rounding=stochastic", "quant.master_weights=format",
+              "quant.precision=[{pattern: '*.mlp.c_proj', format: '{fmt}'}]")
+
+
+@pytest.mark.parametrize("quant", [MIXED, STOCHASTIC, ("quant.format=bf16",)], ids=["mixed", "stochastic", "bf16"])
+def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch, quant):
+    """`train.compile: false` is the eager model calling each (compiled) kernel on its own; the
+    kernels are bit-identical to their eager functions (test_quantize). Then the recompile guard:
+    20 more steps, each with its own lr, compile nothing new, and an emergency format shift at
+    most one more graph."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    eager, compiled = (Trainer(make_config(*TINY, *quant, "train.max_steps=100", f"train.compile={on}"),
+                               tmp_path / str(on))
+                       for on in (False, True))
+    for step in range(1, 11):  # diagnostics every step, an evaluation at 1, 4 and 8
+        a, b = step_both(eager, compiled, step)
+        assert_identical(eager, compiled, a, b, step)
+    assert compile_status() == "compiled"
+    assert counters["graph_break"] == {}
+
+    step_graphs, all_graphs = compiled.forward.graphs, counters["stats"]["unique_graphs"]
+    assert step_graphs >= 2  # training, evaluation
+    lrs = {compiled.train_step(step).metrics["train/lr"] for step in range(11, 31)}
+    assert len(lrs) == 20
+    assert compiled.forward.graphs == step_graphs and counters["stats"]["unique_graphs"] == all_graphs
+    if compiled.layers:
+        assert shift_layers(compiled.layers, [next(iter(compiled.layers))], "test")
+        compiled.train_step(31)
+        assert compiled.forward.graphs == step_graphs + 1  # a layer's format is part of the graph
+
+
+class Interrupt(Exception):
+    """Stands in for a killed process: raised from the report callback mid-run."""
+
+
+def test_resume_with_the_compiled_step_is_bit_identical(make_config, tmp_path, monkeypatch):
+    """Killed after step 8 and resumed from step 5's checkpoint, a compiled run ends where an
+    uninterrupted eager one does, bit for bit."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    common = (*TINY, *MIXED, "train.max_steps=12", "train.checkpoint_interval=5")
+    straight = Trainer(make_config(*common, "train.compile=false"), tmp_path / "straight")
+    straight.fit()
+
+    def stop(metrics, ckpt):
+        if metrics["step"] == 8:
+            raise Interrupt
+
+    compiled = make_config(*common, "train.compile=true")
+    with pytest.raises(Interrupt):
+        Trainer(compiled, tmp_path / "resumed").fit(report=stop)
+    resumed = Trainer(compiled, tmp_path / "resumed")
+    resumed.fit(resume=tmp_path / "resumed")
+    assert resumed.forward.graphs > 0
+    for (name, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(),
+                            strict=True):
+        assert torch.equal(p, q), name
