@@ -256,8 +256,8 @@ class Kernel(Compiled):
         return self.fn(x, *args)
 
 
-# A step graph's variants: train / eval x diagnostics on / off, times the emergency format shifts
-# of a run (one layer each) and the models of one process (tests build many).
+# A step graph's variants: diagnostics on / off, times the emergency format shifts of a run (one
+# layer each) and the models of one process (tests build many).
 GRAPHS_PER_STEP = 64
 
 
@@ -270,7 +270,7 @@ class StepGraph(Compiled):
 
     def __init__(self, fn: Callable[..., Any]):
         super().__init__(fn)
-        self.graphs = 0  # graphs dynamo captured (train / eval, diagnostics on / off, formats)
+        self.graphs = 0  # graphs dynamo captured (diagnostics on / off, formats, models)
 
     def __call__(self, *args, **kwargs) -> Any:
         if self.error is None and not compiling_disabled():

@@ -135,7 +135,7 @@ class Trainer:
 
         torch.manual_seed(t.seed)
         self.model = build_model(cfg).to(self.device)
-        self.forward = StepGraph(self.model) if t.compile else self.model  # (x, y) -> (logits, loss)
+        self.forward = StepGraph(self.model) if t.compile else self.model  # training: (x, y) -> (logits, loss)
         self.optimizer = build_optimizer(cfg.optim.name, self.model, cfg.optim)
         if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
             raise TypeError(f"optimizer {cfg.optim.name!r} must honour `found_inf` to skip NaN steps")
@@ -294,10 +294,11 @@ class Trainer:
     def _evaluate(self) -> torch.Tensor:
         """Mean loss over the fixed validation set, the same tokens for every seed and format
         (`TokenBatches.val_windows`); batches are equal in size, so the mean of their means is the
-        mean over tokens."""
+        mean over tokens. The eager model: an evaluation every `eval_interval` steps would not repay
+        compiling a graph of its own (bit-identical either way)."""
         self.model.eval()
         with self._autocast():
-            losses = [self.forward(x, y)[1] for x, y in self.val_batches]
+            losses = [self.model(x, y)[1] for x, y in self.val_batches]
         self.model.train()
         return torch.stack(losses).mean()
 
