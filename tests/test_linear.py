@@ -132,6 +132,26 @@ def test_counters_count_the_tensors_as_they_were_observed():
     assert expected[0].tolist() == [1, 1, 4]
 
 
+@pytest.mark.parametrize("rows", [3, 2 * STATS_SAMPLE])  # counted whole, and on a sample
+def test_grad_output_is_counted_as_the_gradient_backward_received(rows, eager_kernels):
+    """grad_output is quantized in backward into the observation its forward reserved: it counts
+    what observing that gradient directly counts."""
+    fmt = get_format("e4m3")
+    policy = LinearQuantPolicy(input=fmt, weight=fmt, grad_output=fmt, scaling=ScalingPolicy(mode="none"))
+    layer = QuantizedLinear.from_float(nn.Linear(4, 2, bias=False), policy)
+    layer.collect_stats = True
+    y = layer(torch.randn(rows, 2, 4, requires_grad=True))
+    g = torch.tensor([1000.0, 1e-4, 0.0, 1.0]).repeat(rows)[:y.numel()].view_as(y)
+    y.backward(g)
+    direct = TensorStats()
+    direct.observe(g, quantize(g, fmt), fmt, torch.ones(()))
+    for got, want in zip(layer.stats["grad_output"].counts(), direct.counts(), strict=True):
+        assert torch.equal(got, want)
+    assert layer.stats["grad_output"].counts()[0][0] > 0  # the overflowing entries were seen
+    layer.stats["grad_output"].reset()
+    assert layer.stats["grad_output"].counts()[0].tolist() == [0, 0, 0]
+
+
 def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
     fmt = get_format("e5m2")
     policy = LinearQuantPolicy(input=fmt, weight=fmt, grad_output=fmt, scaling=ScalingPolicy(mode="none"))

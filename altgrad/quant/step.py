@@ -46,12 +46,6 @@ def sample(x: torch.Tensor) -> torch.Tensor:
     return flat[:STATS_RUNS * period].view(STATS_RUNS, period)[:, :STATS_SAMPLE // STATS_RUNS]
 
 
-def sample_shape(x: torch.Tensor) -> tuple[int, ...]:
-    """The shape of `sample(x)`."""
-    n = x.numel()
-    return (n,) if n <= STATS_SAMPLE else (STATS_RUNS, STATS_SAMPLE // STATS_RUNS)
-
-
 class Observation(NamedTuple):
     """One quantization a TensorStats saw: samples of x and of q = quantize(x, fmt, scale)."""
 
@@ -93,7 +87,7 @@ class TensorStats(nn.Module):
         graph). One per `reset`: it lives in `room`."""
         if self.room.numel() == 0 or self.reserved is not None:
             raise RuntimeError("TensorStats.reserve needs TensorStats(deferred=True), once per reset")
-        self.reserved = (sample_shape(like), fmt)
+        self.reserved = (tuple(sample(like).shape), fmt)  # (a view: nothing is copied)
 
     @torch.no_grad()
     def fill(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
