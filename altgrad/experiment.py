@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from altgrad.config import StabilityConfig, read_yaml
 from altgrad.metrics import VAL_LOSS, VAL_STEP
 
 STOP_REASONS = ("completed", "asha", "nan", "bit_stall", "error")
@@ -55,6 +56,8 @@ ASHA_FILE = "asha.json"
 STOPPER_FILE = "stopper.json"
 TRIALS_DIR = "trials"  # our trial directories, one per grid key
 RUN_DIR = "run"  # the Trainer's run directory inside a trial directory
+# A run directory's files (written by `altgrad.train.run_files.RunFiles`, read here).
+CONFIG_FILE, METRICS_FILE, EVENTS_FILE, SUMMARY_FILE = "config.yaml", "metrics.jsonl", "events.jsonl", "summary.json"
 WORKER_FILE = "worker.json"  # in a trial directory: the process running it (pid, host, Ray node, start)
 # The driver refreshes `driver.beat` in sweep.json this often (`heartbeat.DriverHeartbeat`); a
 # driver on another host whose beat is older than STALE_S is taken for gone (its node was lost).
@@ -87,6 +90,8 @@ class TrialRecord:
     reference: str | None = None  # the grid key of its bf16 reference (same optimizer, seed, axes)
     error: str | None = None  # the last line of the trial's error, when it errored
     unreadable: str | None = None  # why the trial's files could not be read (file and line)
+    # The thresholds the run's trainer acted on (its config.yaml); the defaults before it started.
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the history, skipping rows that lack it."""
@@ -220,9 +225,10 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
         trial_dir = exp_dir / entry["dir"]
     run = trial_dir / RUN_DIR
     try:
-        history = _by_step(read_jsonl(run / "metrics.jsonl"))
-        events = read_jsonl(run / "events.jsonl")
-        summary = read_json(run / "summary.json") or {}
+        history = _by_step(read_jsonl(run / METRICS_FILE))
+        events = read_jsonl(run / EVENTS_FILE)
+        summary = read_json(run / SUMMARY_FILE) or {}
+        stability = run_stability(run)
     except ValueError as e:  # one corrupt trial must not hide the others
         return _record(entry, trial_id=trial_id, status="ERROR", stop_reason="error",
                        trial_dir=trial_dir, unreadable=str(e))
@@ -239,7 +245,15 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
         reason = "error"
     return _record(entry, trial_id=trial_id, status=entry["status"], stop_reason=reason,
                    history=history, events=events, summary=summary, trial_dir=trial_dir,
-                   stop_step=stop_step, stop_detail=detail, error=entry.get("error"))
+                   stop_step=stop_step, stop_detail=detail, error=entry.get("error"), stability=stability)
+
+
+def run_stability(run_dir: Path) -> StabilityConfig:
+    """The `stability` settings a run was started with; defaults for a run that has not started.
+    Fields this version does not know (a run written by another) are ignored, bad values raise."""
+    path = run_dir / CONFIG_FILE
+    section = (read_yaml(path).get("stability") or {}) if path.is_file() else {}
+    return StabilityConfig.model_validate({k: v for k, v in section.items() if k in StabilityConfig.model_fields})
 
 
 def _by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,9 +15,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from altgrad.experiment import RUN_DIR, STATE_DIR
+from altgrad.experiment import (
+    CONFIG_FILE,
+    EVENTS_FILE,
+    METRICS_FILE,
+    RUN_DIR,
+    STATE_DIR,
+    SUMMARY_FILE,
+)
 
-READ_FILES = ("metrics.jsonl", "events.jsonl", "summary.json", "config.yaml")  # of a run directory
+READ_FILES = (METRICS_FILE, EVENTS_FILE, SUMMARY_FILE, CONFIG_FILE)  # of a run directory
 
 
 def is_remote(path: str | Path) -> bool:

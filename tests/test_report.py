@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from altgrad.config import RunConfig, StabilityConfig, dump_config
 from altgrad.experiment import (
     RUN_DIR,
     STATE_DIR,
@@ -362,6 +363,7 @@ def write_experiment(root, records: list[TrialRecord]):
             (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in r.history))
             status = "finished" if r.status == "TERMINATED" else "running"
             (run / "summary.json").write_text(json.dumps({**r.summary, "status": status}))
+            (run / "config.yaml").write_text(dump_config(RunConfig(stability=r.stability)))
     return write_state(root, records)
 
 
@@ -392,6 +394,38 @@ def test_cli_writes_the_report(tmp_path, capsys):
     assert all((path.parent / name).stat().st_size > 5000 for name in pngs)
     assert all(f"]({name})" in text for name in pngs)
     assert text.index("## Plots") < text.index("## Sweet spot per layer precision") < text.index("## Failures and early stops")
+
+
+def test_failure_sites_and_guides_use_each_runs_own_thresholds(tmp_path):
+    """Two runs with the same overflow rate (0.05): one at the default warning level (0.01), one
+    whose config raised it to 0.1. Read back from their config.yaml, only the first is a forward
+    overflow, and the stability plot draws both runs' levels."""
+    default = trial("e2m5", seed=0, summary={"stop_reason": "asha"}, **{"quant/overflow_rate": 0.05})
+    raised = trial("e2m5", seed=1, summary={"stop_reason": "asha"}, **{"quant/overflow_rate": 0.05})
+    raised.stability = StabilityConfig(overflow_warn=0.1)
+    exp = write_experiment(tmp_path / "exp", [trial("bf16"), default, raised])
+    (run_dir(exp, raised) / "config.yaml").write_text(  # a field this version does not know is ignored
+        (run_dir(exp, raised) / "config.yaml").read_text().replace("stability:\n", "stability:\n  retired_knob: 3\n"))
+    records = load_experiment(exp)
+    assert [r.stability.overflow_warn for r in records] == [0.01, 0.01, 0.1]
+    for r in records:
+        r.stop_reason = r.summary.get("stop_reason")
+    f = compute_findings(records)
+    sites = {fail.trial.seed: (fail.where, fail.evidence) for fail in f.failures}
+    assert sites[0] == ("forward overflow", "quant/overflow_rate = 0.05 > 0.01")
+    assert sites[1] == ("—", "no signal above threshold")
+    plot = plot_stability(f, "adamw", (), tmp_path / "stability.png")
+    assert plot.thresholds["all: quant/overflow_rate"] == [0.01, 0.1]
+    assert plot.thresholds["all: quant/bit_stall_rate"] == [0.5]
+
+
+def test_a_bad_threshold_in_a_runs_config_makes_that_trial_unreadable(tmp_path):
+    exp = write_experiment(tmp_path / "exp", [trial("bf16"), trial("e4m3")])
+    config = run_dir(exp, trial("e4m3")) / "config.yaml"
+    config.write_text(config.read_text().replace("overflow_warn: 0.01", "overflow_warn: 7"))
+    records = load_experiment(exp)
+    assert records[0].unreadable is None
+    assert "overflow_warn" in records[1].unreadable and records[1].status == "ERROR"
 
 
 def test_cli_partial_experiment_says_what_is_missing(tmp_path):

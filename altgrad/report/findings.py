@@ -46,18 +46,23 @@ UNFINISHED = ("PENDING", "RUNNING", "PAUSED")
 # The pass a failure is attributed to, keyed by summary.json `collapse_where` values.
 WHERE = {"forward": "forward overflow", "backward": "backward underflow", "optimizer": "optimizer stall"}
 WINDOW = 5  # logged rows up to the stop that are searched for signals
-# (metric, threshold, site): a signal above its threshold points at that site. Overflow, underflow
-# and bit-stall use the trainer's default warning levels (SPEC §5); the report's own half-way mark
-# for the dead-gradient fraction (the mean over layers) and the zero-update fraction.
-_WARN = StabilityConfig()
-SIGNALS = (
-    (OVERFLOW_RATE, _WARN.overflow_warn, "forward"),
-    (UNDERFLOW_RATE, _WARN.underflow_warn, "backward"),
-    (GRAD_DEAD_FRAC, 0.5, "backward"),
-    (BIT_STALL_RATE, _WARN.stall_warn, "optimizer"),
-    (ZERO_UPDATE_FRAC, 0.5, "optimizer"),
-)
 
+
+def signals(stability: StabilityConfig) -> tuple[tuple[str, float, str], ...]:
+    """(metric, threshold, site) per failure signal: a signal above its threshold points at that
+    site. Overflow, underflow and bit-stall use the run's own warning levels (SPEC §5), the
+    dead-gradient fraction (the mean over layers) and the zero-update fraction the report's own
+    half-way mark."""
+    return (
+        (OVERFLOW_RATE, stability.overflow_warn, "forward"),
+        (UNDERFLOW_RATE, stability.underflow_warn, "backward"),
+        (GRAD_DEAD_FRAC, 0.5, "backward"),
+        (BIT_STALL_RATE, stability.stall_warn, "optimizer"),
+        (ZERO_UPDATE_FRAC, 0.5, "optimizer"),
+    )
+
+
+_DEFAULT_SIGNALS = signals(StabilityConfig())
 DEFINITIONS = f"""\
 - **Best val loss** of a trial: the lowest finite validation loss it reached up to a step. Every
   trial is evaluated on the same fixed validation tokens, whatever its seed. A **cell** is one
@@ -81,8 +86,10 @@ DEFINITIONS = f"""\
   Where: `collapse_where` when the trainer recorded it; a `bit_stall` stop is an optimizer stall;
   otherwise the last {WINDOW} logged rows up to that step are read: a non-finite loss means the
   forward pass broke, a non-finite gradient with a finite loss means the backward pass did; else the
-  signal furthest above its threshold ({", ".join(f"`{k}` > {t:g}" for k, t, _ in SIGNALS)})
-  names the site ({", ".join(f"{k} → {WHERE[s]}" for k, _, s in SIGNALS)}); "—" when none is.
+  signal furthest above its threshold names the site ({", ".join(f"{k} → {WHERE[s]}" for k, _, s in
+  _DEFAULT_SIGNALS)}); "—" when none is. The thresholds of overflow, underflow and bit-stall are
+  the run's own `stability` warning levels (its config.yaml; by default {", ".join(
+  f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)}); the evidence names the one that applied.
 - **Manifold − standard**: per seed, best val loss with `{MANIFOLD}` minus with `{STANDARD}` (same
   format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
   **Extra axes**: the same per-seed difference between two values of one axis, all else equal.
@@ -164,7 +171,7 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
     """(where, evidence) of a failure; see DEFINITIONS. The evidence names the strongest signal."""
     step, _ = stop_step(r)
     rows = [row for row in r.history if step is None or row["step"] <= step][-WINDOW:]
-    signal = _strongest_signal(rows)
+    signal = _strongest_signal(rows, r.stability)
     also = f"; {signal[1]}" if signal else ""
     if r.summary.get("collapse_where") in WHERE:
         return WHERE[r.summary["collapse_where"]], "recorded by the trainer" + also
@@ -183,10 +190,10 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
     return (WHERE[signal[0]], signal[1]) if signal else ("—", "no signal above threshold")
 
 
-def _strongest_signal(rows: list[dict[str, float]]) -> tuple[str, str] | None:
+def _strongest_signal(rows: list[dict[str, float]], stability: StabilityConfig) -> tuple[str, str] | None:
     """(site, evidence) of the signal furthest above its threshold (by ratio), if any is."""
     best: tuple[float, str, str] | None = None
-    for key, threshold, site in SIGNALS:
+    for key, threshold, site in signals(stability):
         value = max((v for v in (_metric(row, key) for row in rows) if math.isfinite(v)), default=0.0)
         if value > threshold and (best is None or value / threshold > best[0]):
             best = (value / threshold, site, f"{key} = {value:.3g} > {threshold:g}")

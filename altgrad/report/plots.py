@@ -21,17 +21,17 @@ from altgrad.config import BASELINE
 from altgrad.experiment import TrialRecord
 from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN
 from altgrad.report.findings import (
-    SIGNALS,
     AxesKey,
     Findings,
     axes_text,
     baseline_trials,
     format_key,
+    signals,
     stop_step,
 )
 
 STABILITY_METRICS = (BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN)
-THRESHOLDS = {key: threshold for key, threshold, _ in SIGNALS}
+THRESHOLD_LABEL = "_threshold"  # "_": matplotlib keeps it out of the legend
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class Plot:
     collapses: dict[str, list[float]]  # panel -> steps of the collapse markers
     bands: dict[tuple[str, str], tuple[np.ndarray, np.ndarray, np.ndarray]]  # (panel, label) -> x, lo, hi
     texts: dict[str, list[str]]  # panel -> the annotations written on it, in drawing order
+    thresholds: dict[str, list[float]]  # panel -> the levels of its threshold guides
 
 
 def color(fmt: str) -> str | tuple[float, ...]:
@@ -54,7 +55,7 @@ def _save(fig: Figure, path: Path) -> Plot:
     """Draw, save, and read every plotted array back from the figure's artists."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    lines, images, collapses, bands, texts = {}, {}, {}, {}, {}
+    lines, images, collapses, bands, texts, thresholds = {}, {}, {}, {}, {}, {}
     for ax in fig.axes:
         panel = ax.get_title()
         for marks in ax.collections:
@@ -67,14 +68,17 @@ def _save(fig: Figure, path: Path) -> Plot:
                 hi = np.array([vertices[vertices[:, 0] == v, 1].max() for v in x])
                 bands[panel, marks.get_label()] = (x, lo, hi)
         for line in ax.get_lines():
-            if not line.get_label().startswith("_"):  # "_" = guides (thresholds), not data
+            if line.get_label() == THRESHOLD_LABEL:
+                thresholds.setdefault(panel, []).append(float(line.get_ydata()[0]))
+            elif not line.get_label().startswith("_"):  # "_" = guides (thresholds), not data
                 lines[panel, line.get_label()] = (np.asarray(line.get_xdata(), float),
                                                   np.asarray(line.get_ydata(), float))
         for image in ax.images:
             images[panel] = np.ma.filled(np.ma.asarray(image.get_array(), float), np.nan)
         if ax.texts:
             texts[panel] = [t.get_text() for t in ax.texts]
-    return Plot(path, fig.get_suptitle() or fig.axes[0].get_title(), lines, images, collapses, bands, texts)
+    return Plot(path, fig.get_suptitle() or fig.axes[0].get_title(), lines, images, collapses, bands, texts,
+                thresholds)
 
 
 def _collapse_mark(ax: Axes, r: TrialRecord) -> None:
@@ -163,14 +167,15 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
             cells = sorted((c for c in findings.cells.values()
                             if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)),
                            key=lambda c: format_key(c.format))
-            for r in (t for c in cells for t in sorted(c.trials, key=lambda t: t.seed)):
+            trials = [t for c in cells for t in sorted(c.trials, key=lambda t: t.seed)]
+            for r in trials:
                 steps, values = r.series(metric)
                 if steps:
                     _curve(ax, r, steps, values)
             if metric == OVERFLOW_RATE:  # rare events matter: show 0, 1e-4 and 0.5 alike
                 ax.set_yscale("symlog", linthresh=1e-4)
-            if metric in THRESHOLDS:
-                ax.axhline(THRESHOLDS[metric], color="grey", ls=":", lw=1, label="_threshold")
+            for threshold in sorted({t for r in trials for key, t, _ in signals(r.stability) if key == metric}):
+                ax.axhline(threshold, color="grey", ls=":", lw=1, label=THRESHOLD_LABEL)  # each run's own
             ax.set_title(f"{precision}: {metric}", fontsize=9)
             ax.grid(alpha=0.3)
     for ax in grid[0]:  # one legend per column is enough

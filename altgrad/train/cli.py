@@ -9,6 +9,7 @@ from pathlib import Path
 
 from altgrad.config import ConfigError, load_config
 from altgrad.data import DataError
+from altgrad.experiment import CONFIG_FILE
 from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, UNDERFLOW_RATE, VAL_STEP
 from altgrad.train.checkpoint import CheckpointError
 
@@ -32,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
         if args.resume is not None:
             if args.config is not None:
                 raise ConfigError("--resume uses the run's own config.yaml; drop --config")
-            if not (args.resume / "config.yaml").is_file():
+            if not (args.resume / CONFIG_FILE).is_file():
                 raise ConfigError(f"--resume {args.resume}: not a run directory (no config.yaml)")
-            cfg = load_config(args.resume / "config.yaml", args.overrides)
+            cfg = load_config(args.resume / CONFIG_FILE, args.overrides)
             run_dir = args.resume
         else:
             cfg = load_config(args.config, args.overrides)

@@ -12,16 +12,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from altgrad.experiment import read_jsonl
+from altgrad.experiment import CONFIG_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl
 
 
 class RunFiles:
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir)
-        self.metrics = self.dir / "metrics.jsonl"
-        self.events = self.dir / "events.jsonl"
-        self.summary = self.dir / "summary.json"
-        self.config = self.dir / "config.yaml"
+        self.metrics = self.dir / METRICS_FILE
+        self.events = self.dir / EVENTS_FILE
+        self.summary = self.dir / SUMMARY_FILE
+        self.config = self.dir / CONFIG_FILE
 
     def start(self, config_yaml: str, resume_step: int | None) -> None:
         """Create the run dir; on resume, drop rows after the checkpoint (they will be redone)."""

@@ -31,7 +31,7 @@ import ray
 from ray import tune
 
 from altgrad.config import RunConfig
-from altgrad.experiment import RUN_DIR, TRIALS_DIR, WORKER_FILE, read_jsonl
+from altgrad.experiment import METRICS_FILE, RUN_DIR, TRIALS_DIR, WORKER_FILE, read_jsonl
 from altgrad.metrics import (
     BIT_STALL_RATE,
     LOSS_IS_NAN,
@@ -64,7 +64,7 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
         (trial_dir / WORKER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
              "started": time.time()}))
-        history = read_jsonl(run_dir / "metrics.jsonl")  # read before the trainer trims it
+        history = read_jsonl(run_dir / METRICS_FILE)  # read before the trainer trims it
         with trial_run(wandb, trial_key(config), cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
             reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr,
                                                  stall_halts_learning(cfg)),
