@@ -15,6 +15,15 @@ os.environ["WANDB_MODE"] = "offline"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `-n 2 --dist loadgroup` (pyproject's addopts) the tests that start Ray run on one
+    worker, one after another as they always have: their sweeps' timing and the one shared Ray
+    instance stay as on a single process, while the other worker takes the compile-bound tests."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture
 def eager_kernels(monkeypatch):
     """The quantizer kernels run eagerly: every compiled graph costs seconds. Quantizer test modules
