@@ -12,6 +12,8 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 # Module level, so it holds before any test module imports tiktoken, wandb or ray.
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DATA / "tiktoken_cache"))
 os.environ["WANDB_MODE"] = "offline"
+if "PYTEST_XDIST_WORKER" in os.environ:  # two workers on two cores: one torch thread each, no oversubscription
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
