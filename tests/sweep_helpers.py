@@ -85,3 +85,10 @@ def kill_processes_mentioning(path: str | Path) -> None:
     for p in psutil.process_iter(["cmdline"]):
         if str(path) in " ".join(p.info["cmdline"] or []):
             p.kill()
+
+
+def pickle_roundtrip(obj):
+    """What Tuner.restore does to a scheduler or stopper: pickled with tuner.pkl, read back."""
+    import pickle
+
+    return pickle.loads(pickle.dumps(obj))

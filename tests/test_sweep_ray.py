@@ -160,7 +160,7 @@ def test_kill9_with_concurrency_keeps_asha_rungs(ray_address, sweep_args, tmp_pa
 
 def test_sigterm_exits_143_with_the_resume_command_and_resume_finishes(ray_address, sweep_args, tmp_path):
     """SIGTERM, what a spot instance's shutdown sends, takes Ray's SIGINT path (Ctrl-C's:
-    `test_tune_asha.test_sigterm_takes_the_sigint_path`), so one driver tests both."""
+    `test_runner.test_sigterm_takes_the_sigint_path`), so one driver tests both."""
     signum = signal.SIGTERM
     args = [*sweep_args, "--name", "stopped", "--storage-path", str(tmp_path)]
     proc = start_driver(args, ray_address)

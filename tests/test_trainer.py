@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
+from altgrad.__main__ import main
 from altgrad.experiment import read_jsonl
 from altgrad.quant.convert import quantized_layers
+from altgrad.quant.quantize import quantize
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import CHECKPOINT_FILE, CheckpointError, step_checkpoints
 from altgrad.train.trainer import build_model
@@ -270,3 +272,18 @@ def test_gradient_stats_match_their_definitions(fmt, path):
     assert linf == g.abs().max().item() and dead == pytest.approx((g == 0).float().mean().item())
     assert l2 == pytest.approx(g.norm().item(), rel=1e-5)
     assert snr == pytest.approx(want_snr, rel=1e-4)
+
+
+def test_format_master_weights_stay_on_the_grid(make_config, tmp_path):
+    trainer = Trainer(make_config("quant.format=e3m4", "quant.master_weights=format",
+                                  "train.max_steps=3", "train.shadow_every=0"), tmp_path)
+    trainer.fit()
+    for layer in trainer.layers.values():
+        w = layer.weight.detach()
+        assert torch.equal(w, quantize(w, layer.policy.weight, layer.scalers["weight"].scale))
+
+
+def test_format_master_weights_with_the_baseline_is_a_cli_error(tmp_path, capsys):
+    assert main(["train", "--set", "quant.format=bf16", "--set", "quant.master_weights=format",
+                 "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    assert "master_weights" in capsys.readouterr().err

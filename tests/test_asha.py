@@ -1,0 +1,96 @@
+"""Persisted ASHA (`altgrad.tune.asha`) without Ray running: only broken trials stop at a rung,
+against bf16 of the same seed, and restored rungs decide like the original."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+from sweep_helpers import pickle_roundtrip
+
+from altgrad.experiment import ASHA_FILE, STATE_DIR, stop_detail
+from altgrad.tune.asha import StabilityRungs, asha_milestones
+from altgrad.tune.store import StateStore
+
+STOP, CONTINUE = "STOP", "CONTINUE"
+
+
+# Trial key -> its bf16 reference (same optimizer and seed), as the grid builds them.
+REFERENCES = {"e4m3-s1": "bf16-s1", "e5m2-s1": "bf16-s1", "e7m0-s1": "bf16-s1", "e2m5-s1": "bf16-s1",
+              "e3m4-s1": "bf16-s1", "nan-s1": "bf16-s1", "bf16-s1": None,
+              "e4m3-s2": "bf16-s2", "bf16-s2": None}
+
+
+def rungs(store: StateStore, tolerance: float = 0.10) -> StabilityRungs:
+    return StabilityRungs(store, metric="val/loss", mode="min", max_t=90, grace_period=10,
+                          reduction_factor=3, tolerance=tolerance, references=REFERENCES)
+
+
+def feed(scheduler: StabilityRungs, trial: str, losses: dict[int, float]) -> list[tuple[int, str]]:
+    """Report `losses` (step -> val loss) for one trial (its key is also its id); the decisions."""
+    t = SimpleNamespace(trial_id=trial, config={"key": trial})
+    return [(step, scheduler.on_trial_result(None, t, {"step": step, "val/loss": v}))
+            for step, v in sorted(losses.items())]
+
+
+def test_milestones():
+    assert asha_milestones(10, 3, 90) == [10, 30]  # a rung at the last step could stop nothing
+    assert asha_milestones(20, 3, 60) == [20]
+
+
+def test_only_broken_trials_stop_at_a_rung(tmp_path):
+    """1 % and 3 % behind bf16 continue, 30 % behind and NaN stop; the numbers are recorded."""
+    store = StateStore(str(tmp_path))
+    s = rungs(store)
+    assert feed(s, "bf16-s1", {5: 6.0, 10: 5.0}) == [(5, CONTINUE), (10, CONTINUE)]
+    assert feed(s, "e4m3-s1", {10: 5.05})[-1] == (10, CONTINUE)  # 1 % behind
+    assert feed(s, "e5m2-s1", {10: 5.15})[-1] == (10, CONTINUE)  # 3 % behind
+    assert feed(s, "e7m0-s1", {10: 6.5})[-1] == (10, STOP)  # 30 % behind
+    assert feed(s, "nan-s1", {10: math.nan})[-1] == (10, STOP)
+    assert feed(s, "e4m3-s1", {30: 5.5})[-1] == (30, CONTINUE)  # nothing else at rung 30: no reference
+    state = json.loads((tmp_path / STATE_DIR / ASHA_FILE).read_text())
+    assert set(state["stopped"]) == {"e7m0-s1", "nan-s1"}
+    e7m0 = state["stopped"]["e7m0-s1"]
+    assert e7m0["reason"] == "asha" and e7m0["reference_key"] == "bf16-s1"
+    assert e7m0["reference"] == 5.0 and e7m0["behind"] == pytest.approx(0.3)
+    assert state["stopped"]["nan-s1"]["reason"] == "nan"
+    detail = stop_detail(e7m0)
+    assert detail.startswith("asha: 30 % behind bf16 at step 10") and "6.5000 vs 5.0000" in detail
+
+
+def test_the_reference_is_bf16_of_the_same_seed_else_the_rungs_best(tmp_path):
+    s = rungs(StateStore(str(tmp_path)), tolerance=0.05)
+    feed(s, "e4m3-s1", {10: 5.0})  # first at the rung: nothing to compare with
+    assert feed(s, "e2m5-s1", {10: 5.2})[-1] == (10, CONTINUE)  # 4 % behind the rung's best
+    assert feed(s, "e3m4-s1", {10: 5.3})[-1] == (10, STOP)  # 6 % behind it (bf16-s1 not there yet)
+    feed(s, "bf16-s2", {10: 5.1})
+    assert feed(s, "e4m3-s2", {10: 5.4})[-1] == (10, STOP)  # 5.9 % behind its own seed's bf16 ...
+    assert feed(s, "bf16-s1", {10: 5.2})[-1] == (10, CONTINUE)  # bf16 itself: 4 % behind the best
+    assert feed(s, "e5m2-s1", {10: 5.45})[-1] == (10, CONTINUE)  # ... 4.8 % behind bf16-s1, 9 % the best
+    state = json.loads((tmp_path / STATE_DIR / ASHA_FILE).read_text())
+    assert state["stopped"]["e3m4-s1"]["reference_key"] is None
+    assert state["stopped"]["e3m4-s1"]["reference"] == 5.0
+
+
+def test_restored_rungs_decide_like_the_original(tmp_path):
+    """A restore (new scheduler object, state from asha.json) makes the same decisions, and a
+    trial replaying from an older checkpoint is stopped again at the step it was stopped at."""
+    a, b = StateStore(str(tmp_path / "a")), StateStore(str(tmp_path / "b"))
+    runs = {"bf16-s1": {10: 5.0, 30: 4.0}, "e7m0-s1": {10: 6.0, 20: 5.5}, "e4m3-s1": {10: 5.1, 30: 4.1},
+            "e5m2-s1": {10: 5.2, 30: 4.9, 40: 4.5}, "nan-s1": {10: 5.0, 30: math.inf}}
+    unbroken = rungs(a)
+    expected = {t: feed(unbroken, t, losses) for t, losses in runs.items()}
+    assert expected["e7m0-s1"][0] == (10, STOP) and expected["e5m2-s1"][1] == (30, STOP)
+
+    before = rungs(b)
+    feed(before, "bf16-s1", runs["bf16-s1"])
+    feed(before, "e7m0-s1", runs["e7m0-s1"])
+    restored = pickle_roundtrip(before)  # what Tuner.restore does with tuner.pkl
+    assert restored._state is None
+    assert feed(restored, "e7m0-s1", {5: 7.0, 10: 6.0}) == [(5, CONTINUE), (10, STOP)]  # the replay
+    got = {t: feed(restored, t, runs[t]) for t in ("e4m3-s1", "e5m2-s1", "nan-s1")}
+    assert got == {t: expected[t] for t in ("e4m3-s1", "e5m2-s1", "nan-s1")}
+    assert json.loads((tmp_path / "b" / STATE_DIR / ASHA_FILE).read_text()) == \
+        json.loads((tmp_path / "a" / STATE_DIR / ASHA_FILE).read_text())

@@ -1,0 +1,57 @@
+"""Bit tracking (`altgrad.train.bit_tracking`): each layer's own sampled codes, written per
+diagnostic step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from altgrad.experiment import read_jsonl
+from altgrad.train import Trainer
+
+pytestmark = pytest.mark.usefixtures("eager_kernels")
+
+
+def test_bit_tracker_sample_codes_are_each_layers_own():
+    """One encode call per format over all layers' samples: each layer still gets the codes of its
+    own sampled weights, in its own format and scale (three layers, two formats, three scales)."""
+    from torch import nn
+
+    from altgrad.quant.codes import MOVE_BINS, encode
+    from altgrad.quant.formats import FORMATS
+    from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+    from altgrad.train.bit_tracking import BitTracker
+
+    torch.manual_seed(0)
+    layers = {}
+    for name, fmt, scale in (("a", "e5m2", 1.0), ("b", "e3m4", 8.0), ("c", "e5m2", 0.3)):
+        spec = FORMATS[fmt]
+        layers[name] = QuantizedLinear.from_float(nn.Linear(24, 24, bias=False),
+                                                  LinearQuantPolicy(spec, spec, spec, scaling=ScalingPolicy(mode="none")))
+        layers[name].scalers["weight"].scale.fill_(scale)
+    tracker = BitTracker(layers)
+    histograms = {n: torch.arange(len(MOVE_BINS)) + i for i, n in enumerate(layers)}
+    rows = tracker.observe(histograms)
+    for i, (name, layer) in enumerate(layers.items()):
+        sample = layer.weight.detach().flatten()[tracker.samples[name]]
+        want = encode(sample, layer.policy.weight, layer.scalers["weight"].scale)
+        assert torch.equal(rows[i, len(MOVE_BINS):], want.float()), name
+        assert torch.equal(rows[i, :len(MOVE_BINS)], histograms[name].float())
+
+
+def test_bit_positions_are_written_per_diagnostic_step(make_config, tmp_path):
+    trainer = Trainer(make_config("quant.format=e5m2", "quant.master_weights=format",
+                                  "optim.name=manifold", "optim.lr_ulp=2", "train.max_steps=3",
+                                  "train.shadow_every=0"), tmp_path)
+    trainer.fit()
+    rows = read_jsonl(tmp_path / "bit_positions.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert set(row["layers"]) == set(trainer.layers)
+        for name, layer in trainer.layers.items():
+            assert sum(row["layers"][name]["moved"]) == layer.weight.numel()
+            assert len(row["layers"][name]["sample_codes"]) == 16
+    moved = rows[-1]["layers"]["h.0.mlp.c_fc"]["moved"]
+    assert sum(moved[1:]) > 0  # the manifold steps move codes
+    trajectory = [r["layers"]["h.0.mlp.c_fc"]["sample_codes"] for r in rows]
+    assert trajectory[0] != trajectory[-1]

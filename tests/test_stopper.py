@@ -1,0 +1,97 @@
+"""The stability stopper (`altgrad.tune.stopper`) without Ray running: NaN and bit-stall stops,
+replayed after a restore, at the cpu preset's diagnostic cadence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sweep_helpers import pickle_roundtrip
+
+from altgrad.config import build_run_config
+from altgrad.experiment import STATE_DIR, STOPPER_FILE, stop_detail
+from altgrad.metrics import STALL_STREAK
+from altgrad.tune.config import SweepConfig
+from altgrad.tune.stopper import StabilityStopper
+from altgrad.tune.store import StateStore
+from altgrad.tune.trainable import SweepSignals, stall_halts_learning
+
+
+def test_stopper_stops_for_nan_and_bit_stall_and_replays(tmp_path):
+    store = StateStore(str(tmp_path))
+    stopper = StabilityStopper(store, nan_patience=3, stall_reports=4, stall_threshold=0.9)
+    assert not stopper("n", {"step": 7, "stability/nan_streak": 2.0})
+    assert stopper("n", {"step": 8, "stability/nan_streak": 3.0})
+    assert not stopper("s", {"step": 5, STALL_STREAK: 3.0})
+    assert stopper("s", {"step": 6, STALL_STREAK: 4.0})
+    assert not stopper("ok", {"step": 6, STALL_STREAK: 0.0, "stability/nan_streak": 0.0})
+    restored = pickle_roundtrip(stopper)
+    assert not restored("n", {"step": 6, "stability/nan_streak": 0.0})  # replay before the stop
+    assert restored("n", {"step": 8, "stability/nan_streak": 0.0})  # stopped again, same step
+    state = json.loads((tmp_path / STATE_DIR / STOPPER_FILE).read_text())
+    assert state["stopped"] == {
+        "n": {"reason": "nan", "step": 8, "streak": 3, "patience": 3},
+        "s": {"reason": "bit_stall", "step": 6, "streak": 4, "patience": 4, "threshold": 0.9}}
+    assert stop_detail(state["stopped"]["s"]).startswith("bit_stall: bit-stall >= 0.9 for 4 reports")
+
+
+
+def cpu_sweep(stall_reports: int) -> SweepConfig:
+    """The cpu preset with diagnostics on every 5th step, as the cpu sweep runs it."""
+    return SweepConfig.validated({
+        "name": "t", "preset": "cpu", "resources": {"gpu_per_trial": 0, "cpus_per_trial": 1},
+        "base": {"train": {"diag_every": 5}}, "grid": {"formats": ["e7m0"]},
+        "stopper": {"stall_reports": stall_reports}})
+
+
+def cpu_reports(max_steps: int, diag_every: int, stall_from: int):
+    """What the trainer reports at the cpu preset: every step; bit-stall (1.0 from `stall_from`
+    on) only on step 1 and every `diag_every`-th step."""
+    for s in range(1, max_steps + 1):
+        row = {"step": float(s), "train/loss": 5.0, "val/loss": 5.0, "val/step": 1.0}
+        if s == 1 or s % diag_every == 0:
+            row["quant/bit_stall_rate"] = 1.0 if s >= stall_from else 0.2
+        yield row
+
+
+@pytest.mark.parametrize("stall_reports, stall_from, stop_step", [
+    (10, 10, 55),  # the 10th stalled diagnostic report: steps 10, 15, ..., 55
+    (13, 1, 60),  # the longest window a 60-step run can fill: all 13 diagnostic reports
+    (20, 1, None),  # cannot fill: the config warns, and indeed nothing stops
+])
+def test_bit_stall_stop_at_the_cpu_preset(tmp_path, stall_reports, stall_from, stop_step):
+    """Reports without bit-stall neither extend nor break the streak, so the window counts
+    diagnostic reports; the config warns exactly when the window cannot fill in a full run."""
+    cfg = cpu_sweep(stall_reports)
+    t = cfg.run_config({}).train
+    assert (t.max_steps, t.diag_every, t.log_interval) == (60, 5, 1)
+    stopper = StabilityStopper(StateStore(str(tmp_path)), nan_patience=5, stall_reports=stall_reports,
+                               stall_threshold=cfg.stopper.stall_threshold)
+    signals = SweepSignals(cfg.stopper.stall_threshold, 1e-3)
+    stopped = next((int(row["step"]) for row in cpu_reports(t.max_steps, t.diag_every, stall_from)
+                    if stopper("t1", {**row, **signals.observe(row)})), None)
+    assert stopped == stop_step
+    warning = cfg.stall_window_warning()
+    assert (warning is None) == (stop_step is not None)
+    if stop_step is None:
+        assert "stopper.stall_reports (20)" in warning and "at most 13" in warning
+    else:
+        state = json.loads((tmp_path / STATE_DIR / STOPPER_FILE).read_text())
+        assert state["stopped"]["t1"]["reason"] == "bit_stall"
+        assert state["stopped"]["t1"]["step"] == stop_step
+
+
+def test_bit_stall_stops_only_runs_whose_weights_live_in_the_format(tmp_path):
+    """With fp32 master weights a stalled 8-bit view still learns: the same fully stalled stream
+    that stops a format-stored run leaves an fp32-master run (and bf16) to ASHA's loss test."""
+    decisions = {}
+    for master in ("fp32", "format"):
+        run = build_run_config({}, ["preset=cpu", "quant.format=e7m0", f"quant.master_weights={master}"])
+        stopper = StabilityStopper(StateStore(str(tmp_path / master)), nan_patience=5, stall_reports=4,
+                                   stall_threshold=0.99)
+        signals = SweepSignals(0.99, 1e-3, stall_halts_learning(run))
+        rows = ({"step": float(s), "val/loss": 5.0, "val/step": 1.0, "quant/bit_stall_rate": 1.0}
+                for s in range(1, 21))
+        decisions[master] = next((int(r["step"]) for r in rows if stopper("t", {**r, **signals.observe(r)})), None)
+    assert decisions == {"fp32": None, "format": 4}
+    assert not stall_halts_learning(build_run_config({}, ["preset=cpu", "quant.format=bf16"]))

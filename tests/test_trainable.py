@@ -1,0 +1,86 @@
+"""The trainable's side of a sweep (`altgrad.tune.trainable`) without Ray running: the signals it
+reports (rebuilt exactly on resume) and which reports carry checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from altgrad.metrics import STABLE_LR, STALL_STREAK
+from altgrad.tune.trainable import SweepSignals, TuneReporter
+
+
+def rows(n: int, stall: list[float]) -> list[dict[str, float]]:
+    return [{"step": float(s), "train/loss": 5.0 - s / 10, "val/loss": 5.0 - (s // 5) / 2,
+             "val/step": float(s // 5 * 5 or 1), "quant/bit_stall_rate": stall[s - 1]}
+            for s in range(1, n + 1)]
+
+
+def test_signals_after_resume_equal_an_unbroken_run(monkeypatch):
+    """The stall streak and first val loss are rebuilt from the run's history on resume."""
+    from altgrad.tune import trainable
+
+    reported: list[dict] = []
+    monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: reported.append(m))
+    history = rows(12, [0.999] * 3 + [0.5] + [0.999] * 8)
+    unbroken = TuneReporter(SweepSignals(0.99, 1e-3), [], attach_checkpoints=False)
+    for row in history:
+        unbroken(row, None)
+    expected = reported[:]
+    reported.clear()
+    resumed = TuneReporter(SweepSignals(0.99, 1e-3), history[:9], attach_checkpoints=False)  # as the kill left it
+    for row in history[6:]:  # resumed from the checkpoint at step 6
+        resumed(row, None)
+    assert reported == expected[6:]
+    assert expected[-1][STALL_STREAK] == 8.0
+    assert expected[-1][STABLE_LR] == 1e-3
+
+
+
+def test_a_trial_resumed_at_its_end_reports_its_last_row_once(monkeypatch):
+    """Killed after its last step but before Tune recorded its end, a trial restarts, trains no
+    step, and must still give the scheduler a result with its metrics."""
+    from altgrad.tune import trainable
+
+    reported: list[dict] = []
+    monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: reported.append(m))
+    history = rows(12, [0.999] * 12)
+    unbroken = TuneReporter(SweepSignals(0.99, 1e-3), [], attach_checkpoints=False)
+    for row in history:
+        unbroken(row, None)
+    resumed = TuneReporter(SweepSignals(0.99, 1e-3), history, attach_checkpoints=False)
+    resumed.report_if_silent()
+    resumed.report_if_silent()  # once only
+    assert reported[12:] == [reported[11]]
+    trained = TuneReporter(SweepSignals(0.99, 1e-3), history[:6], attach_checkpoints=False)
+    trained(history[6], None)
+    trained.report_if_silent()  # it reported: nothing more
+    assert len(reported) == 14
+
+
+@pytest.mark.parametrize("attach", [True, False], ids=["remote", "local"])
+def test_checkpoints_go_to_tune_only_on_remote_storage(monkeypatch, tmp_path, attach):
+    """On local storage the run dir is the durable copy; a Tune checkpoint there could be rotated
+    away before Tune saves its experiment state, and a restore from that state would then fail."""
+    from altgrad.tune import trainable
+
+    sent: list = []
+    monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: sent.append(checkpoint))
+    reporter = TuneReporter(SweepSignals(0.99, 1e-3), [], attach_checkpoints=attach)
+    (tmp_path / "step_000005").mkdir()
+    for row, ckpt in zip(rows(6, [0.5] * 6), [None] * 4 + [tmp_path / "step_000005", None], strict=True):
+        reporter(row, ckpt)
+    assert [c is not None for c in sent] == [False] * 4 + [attach, False]
+    if attach:
+        assert sent[4].path == str(tmp_path / "step_000005")
+
+
+def test_signals_report_inf_for_broken_steps():
+    s = SweepSignals(0.99, 1e-2)
+    ok = s.observe({"step": 1.0, "val/loss": 5.0, "val/step": 1.0})
+    assert ok["val/loss"] == 5.0 and ok[STABLE_LR] == 0.0  # not below its first evaluation yet
+    nan = s.observe({"step": 2.0, "val/loss": 5.0, "val/step": 1.0, "stability/loss_is_nan": 1.0})
+    assert nan["val/loss"] == math.inf and nan[STABLE_LR] == 0.0
+    learning = s.observe({"step": 3.0, "val/loss": 4.0, "val/step": 3.0})
+    assert learning[STABLE_LR] == 1e-2
