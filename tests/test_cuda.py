@@ -12,8 +12,8 @@ from bitwise import edge_values, ordinal, random_values, same_values
 
 from altgrad.experiment import read_jsonl
 from altgrad.quant import FORMATS, code_moves, compile_status, decode, encode, quantize
-from altgrad.quant.codes import code_histogram, quantizer_counts
 from altgrad.quant.scaling import TensorScaler
+from altgrad.quant.step import TensorStats
 from altgrad.train import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -72,10 +72,10 @@ def test_cuda_kernels_are_bit_identical_to_cpu(name, scale, monkeypatch):
         a, b = x.to(device), x_new.to(device)
         q = quantize(a, f, scale)
         moves = code_moves(a, b, f, scale)
-        counts, codes = quantizer_counts([a], [q], f, [scale])
+        stats = TensorStats().to(device)
+        stats.observe(a, q, f, torch.tensor(1.0 if scale is None else scale, device=device))
         return {"quantize": q, "quantize_bf16": quantize(a.bfloat16(), f, scale),
-                "encode": encode(a, f, scale), "counts": counts, "codes": codes,
-                "histogram": code_histogram(codes), **moves}
+                "encode": encode(a, f, scale), "counted": stats.counted, **moves}
 
     want = cpu_reference(monkeypatch, lambda: run(torch.device("cpu")))
     got = {k: v.cpu() for k, v in run(CUDA).items()}

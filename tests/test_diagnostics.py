@@ -9,7 +9,7 @@ from torch import nn
 
 from altgrad.quant import FORMATS, code_moves
 from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
-from altgrad.train.diagnostics import Diagnostics
+from altgrad.train.diagnostics import Diagnostics, per_name
 
 
 def quantized(fmt: str, scale: float, act: str | None = None, roles: tuple[str, ...] = ROLES) -> QuantizedLinear:
@@ -37,6 +37,7 @@ def test_diagnostics_update_metrics_over_mixed_formats(path):
         for i, layer in enumerate(model):
             layer.weight.add_(torch.randn_like(layer.weight) * 10.0**-(i + 1) * (torch.rand_like(layer.weight) < 0.7))
     out, histograms = diagnostics.update_metrics(before)
+    out = per_name(out)
     stalled = changed = moved = 0
     for name, layer in zip(("0", "1", "2", "3"), model, strict=True):
         if name == "1":
@@ -61,7 +62,7 @@ def test_diagnostics_quant_metrics_per_layer_and_overall(path, last_roles):
     diagnostics = Diagnostics(model, FORMATS["e5m2"])
     diagnostics.begin()
     model(torch.randn(64, 16) * 300).square().mean().backward()  # large: some activations overflow
-    out = diagnostics.quant_metrics()
+    out = per_name(diagnostics.quant_metrics())
     diagnostics.end()
     totals = torch.zeros(3)
     used_all = []

@@ -118,8 +118,8 @@ def test_overflow_underflow_and_histogram_counters():
 
 
 def test_counters_count_the_tensors_as_they_were_observed():
-    """Counting happens at the end of the step, on copies: a tensor changed in place after its
-    observation (a reused gradient buffer) does not change what was counted."""
+    """A tensor changed in place after its observation (a reused gradient buffer) does not change
+    what was counted; observations add up until `reset`."""
     fmt = get_format("e4m3")
     x = torch.tensor([1000.0, 1.0, 1e-4, 0.0])
     q = quantize(x, fmt)
@@ -130,12 +130,16 @@ def test_counters_count_the_tensors_as_they_were_observed():
     q.zero_()
     assert all(torch.equal(a, b) for a, b in zip(stats.counts(), expected, strict=True))
     assert expected[0].tolist() == [1, 1, 4]
+    stats.observe(x, quantize(x, fmt), fmt, torch.ones(()))
+    assert stats.counts()[0].tolist() == [5, 1, 8]
+    stats.reset()
+    assert stats.counts()[0].tolist() == [0, 0, 0] and stats.counts()[1].sum() == 0
 
 
 @pytest.mark.parametrize("rows", [3, 2 * STATS_SAMPLE])  # counted whole, and on a sample
 def test_grad_output_is_counted_as_the_gradient_backward_received(rows, eager_kernels):
-    """grad_output is quantized in backward into the observation its forward reserved: it counts
-    what observing that gradient directly counts."""
+    """grad_output is quantized in backward, counted when the forward was: it counts what observing
+    that gradient directly counts."""
     fmt = get_format("e4m3")
     policy = LinearQuantPolicy(input=fmt, weight=fmt, grad_output=fmt, scaling=ScalingPolicy(mode="none"))
     layer = QuantizedLinear.from_float(nn.Linear(4, 2, bias=False), policy)
@@ -170,8 +174,8 @@ def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("mode", ["delayed", "dynamic", "none"])
 def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
-    """quantize_step (one kernel) against scaler.update + quantize, over steps that grow, zero and
-    poison the amax; the counters see the same q and scale (one tensor counted whole, one sampled).
+    """quantize_step (one kernel, counting) against scaler.update + quantize + TensorStats.observe,
+    over steps that grow, zero and poison the amax (one tensor counted whole, one sampled).
     Both share `scaling.scale_step`: this checks the fusion; test_scaling.py checks the scaling
     itself against compute_scale and the history."""
     f = get_format(fmt)
@@ -183,17 +187,15 @@ def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
     fused_stats, separate_stats = TensorStats(), TensorStats()
     for i, x in enumerate(xs):
         torch.manual_seed(i)
-        q, s = quantize_step(x, f, fused, rounding)
-        fused_stats.observe(x, q, f, s)
+        q, s = quantize_step(x, fused, rounding, fused_stats)
         torch.manual_seed(i)
         s_ref = separate.update(x)
         q_ref = quantize(x, f, s_ref, rounding=rounding)
         separate_stats.observe(x, q_ref, f, s_ref)
         assert same_values(q, q_ref) and same_values(s, s_ref), i
-        for a, b in [(fused.amax_history, separate.amax_history), (fused.scale, separate.scale),
-                     (fused_stats.counts()[0], separate_stats.counts()[0])]:
+        for a, b in [(fused.amax_history, separate.amax_history), (fused.scale, separate.scale)]:
             assert same_values(a, b), i
-        assert torch.equal(fused_stats.counts()[1], separate_stats.counts()[1]), i
+        assert torch.equal(fused_stats.counted, separate_stats.counted), i
     assert fused_stats.counts()[0][2] == 4 * 64 * 48 + STATS_SAMPLE  # the 90k tensor was sampled
 
 
@@ -242,7 +244,7 @@ def test_all_roles_off_is_bit_identical_to_the_unconverted_model(eager_kernels):
         for role in ROLES:
             scaler = layer.scalers[role]
             assert not scaler.amax_history.any() and scaler.scale == 1 and scaler.amax == 0
-            assert not layer.stats[role].observed
+            assert not layer.stats[role].counted.any()
     on = tiny_gpt()
     convert_to_quantized(on, LayerPolicy.build("all", "e4m3"))
     assert not same_run(loss_and_grads(on, list(on.parameters())), want)  # the comparison can fail
@@ -278,7 +280,7 @@ def test_a_role_off_is_not_counted(eager_kernels):
     layer = QuantizedLinear.from_float(nn.Linear(8, 4), policy)
     layer.collect_stats = True
     layer(torch.randn(3, 8, requires_grad=True)).sum().backward()
-    assert [bool(layer.stats[r].observed) for r in ROLES] == [False, True, False]
+    assert [bool(layer.stats[r].counted.any()) for r in ROLES] == [False, True, False]
     assert "input=off" in repr(layer) and "grad_output=off" in repr(layer)
     with pytest.raises(ValueError, match="grad_input"):
         LinearQuantPolicy(input=fmt, weight=fmt, grad_output=fmt, quantized=("grad_input",))

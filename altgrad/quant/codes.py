@@ -95,22 +95,27 @@ def _moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], scales: l
                         for a, b, s in zip(w_olds, w_news, scales, strict=True)])
 
 
-def _counts_all(xs: list[torch.Tensor], qs: list[torch.Tensor], scales: list[torch.Tensor],
-                offsets: torch.Tensor, p: torch.Tensor, c: torch.Tensor, m0: bool,
-                ftz: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, codes = [], []
-    for i in range(len(xs)):
-        x, q = xs[i].reshape(-1), qs[i].reshape(-1)
-        overflow = _count((x.to(torch.float32) * scales[i]).abs() > p[MAX])
-        underflow = _count((x != 0) & (q == 0))
-        rows.append(torch.stack([overflow, underflow, torch.full_like(overflow, x.numel())]))
-        codes.append(_encode(q, scales[i], p, c, m0, ftz).to(torch.int32) + offsets[i])
-    return torch.stack(rows), torch.cat(codes)
+CODE_COUNT = 256
+COUNTED = 3 + CODE_COUNT  # what `quantization_counts` returns: overflow, underflow, elements, histogram
+
+
+def quantization_counts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: torch.Tensor,
+                        c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
+    """int32 [COUNTED]: overflow (|x * s| > max, inf included), underflow (x != 0 that became 0),
+    elements, then how many elements of q sit on each of the 256 codes, for q = quantize(x) under
+    scale s (any shapes, x and q alike). Integer sums, so a compiled kernel counts exactly what eager
+    does. A kernel function: the training step counts inside its own compiled call."""
+    x, q = x.reshape(-1), q.reshape(-1)
+    overflow = _count((x.to(torch.float32) * scale).abs() > p[MAX])
+    underflow = _count((x != 0) & (q == 0))
+    codes = _encode(q, scale, p, c, m0, ftz).to(torch.int64)
+    histogram = torch.zeros(CODE_COUNT, dtype=torch.int32, device=x.device).index_add_(
+        0, codes, torch.ones_like(codes, dtype=torch.int32))
+    return torch.cat([torch.stack([overflow, underflow, torch.full_like(overflow, x.numel())]), histogram])
 
 
 _ENCODE = Kernel(_encode)
 _MOVES = Kernel(_moves_all)
-_COUNTS = Kernel(_counts_all)
 
 
 def encode(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None) -> torch.Tensor:
@@ -172,29 +177,3 @@ def code_moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], fmt: 
                         code_params(fmt, device), fmt.mbits == 0, not fmt.subnormals)
     at_least = torch.cat([counts[:, :1], counts[:, 3:], counts.new_zeros(len(w_olds), 1)], dim=1)
     return {"changed": counts[:, 1], "stalled": counts[:, 2], "histogram": at_least[:, :-1] - at_least[:, 1:]}
-
-
-def quantizer_counts(xs: list[torch.Tensor], qs: list[torch.Tensor], fmt: str | FormatSpec,
-                     scales: list[Scale], offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """What quantizing each x to q = quantize(x, fmt, s) did, in one pass and one compiled call:
-    int32 [len(xs), 3] of overflow (|x * s| > max, inf included), underflow (x != 0 that became 0)
-    and elements; and the code of every element of every q, as int32, plus that pair's `offsets[i]`
-    (default 0), concatenated: with offsets 256 * i, one `code_histogram` counts each pair apart."""
-    fmt = get_format(fmt)
-    device = xs[0].device
-    p = grid_params(fmt, True, torch.float32, device)
-    if offsets is None:
-        offsets = torch.zeros(len(xs), dtype=torch.int32, device=device)
-    with torch.no_grad():
-        return _COUNTS([x.detach() for x in xs], [q.detach() for q in qs],
-                       [scale_tensor(s, torch.float32, device) for s in scales], offsets, p,
-                       code_params(fmt, device), fmt.mbits == 0, not fmt.subnormals)
-
-
-def code_histogram(codes: torch.Tensor, bins: int = 256) -> torch.Tensor:
-    """How often each of `bins` values occurs among integer `codes` (all < bins). `bincount` is
-    fastest on CPU, but on CUDA it sizes its output from max(codes), a host sync; a scatter-add is not."""
-    if codes.device.type == "cpu":
-        return torch.bincount(codes, minlength=bins)
-    index = codes.long()
-    return torch.zeros(bins, dtype=torch.int64, device=codes.device).index_add_(0, index, torch.ones_like(index))

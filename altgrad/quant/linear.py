@@ -78,18 +78,18 @@ def _scaler(fmt: FormatSpec, s: ScalingPolicy) -> TensorScaler:
 
 
 class _QuantizeGradOutput(torch.autograd.Function):
-    """Identity forward; quantizes the incoming gradient in backward (the 'hybrid' recipe), into
-    the observation the forward reserved when `observe` is set."""
+    """Identity forward; quantizes the incoming gradient in backward (the 'hybrid' recipe), counted
+    when the forward was."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, layer: QuantizedLinear, observe: bool) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, layer: QuantizedLinear, count: bool) -> torch.Tensor:
         ctx.layer = layer
-        ctx.observe = observe
+        ctx.count = count
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.layer._quantize("grad_output", grad, ste=False, reserved=ctx.observe), None, None
+        return ctx.layer._quantize("grad_output", grad, ste=False, count=ctx.count), None, None
 
 
 class QuantizedLinear(nn.Linear):
@@ -110,7 +110,7 @@ class QuantizedLinear(nn.Linear):
         self.collect_stats = False
         self.scalers = nn.ModuleDict({role: _scaler(policy.format_of(role), policy.scaling_of(role))
                                       for role in ROLES}).to(device)
-        self.stats = nn.ModuleDict({role: TensorStats(deferred=role == "grad_output") for role in ROLES}).to(device)
+        self.stats = nn.ModuleDict({role: TensorStats() for role in ROLES}).to(device)
 
     @property
     def weight_scale(self) -> torch.Tensor:
@@ -120,33 +120,31 @@ class QuantizedLinear(nn.Linear):
     def set_format(self, role: str, fmt: FormatSpec) -> None:
         """Move one tensor to another format (the emergency mantissa shift)."""
         self.policy = replace(self.policy, **{role: fmt})
-        self.scalers[role].fmt = fmt
+        self.scalers[role].set_format(fmt)
 
-    def _quantize(self, role: str, x: torch.Tensor, ste: bool = True, reserved: bool = False) -> torch.Tensor:
+    def _quantize(self, role: str, x: torch.Tensor, ste: bool = True, count: bool = False) -> torch.Tensor:
         """Training steps advance the scaling state (one fused kernel call); evaluation only reads it.
-        A role the policy does not quantize returns x itself. The quantization is observed by the
-        role's TensorStats while collecting, into its reserved observation if `reserved`
-        (backward)."""
+        A role the policy does not quantize returns x itself. With `count` the quantization is
+        counted into the role's TensorStats."""
         if not self.policy.quantizes(role):
             return x
         fmt, rounding = self.policy.format_of(role), self.policy.rounding
+        stats = self.stats[role] if count else None
         if self.training:
-            q, scale = quantize_step(x, fmt, self.scalers[role], rounding)
+            q, scale = quantize_step(x, self.scalers[role], rounding, stats)
         else:
             scale = self.scalers[role].current(x)
             q = quantize(x, fmt, scale, rounding=rounding)
-        if reserved:
-            self.stats[role].fill(x, q, scale)
-        elif self.collect_stats:
-            self.stats[role].observe(x, q, fmt, scale)
+            if stats is not None:
+                stats.observe(x, q, fmt, scale)
         return straight_through(x, q, fmt, scale, self.policy.clip_ste) if ste else q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(self._quantize("input", x), self._quantize("weight", self.weight), self.bias)
+        count = self.collect_stats
+        y = F.linear(self._quantize("input", x, count=count), self._quantize("weight", self.weight, count=count),
+                     self.bias)
         if self.policy.quantizes("grad_output") and torch.is_grad_enabled() and y.requires_grad:
-            if self.collect_stats:
-                self.stats["grad_output"].reserve(y, self.policy.grad_output)
-            y = _QuantizeGradOutput.apply(y, self, self.collect_stats)
+            y = _QuantizeGradOutput.apply(y, self, count)
         return y
 
     def extra_repr(self) -> str:

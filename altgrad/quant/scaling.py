@@ -15,8 +15,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from altgrad.quant.codes import code_params
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.kernels import Kernel
+from altgrad.quant.kernels import Kernel, grid_params
 
 ScalingMode = Literal["none", "dynamic", "delayed"]
 AmaxAlgo = Literal["max", "most_recent"]
@@ -141,19 +142,31 @@ class TensorScaler(AmaxHistory):
         super().__init__(history_len, algo)
         if mode not in ("none", "dynamic", "delayed"):
             raise ValueError(f"mode must be 'none', 'dynamic' or 'delayed', got {mode!r}")
-        self.fmt, self.mode, self.margin, self.pow2 = get_format(fmt), mode, margin, pow2
+        self.mode, self.margin, self.pow2 = mode, margin, pow2
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("amax", torch.zeros(()))
+        self.set_format(get_format(fmt))
+
+    def set_format(self, fmt: FormatSpec) -> None:
+        """Scale for `fmt` from now on (an emergency format shift keeps the history).
+
+        What a training step's kernel needs to know of the scaler and its format is kept here as
+        buffers (not saved: they follow from the config): its `settings` (`scaler_params`), fmt's
+        float32 `grid` (`kernels.grid_params`, saturating) and `code_layout` (`codes.code_params`).
+        A step graph reads them as inputs; tensors made by a function it traces would be copied in
+        every call."""
+        self.fmt = fmt
+        device = self.scale.device
+        self.register_buffer("settings", scaler_params(fmt, self.margin, self.pow2, self.mode, self.algo,
+                                                       device).clone(), persistent=False)
+        self.register_buffer("grid", grid_params(fmt, True, torch.float32, device).clone(), persistent=False)
+        self.register_buffer("code_layout", code_params(fmt, device).clone(), persistent=False)
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> torch.Tensor:
         """Record amax(x) and return the 0-dim scale to quantize x with this step."""
         lo, hi = torch.aminmax(x.detach() if x.numel() else x.new_zeros(1))  # empty: amax 0 is recorded
-        return _SCALE_STEP(self.amax_history, lo, hi, self.scale, self.amax, self.step_params())
-
-    def step_params(self) -> torch.Tensor:
-        """This scaler's settings, as the one tensor the compiled scaler step takes."""
-        return scaler_params(self.fmt, self.margin, self.pow2, self.mode, self.algo, self.scale.device)
+        return _SCALE_STEP(self.amax_history, lo, hi, self.scale, self.amax, self.settings)
 
     @torch.no_grad()
     def current(self, x: torch.Tensor) -> torch.Tensor:

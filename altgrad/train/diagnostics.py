@@ -1,7 +1,9 @@
-"""Per-layer numerical diagnostics, computed on the device as 0-dim tensors.
+"""Per-layer numerical diagnostics, computed on the device.
 
-Nothing here calls `.item()`: the trainer stacks every tensor of a step and reads them in one
-host sync. Layer names drop the `transformer.` prefix (`h.0.mlp.c_fc`, `lm_head`).
+Nothing here calls `.item()`: the trainer reads every tensor of a step in one host sync. A
+per-layer metric of every layer is one 1-d tensor under the tuple of its names (`Metrics`), not a
+0-dim tensor per layer: a step's few hundred metrics are a few dozen tensors to make and read.
+Layer names drop the `transformer.` prefix (`h.0.mlp.c_fc`, `lm_head`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,16 @@ from altgrad.quant.formats import FormatSpec
 from altgrad.quant.kernels import MAX, Kernel, grid_params, nearest_scaled
 from altgrad.quant.linear import ROLES, QuantizedLinear, by_weight_format
 from altgrad.quant.scaling import abs_max, scale_for
-from altgrad.quant.step import observed_counts
 
-Metrics = dict[str, torch.Tensor]
+Metrics = dict[str | tuple[str, ...], torch.Tensor]
+"""A step's metrics on the device: a name maps to a 0-dim tensor, a tuple of names to a 1-d tensor
+of their values in that order."""
+
+
+@cache
+def layer_metric_names(metric: str, layers: tuple[str, ...]) -> tuple[str, ...]:
+    """The names of `metric` per layer (`metrics.per_layer`), the key of their block in `Metrics`."""
+    return tuple(per_layer(metric, n) for n in layers)
 
 
 def short_name(name: str) -> str:
@@ -91,7 +100,13 @@ def finite_code_counts(formats: tuple[FormatSpec, ...], device: torch.device) ->
 
 
 class Diagnostics:
-    """Gradient, activation, quantizer and bit-stall metrics of one training step."""
+    """Gradient, activation, quantizer and bit-stall metrics of one training step.
+
+    A diagnostic step is `begin`, forward and backward (the quantizers count into their
+    `TensorStats`; a forward pre-hook on every linear takes its input's kurtosis),
+    `activation_metrics`, `gradient_metrics`, `snapshot`, the optimizer step, `update_metrics`,
+    `quant_metrics`, `end`. The hooks stay registered and do nothing outside `begin` ... `end`:
+    (un)registering 2 x layers hooks per step cost more than the step's counting."""
 
     def __init__(self, model: nn.Module, grad_format: FormatSpec):
         self.linears: dict[str, nn.Linear] = {
@@ -100,40 +115,42 @@ class Diagnostics:
         self.quantized = {n: m for n, m in self.linears.items() if isinstance(m, QuantizedLinear)}
         # Which of each layer's roles are quantized (a role switched off uses no codes at all).
         self._roles_on = torch.tensor([[m.policy.quantizes(r) for r in ROLES] for m in self.quantized.values()],
-                                      dtype=torch.float32)
+                                      dtype=torch.float32, device=self._device())
+        self._counters = [m.stats[r].counted for m in self.quantized.values() for r in ROLES]
+        self._before: list[torch.Tensor] = []  # `snapshot`'s copies, allocated on first use
         self.grad_format = grad_format
-        self._kurtosis: Metrics = {}
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.collecting = False
+        self._kurtosis: dict[str, torch.Tensor] = {}
+        for name, layer in self.linears.items():
+            layer.register_forward_pre_hook(self._kurtosis_hook(name))
 
     # -- forward: activation kurtosis and quantizer counters --------------------------------
     def begin(self) -> None:
-        self.end()  # a step that raised before `end` left its hooks behind
+        self.collecting = True
+        self._kurtosis = {}
         for layer in self.quantized.values():
             layer.collect_stats = True
-            for stats in layer.stats.values():
-                stats.reset()
-        for name, layer in self.linears.items():
-            self._hooks.append(layer.register_forward_pre_hook(self._kurtosis_hook(name)))
+        if self._counters:
+            torch._foreach_zero_(self._counters)
 
     def _kurtosis_hook(self, name: str):
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            self._kurtosis[name] = kurtosis(args[0])  # now: x need not outlive the forward
+            if self.collecting:
+                self._kurtosis[name] = kurtosis(args[0])  # now: x need not outlive the forward
 
         return hook
 
     def end(self) -> None:
+        self.collecting = False
         for layer in self.quantized.values():
             layer.collect_stats = False
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
         self._kurtosis = {}
 
     def activation_metrics(self) -> Metrics:
-        out = {per_layer(ACT_KURTOSIS, n): k for n, k in self._kurtosis.items()}
-        if self._kurtosis:
-            out[KURTOSIS_MAX] = torch.stack(list(self._kurtosis.values())).max()
-        return out
+        if not self._kurtosis:
+            return {}
+        values = torch.stack(list(self._kurtosis.values()))
+        return {layer_metric_names(ACT_KURTOSIS, tuple(self._kurtosis)): values, KURTOSIS_MAX: values.max()}
 
     # -- backward: gradient statistics (before clipping) ---------------------------------
     def gradient_metrics(self) -> Metrics:
@@ -141,40 +158,42 @@ class Diagnostics:
         if not grads:
             return {}
         stats = gradient_stats(list(grads.values()), self.grad_format)
-        return {per_layer(gradient_stat(stat), name): v
-                for name, row in zip(grads, stats, strict=True) for stat, v in zip(GRADIENT_STATS, row, strict=True)}
+        names = tuple(grads)
+        return {layer_metric_names(gradient_stat(stat), names): stats[:, j] for j, stat in enumerate(GRADIENT_STATS)}
 
     # -- quantizer counters ------------------------------------------------------------
     def quant_metrics(self) -> Metrics:
         """Overflow / underflow rates and code-range utilisation, per layer and model-wide, from
-        all layers' counters at once (one compiled call per format and a few ops, not ~20 per layer)."""
-        names, layers = list(self.quantized), list(self.quantized.values())
-        if not layers:
+        all layers' counters at once."""
+        if not self.quantized:
             zero = torch.zeros((), device=self._device())
             return {OVERFLOW_RATE: zero, UNDERFLOW_RATE: zero, CODES_USED: zero}
-        shape = (len(layers), len(ROLES))
-        counts, histograms = observed_counts([layer.stats[r] for layer in layers for r in ROLES], self._device())
-        counts = counts.view(*shape, 3).sum(1)  # overflow, underflow, elements
-        codes = (histograms > 0).sum(1).view(shape)
+        names, layers = tuple(self.quantized), list(self.quantized.values())
+        counted = torch.stack(self._counters).view(len(layers), len(ROLES), -1)
+        counts = counted[:, :, :3].sum(1).float()  # overflow, underflow, elements
+        codes = (counted[:, :, 3:] > 0).sum(2)
         formats = tuple(layer.policy.format_of(r) for layer in layers for r in ROLES)
-        on = self._roles_on.to(codes.device)  # mean over the roles each layer quantizes
-        used = (codes / finite_code_counts(formats, codes.device).view(shape) * on).sum(1) / on.sum(1)
+        on = self._roles_on  # mean over the roles each layer quantizes
+        used = (codes / finite_code_counts(formats, codes.device).view(codes.shape) * on).sum(1) / on.sum(1)
         rates = counts[:, :2] / counts[:, 2:].clamp_min(1)
-        out: Metrics = {}
-        for i, name in enumerate(names):
-            out[per_layer(OVERFLOW_RATE, name)] = rates[i, 0]
-            out[per_layer(UNDERFLOW_RATE, name)] = rates[i, 1]
-            out[per_layer(CODES_USED, name)] = used[i]
         totals = counts.sum(0)
-        out[OVERFLOW_RATE] = totals[0] / totals[2].clamp_min(1)
-        out[UNDERFLOW_RATE] = totals[1] / totals[2].clamp_min(1)
-        out[CODES_USED] = used.mean()
-        return out
+        return {layer_metric_names(OVERFLOW_RATE, names): rates[:, 0],
+                layer_metric_names(UNDERFLOW_RATE, names): rates[:, 1],
+                layer_metric_names(CODES_USED, names): used,
+                OVERFLOW_RATE: totals[0] / totals[2].clamp_min(1),
+                UNDERFLOW_RATE: totals[1] / totals[2].clamp_min(1),
+                CODES_USED: used.mean()}
 
     # -- optimizer: bit-stall on the weights each quantized layer stores ---------------------
+    @torch.no_grad()
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """Weights before the optimizer step (all linears; the baseline measures zero updates)."""
-        return {n: m.weight.detach().clone() for n, m in self.linears.items()}
+        """Weights before the optimizer step (all linears; the baseline measures zero updates),
+        copied into buffers kept for the purpose."""
+        weights = [m.weight.detach() for m in self.linears.values()]
+        if not self._before:
+            self._before = [torch.empty_like(w) for w in weights]
+        torch._foreach_copy_(self._before, weights)
+        return dict(zip(self.linears, self._before, strict=True))
 
     def update_metrics(self, before: dict[str, torch.Tensor]) -> tuple[Metrics, dict[str, torch.Tensor]]:
         """Bit-stall over the quantized layers' moved weights; zero-update fraction over all.
@@ -190,9 +209,8 @@ class Diagnostics:
             layers = [self.quantized[n] for n in names]
             moves = code_moves_all([before[n] for n in names], [m.weight.detach() for m in layers], fmt,
                                    [m.weight_scale for m in layers])
-            rates = moves["stalled"] / moves["changed"].clamp_min(1)
-            out.update({per_layer(BIT_STALL_RATE, n): r for n, r in zip(names, rates, strict=True)})
-            histograms.update(zip(names, moves["histogram"], strict=True))
+            out[layer_metric_names(BIT_STALL_RATE, tuple(names))] = moves["stalled"] / moves["changed"].clamp_min(1)
+            histograms.update(zip(names, moves["histogram"].unbind(), strict=True))
             stalled.append(moves["stalled"])
             changed.append(moves["changed"])
         moved_all = [torch.count_nonzero(self.linears[n].weight.detach() - w)  # (finite weights: != w)
@@ -207,3 +225,15 @@ class Diagnostics:
 
     def _device(self) -> torch.device:
         return next(iter(self.linears.values())).weight.device
+
+
+def per_name(metrics: Metrics) -> dict[str, torch.Tensor]:
+    """`metrics` with every block split into its named 0-dim tensors (views), for a reader that
+    wants one tensor per name; the trainer reads blocks whole."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in metrics.items():
+        if isinstance(key, tuple):
+            out.update(zip(key, value.unbind(), strict=True))
+        else:
+            out[key] = value
+    return out

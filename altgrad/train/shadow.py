@@ -11,16 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from altgrad.metrics import SHADOW_COS, SHADOW_COS_MEAN, SHADOW_COS_MIN, per_layer
+from altgrad.metrics import SHADOW_COS, SHADOW_COS_MEAN, SHADOW_COS_MIN
 from altgrad.model import GPT, GPTConfig
 from altgrad.quant.convert import linear_layers
-from altgrad.train.diagnostics import Metrics, short_name
+from altgrad.train.diagnostics import Metrics, layer_metric_names, short_name
 
 
 class FP32Shadow:
     def __init__(self, model_cfg: GPTConfig, device: torch.device):
         self.model = GPT(model_cfg).to(device=device, dtype=torch.float32)
         self.layers = linear_layers(self.model)
+        self.names = tuple(short_name(n) for n in self.layers)
 
     @torch.no_grad()
     def _sync(self, master: nn.Module) -> None:
@@ -34,15 +35,8 @@ class FP32Shadow:
         self.model.train(master.training)
         _, loss = self.model(x, y)
         loss.backward()
-        out: Metrics = {}
-        for name in self.layers:
-            g_master = master.get_submodule(name).weight.grad
-            g_shadow = self.model.get_submodule(name).weight.grad
-            out[per_layer(SHADOW_COS, short_name(name))] = F.cosine_similarity(
-                g_master.detach().float().flatten(), g_shadow.flatten(), dim=0
-            )
+        cos = torch.stack([F.cosine_similarity(master.get_submodule(name).weight.grad.detach().float().flatten(),
+                                               self.model.get_submodule(name).weight.grad.flatten(), dim=0)
+                           for name in self.layers])
         self.model.zero_grad(set_to_none=True)
-        cos = torch.stack(list(out.values()))
-        out[SHADOW_COS_MEAN] = cos.mean()
-        out[SHADOW_COS_MIN] = cos.min()
-        return out
+        return {layer_metric_names(SHADOW_COS, self.names): cos, SHADOW_COS_MEAN: cos.mean(), SHADOW_COS_MIN: cos.min()}

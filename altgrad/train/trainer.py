@@ -78,14 +78,18 @@ class StepResult:
 
 
 def to_host(named: Metrics, *tensors: torch.Tensor | None) -> tuple[dict[str, float], ...]:
-    """The step's one host sync: every named 0-dim metric and each further tensor (None stays
-    None) copied to the host in a single `tolist`. Returns the metrics as floats, then each tensor's
-    values as a flat list."""
-    parts = [torch.stack([v.detach().float().reshape(()) for v in named.values()])]
+    """The step's one host sync: every named metric (0-dim, or a block of them) and each further
+    tensor (None stays None) copied to the host in a single `tolist`. Returns the metrics as floats
+    by name, then each tensor's values as a flat list."""
+    names: list[str] = []
+    parts: list[torch.Tensor] = []
+    for key, value in named.items():
+        names.extend(key if isinstance(key, tuple) else (key,))
+        parts.append(value.detach().float().reshape(-1))
     parts += [t.detach().float().flatten() for t in tensors if t is not None]
-    values = torch.cat(parts).tolist()
-    out: list[Any] = [dict(zip(named, values[:len(named)], strict=True))]
-    at = len(named)
+    values = torch.cat(parts).tolist() if parts else []
+    out: list[Any] = [dict(zip(names, values[:len(names)], strict=True))]
+    at = len(names)
     for t in tensors:
         if t is None:
             out.append(None)
@@ -137,6 +141,7 @@ class Trainer:
         self.model = build_model(cfg).to(self.device)
         self.forward = StepGraph(self.model) if t.compile else self.model  # training: (x, y) -> (logits, loss)
         self.optimizer = build_optimizer(cfg.optim.name, self.model, cfg.optim)
+        self.params = list(self.model.parameters())  # walked every step: listed once
         if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
             raise TypeError(f"optimizer {cfg.optim.name!r} must honour `found_inf` to skip NaN steps")
         self.layers = {short_name(n): m for n, m in quantized_layers(self.model).items()}
@@ -215,7 +220,8 @@ class Trainer:
         evaluate = step % t.eval_interval == 0 or step in (1, t.max_steps)
 
         # forward and backward; what the diagnostics read from them before the update
-        self.model.train()
+        if not self.model.training:  # (only `_evaluate` leaves train mode; setting it walks every module)
+            self.model.train()
         if diag:
             self.diagnostics.begin()
         with self._autocast():
@@ -273,7 +279,7 @@ class Trainer:
         if self.clipper is not None:
             self.clipper.clip_()
         clip = self.cfg.optim.grad_clip or math.inf
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.params if p.grad is not None]
         norms = torch._foreach_norm([p.grad for p in params])  # per parameter: also locate NaNs
         grad_norm = torch.linalg.vector_norm(torch.stack(norms))  # what clip_grad_norm_ computes
         torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm, foreach=True)
