@@ -29,14 +29,18 @@ class ConfigError(ValueError):
     """A user-caused configuration problem; the message names the field and the fix."""
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Every config section: an unknown key is an error (a typo never passes silently), values are
+    frozen once validated, and defaults are validated like given values."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 def format_name(name: str) -> str:
     """The canonical name of a format (`E4M3` -> `e4m3`) or `bf16`; ValueError listing the choices.
     Every config field that names a format is validated by this one function."""
-    from altgrad.quant import FORMATS, get_format  # torch: only when a format is validated
+    # Imported here: the package `altgrad.quant` loads torch, which reading a config must not.
+    from altgrad.quant.formats import FORMATS, get_format
 
     if name.strip().lower() == BASELINE:
         return BASELINE
@@ -53,7 +57,7 @@ def precision_name(name: str) -> str:
     return name
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """Validated fields of `altgrad.model.GPTConfig` (same names; the trainer builds one from them)."""
 
     n_layer: int = Field(6, ge=1)
@@ -71,7 +75,7 @@ class ModelConfig(_Strict):
         return self
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     source: str = "jsonl:../shared/data/eurlex"
     name: str | None = None
     max_docs: int | None = Field(None, ge=1)
@@ -86,7 +90,7 @@ class DataConfig(_Strict):
         return v
 
 
-class ScalingConfig(_Strict):
+class ScalingConfig(StrictModel):
     """Per-tensor scaling of a quantized tensor (SPEC §2): `none` is the format's raw range."""
 
     mode: Literal["none", "dynamic", "delayed"] = "delayed"
@@ -96,7 +100,7 @@ class ScalingConfig(_Strict):
     pow2: bool = True
 
 
-class LayerRule(_Strict):
+class LayerRule(StrictModel):
     """One rule of a custom layer-precision policy (`altgrad.precision`): layers whose name matches
     `pattern` get `format`: a format, `bf16` (kept in high precision) or `{fmt}` (the run's format)."""
 
@@ -118,7 +122,7 @@ def _fields_of(section: Any) -> dict[str, Any] | None:
     return dict(section) if isinstance(section, dict) else None
 
 
-class RolesConfig(_Strict):
+class RolesConfig(StrictModel):
     """Which of a quantized layer's tensors are fake-quantized. A role switched off passes its tensor
     through untouched (no scaling state, no counters): `grad_output: false` is forward-only
     quantization with full-precision gradients, an ablation of what the gradient format costs."""
@@ -133,7 +137,7 @@ class RolesConfig(_Strict):
         return tuple(role for role in type(self).model_fields if getattr(self, role))
 
 
-class QuantConfig(_Strict):
+class QuantConfig(StrictModel):
     format: str = "e4m3"
     precision: Annotated[str, AfterValidator(precision_name)] | list[LayerRule] = "all"
     grad_format: str = "e5m2"
@@ -203,7 +207,7 @@ class QuantConfig(_Strict):
         return self
 
 
-class OptimConfig(_Strict):
+class OptimConfig(StrictModel):
     name: str = "adamw"
     lr: float = Field(6e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
@@ -229,7 +233,7 @@ class OptimConfig(_Strict):
         return v
 
 
-class TrainConfig(_Strict):
+class TrainConfig(StrictModel):
     max_steps: int = Field(2000, ge=1)
     warmup_steps: int = Field(100, ge=0)
     batch_size: int = Field(12, ge=1)
@@ -254,7 +258,7 @@ class TrainConfig(_Strict):
         "calling each kernel on its own (for debugging; ALTGRAD_NO_COMPILE=1 makes everything eager)")
 
 
-class StabilityConfig(_Strict):
+class StabilityConfig(StrictModel):
     """The thresholds that act on a run's metrics (`altgrad.metrics`), read by the trainer and, for
     NaN streaks, by a sweep's stopper. Bit-stall has three levels on purpose, one per action: a
     warning event at `stall_warn`, an emergency mantissa shift of a layer stalled above
@@ -271,7 +275,7 @@ class StabilityConfig(_Strict):
     shift_stall_threshold: float = Field(0.9, gt=0, le=1)
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictModel):
     preset: Literal["cpu", "gpu"] | None = None
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

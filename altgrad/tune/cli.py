@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from altgrad.config import ConfigError
+from altgrad.remote import is_remote
 from altgrad.tune.config import SweepSettings, load_sweep_config
 from altgrad.tune.lifecycle import check_new_location, choose_config, move_aside, stored_sweep
 from altgrad.tune.runner import Experiment, Outcome, run_experiment, start_ray
@@ -156,7 +157,7 @@ def _refuse_if_running(stored: dict[str, Any], path: str) -> None:
 
     driver = stored.get("driver", {})
     if stored.get("status") == "running" and driver_alive(driver):
-        where = "a local copy of it" if "://" in path else path
+        where = "a local copy of it" if is_remote(path) else path
         raise ConfigError(
             f"sweep {path} is running right now (driver pid {driver.get('pid')} on "
             f"{driver.get('host')}); watch it with `python -m altgrad trials` on {where}. A driver "

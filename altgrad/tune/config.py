@@ -17,8 +17,6 @@ from typing import Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -30,6 +28,7 @@ from altgrad.config import (
     ConfigError,
     LayerRule,
     RunConfig,
+    StrictModel,
     apply_overrides,
     deep_merge,
     describe_validation_error,
@@ -42,6 +41,7 @@ from altgrad.config import (
 )
 from altgrad.metrics import VAL_LOSS
 from altgrad.precision import PRECISION_PRESETS
+from altgrad.remote import is_remote
 from altgrad.tune.trial_spec import stall_reports_in_run
 
 # Run settings the grid sets itself (-> the grid key that sets them): not allowed as extra axes.
@@ -54,10 +54,6 @@ SWEEP_PRESETS: dict[str, dict[str, float]] = {
     "gpu": {"gpu_per_trial": 0.25, "cpus_per_trial": 1},
     "cpu": {"gpu_per_trial": 0.0, "cpus_per_trial": 1},
 }
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 def _unique(values: list[str], what: str) -> list[str]:
@@ -78,12 +74,12 @@ def registered_optimizers() -> list[str]:
     return sorted(OPTIMIZERS)
 
 
-class Resources(_Strict):
+class Resources(StrictModel):
     gpu_per_trial: float = Field(ge=0, le=8, description="GPUs per trial; 0.25 = 4 trials share one")
     cpus_per_trial: int = Field(ge=1, description="CPU cores per trial, also torch's thread count")
 
 
-class StopperSettings(_Strict):
+class StopperSettings(StrictModel):
     """The stability stopper: NaN streaks and persistent bit-stall end a trial early. Bit-stall
     counts only for runs whose weights are stored in their format (`quant.master_weights: format`):
     with fp32 master weights a stalled 8-bit view still learns (`trainable.stall_halts_learning`)."""
@@ -99,29 +95,29 @@ class StopperSettings(_Strict):
     )
 
 
-class FailureSettings(_Strict):
+class FailureSettings(StrictModel):
     max_failures: int = Field(2, ge=0, description="retries of a crashed trial, from its checkpoint")
 
 
-class CheckpointSettings(_Strict):
+class CheckpointSettings(StrictModel):
     num_to_keep: int = Field(
         1, ge=1, description="Tune checkpoints kept per trial (the trainer keeps its own best + last N)"
     )
 
 
-class WandbSettings(_Strict):
+class WandbSettings(StrictModel):
     enabled: bool = True
     project: str = "altgrad"
     mode: Literal["offline", "online", "disabled"] = "offline"
 
 
-class DashboardSettings(_Strict):
+class DashboardSettings(StrictModel):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(8265, ge=1, le=65535)
 
 
-class SweepSettings(_Strict):
+class SweepSettings(StrictModel):
     """What every sweep entry point shares: where it lives, the base run and how trials run."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -208,7 +204,7 @@ class SweepSettings(_Strict):
         return f"{self.storage_path.rstrip('/')}/{self.name}"
 
 
-class GridSettings(_Strict):
+class GridSettings(StrictModel):
     formats: Formats
     optimizers: list[str] | Literal["all"] = Field(
         "all", description="optimizer names, or 'all' = every registered optimizer"
@@ -273,7 +269,7 @@ class GridSettings(_Strict):
         return registered_optimizers() if self.optimizers == "all" else list(self.optimizers)
 
 
-class AshaSettings(_Strict):
+class AshaSettings(StrictModel):
     """Rungs at which a broken trial is stopped (see `altgrad.tune.asha`): never the best-k rule."""
 
     enabled: bool = True
@@ -288,7 +284,7 @@ class AshaSettings(_Strict):
     )
 
 
-class EstimateSettings(_Strict):
+class EstimateSettings(StrictModel):
     """`--dry-run`'s time and cost estimate."""
 
     measure_steps: int = Field(
@@ -335,7 +331,7 @@ class SweepConfig(SweepSettings):
         return self.asha.max_t or self.base_run.train.max_steps
 
 
-class LrRange(_Strict):
+class LrRange(StrictModel):
     grid: list[float] = Field(min_length=1, description="learning rates tried first, per format")
     low: float = Field(gt=0)
     high: float = Field(gt=0)
@@ -412,7 +408,7 @@ def load_sweep_config(
         resources = out.get("resources") or {}
         if isinstance(resources, dict):
             out["resources"] = {**SWEEP_PRESETS[preset], **resources}
-        if isinstance(out.get("storage_path"), str) and "://" not in out["storage_path"]:
+        if isinstance(out.get("storage_path"), str) and not is_remote(out["storage_path"]):
             out["storage_path"] = str(Path(out["storage_path"]).expanduser().resolve())
         return out
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from altgrad.experiment import TrialRecord, load_experiment
 from altgrad.metrics import STABLE_LR
+from altgrad.remote import is_remote
 from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
 from altgrad.tune.runner import Experiment
@@ -64,7 +65,7 @@ class LrSearch:
 
     @staticmethod
     def summarize(cfg: LrSearchConfig, experiments: list[Experiment]) -> int:
-        if "://" in cfg.experiment_path:
+        if is_remote(cfg.experiment_path):
             print(f"copy {cfg.experiment_path} to local disk to read its results")
             return 0
         rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path)) for exp in experiments]

@@ -24,6 +24,7 @@ from typing import Any
 
 from altgrad.experiment import SWEEP_FILE, TRIALS_FILE
 from altgrad.provenance import source_commit
+from altgrad.remote import is_remote
 from altgrad.tune.config import DashboardSettings, SweepSettings
 from altgrad.tune.grid import GridPoint
 from altgrad.tune.store import StateStore
@@ -158,7 +159,7 @@ def _restorable(path: str) -> bool:
     """Ray can restore only once it wrote its first experiment snapshot (not just tuner.pkl)."""
     from pyarrow.fs import FileSelector, FileSystem
 
-    fs, root = FileSystem.from_uri(path if "://" in path else str(Path(path).resolve()))
+    fs, root = FileSystem.from_uri(path if is_remote(path) else str(Path(path).resolve()))
     names = [f.base_name for f in fs.get_file_info(FileSelector(root, allow_not_found=True))]
     return "tuner.pkl" in names and any(n.startswith("experiment_state-") for n in names)
 
@@ -195,7 +196,7 @@ def _new_tuner(exp: Experiment, trainable):
 
     s = exp.settings
     storage_path, name = exp.path.rstrip("/").rsplit("/", 1)
-    remote = "://" in exp.path
+    remote = is_remote(exp.path)
     callbacks: list[Any] = [TrialIndex(exp.store, {k: p.labels for k, p in exp.points.items()}),
                             SweepProgress(exp.store, exp.total_trials), DriverHeartbeat(exp.store),
                             JsonLoggerCallback(), CSVLoggerCallback()]
