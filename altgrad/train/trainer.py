@@ -38,6 +38,10 @@ from altgrad.metrics import (
     VAL_LOSS,
     VAL_PPL,
     VAL_STEP,
+    is_diagnostic_step,
+    is_eval_step,
+    is_logged_step,
+    is_shadow_step,
 )
 from altgrad.model import GPT, GPTConfig
 from altgrad.optim import build_optimizer
@@ -183,13 +187,13 @@ class Trainer:
             t_last = now
             stop_reason = self._apply_policy(step, metrics, result.nan_origin)
             checkpoint_due = step % self.cfg.train.checkpoint_interval == 0 or step == max_steps
-            if step % self.cfg.train.log_interval == 0 or checkpoint_due or stop_reason:
+            if is_logged_step(self.cfg.train, step) or stop_reason:
                 self.files.log_metrics(metrics)  # before the checkpoint: a checkpoint's rows exist
             ckpt = None
             if checkpoint_due:
                 ckpt = self.checkpoints.save(step, self._state(step), self.val_loss)
                 self.files.write_summary(self._summary(step, "running", None))
-            if report is not None and (step % self.cfg.train.log_interval == 0 or ckpt or stop_reason):
+            if report is not None and (is_logged_step(self.cfg.train, step) or stop_reason):
                 report(metrics, ckpt)
             if stop_reason:
                 break
@@ -210,9 +214,9 @@ class Trainer:
         lr = lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, t.max_steps, self.cfg.optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        diag = bool(t.diag_every) and (step % t.diag_every == 0 or step == 1)
-        shadow = self.shadow is not None and (step % t.shadow_every == 0 or step == 1)
-        evaluate = step % t.eval_interval == 0 or step in (1, t.max_steps)
+        diag = is_diagnostic_step(t, step)
+        shadow = is_shadow_step(t, step)
+        evaluate = is_eval_step(t, step)
 
         # forward and backward; what the diagnostics read from them before the update
         self.model.train()

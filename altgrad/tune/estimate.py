@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from altgrad.config import BASELINE, RunConfig, deep_merge
+from altgrad.metrics import is_eval_step
 from altgrad.tune.config import SweepConfig
 
 
@@ -33,7 +34,7 @@ class StepCost:
 
     def trial_s(self, run: RunConfig, overhead_s: float) -> float:
         t = run.train
-        evals = t.max_steps // t.eval_interval + 2  # every eval_interval, plus the first and last step
+        evals = sum(is_eval_step(t, s) for s in range(1, t.max_steps + 1))
         return overhead_s + self.startup_s + t.max_steps * self.step_s + evals * self.eval_s
 
 

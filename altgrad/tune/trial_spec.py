@@ -12,9 +12,9 @@ import math
 from typing import Any
 
 from altgrad.config import RunConfig, deep_merge
+from altgrad.metrics import is_diagnostic_step, is_logged_step
 
 SEARCHED = ("lr",)  # hyper-parameters a searcher may sample on top of the grid point
-
 
 
 def sampled(config: dict[str, Any]) -> dict[str, Any]:
@@ -33,14 +33,9 @@ def learning(first_val_loss: float | None, val_loss: float) -> bool:
 
 def stall_reports_in_run(run: RunConfig) -> int:
     """How many reports of a full run carry `quant/bit_stall_rate`, i.e. how long the stopper's
-    stall streak can get: the trainer measures it on step 1 and every `diag_every`-th step, and
-    reports a step every `log_interval` steps, at checkpoints and at the last step."""
+    stall streak can get: the logged steps that are diagnostic steps."""
     t = run.train
-    if not t.diag_every:
-        return 0
-    return sum(1 for s in range(1, t.max_steps + 1)
-               if (s == 1 or s % t.diag_every == 0)
-               and (s % t.log_interval == 0 or s % t.checkpoint_interval == 0 or s == t.max_steps))
+    return sum(is_diagnostic_step(t, s) and is_logged_step(t, s) for s in range(1, t.max_steps + 1))
 
 
 def trial_key(config: dict[str, Any]) -> str:
