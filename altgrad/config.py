@@ -259,13 +259,15 @@ class TrainConfig(StrictModel):
 
 
 class StabilityConfig(StrictModel):
-    """The thresholds that act on a run's metrics (`altgrad.metrics`), read by the trainer and, for
-    NaN streaks, by a sweep's stopper. Bit-stall has three levels on purpose, one per action: a
-    warning event at `stall_warn`, an emergency mantissa shift of a layer stalled above
-    `shift_stall_threshold` for `shift_patience` diagnostic steps, and a sweep's stop at its
-    `stopper.stall_threshold` (0.99, sustained)."""
+    """The thresholds that act on a run's metrics (`altgrad.metrics`), one set per run: its trainer
+    acts on them, a sweep's stopper judges each trial by its own, and the report reads each run's
+    from its config.yaml. Bit-stall has three levels on purpose, one per action, a ladder: a warning
+    event at `stall_warn`; an emergency mantissa shift of a layer stalled above
+    `shift_stall_threshold` for `shift_patience` diagnostic steps; and a sweep's stop of a run whose
+    model-wide rate stays at or above `stall_stop` for `stall_stop_reports` reports."""
 
-    nan_patience: int = Field(10, ge=1)
+    nan_patience: int = Field(10, ge=1, description="stop after this many non-finite steps in a row "
+                                                    "(the trainer, and a sweep's stopper at the same step)")
     stall_warn: float = Field(0.5, ge=0, le=1)
     overflow_warn: float = Field(0.01, ge=0, le=1)
     underflow_warn: float = Field(0.01, ge=0, le=1)
@@ -273,6 +275,17 @@ class StabilityConfig(StrictModel):
     divergence_patience: int = Field(5, ge=1)
     shift_patience: int | None = Field(None, ge=1, description="mantissa shift after N bad steps; None = off")
     shift_stall_threshold: float = Field(0.9, gt=0, le=1)
+    stall_stop: float = Field(0.99, gt=0, le=1, description="a sweep stops a run whose bit-stall rate "
+                              "stays at or above this (only a run whose weights are stored in their "
+                              "format: with fp32 master weights a stalled 8-bit view still learns)")
+    stall_stop_reports: int = Field(
+        20, ge=1, description="... for this many reports in a row; only reports of diagnostic steps "
+                              "(train.diag_every) carry bit-stall and count")
+    dead_grad_signal: float = Field(0.5, ge=0, le=1, description="the report's failure analysis: a "
+                                    "dead-gradient fraction (mean over layers) above this points at "
+                                    "the backward pass")
+    zero_update_signal: float = Field(0.5, ge=0, le=1, description="the report's failure analysis: a "
+                                      "zero-update fraction above this points at the optimizer")
 
 
 class RunConfig(StrictModel):

@@ -51,7 +51,7 @@ def tiny_sweep(eurlex_dir: Path, data_root: Path) -> list[str]:
         f"base.train.max_steps={STEPS}", "base.train.warmup_steps=2", "base.train.eval_interval=5",
         f"base.train.checkpoint_interval={CHECKPOINT}", "base.train.eval_iters=2",
         "base.train.diag_every=5", "base.train.shadow_every=5",
-        "asha.grace_period=10", "stopper.nan_patience=3", "max_concurrent_trials=1",
+        "asha.grace_period=10", "base.stability.nan_patience=3", "max_concurrent_trials=1",
         "wandb.enabled=false", "dashboard.enabled=false",
     ]
     return [arg for s in sets for arg in ("--set", s)]

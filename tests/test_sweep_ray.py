@@ -76,7 +76,7 @@ def test_sweep_end_to_end(reference, capsys):
     assert rows["bf16-adamw-all-s42"]["stop_reason"] == "completed"
     assert rows["bf16-adamw-all-s42"]["steps"] == STEPS
     nan = rows["e7m0-adamw-all-s42"]
-    assert nan["stop_reason"] == "nan" and nan["steps"] < STEPS  # the stopper, not the trainer
+    assert nan["stop_reason"] == "nan" and nan["steps"] < STEPS  # at its patience: trainer and stopper agree
     assert json.loads((exp / STATE_DIR / "stopper.json").read_text())["stopped"]
     e7m0 = next(r for r in load_experiment(exp) if r.format == "e7m0")
     assert e7m0.stop_detail.startswith("nan: 3 non-finite steps in a row (patience 3)")
@@ -230,7 +230,7 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
         "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
         "base.train.max_steps=10", "base.train.warmup_steps=2", "base.train.eval_interval=5",
         "base.train.checkpoint_interval=5", "base.train.eval_iters=2", "base.train.diag_every=5",
-        "stopper.nan_patience=3", "wandb={enabled: true, mode: offline}", "dashboard.enabled=false",
+        "base.stability.nan_patience=3", "wandb={enabled: true, mode: offline}", "dashboard.enabled=false",
     ]
     args = [a for s in sets for a in ("--set", s)] + ["--name", "lr", "--storage-path", str(tmp_path)]
     assert sweep_main(LrSearch, LR_SEARCH, "test", args) == 0

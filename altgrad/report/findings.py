@@ -50,15 +50,15 @@ WINDOW = 5  # logged rows up to the stop that are searched for signals
 
 def signals(stability: StabilityConfig) -> tuple[tuple[str, float, str], ...]:
     """(metric, threshold, site) per failure signal: a signal above its threshold points at that
-    site. Overflow, underflow and bit-stall use the run's own warning levels (SPEC §5), the
-    dead-gradient fraction (the mean over layers) and the zero-update fraction the report's own
-    half-way mark."""
+    site. Every threshold is the run's own (`stability`): overflow, underflow and bit-stall its
+    warning levels (SPEC §5), the dead-gradient fraction (the mean over layers) and the zero-update
+    fraction its `dead_grad_signal` and `zero_update_signal`."""
     return (
         (OVERFLOW_RATE, stability.overflow_warn, "forward"),
         (UNDERFLOW_RATE, stability.underflow_warn, "backward"),
-        (GRAD_DEAD_FRAC, 0.5, "backward"),
+        (GRAD_DEAD_FRAC, stability.dead_grad_signal, "backward"),
         (BIT_STALL_RATE, stability.stall_warn, "optimizer"),
-        (ZERO_UPDATE_FRAC, 0.5, "optimizer"),
+        (ZERO_UPDATE_FRAC, stability.zero_update_signal, "optimizer"),
     )
 
 
@@ -87,9 +87,9 @@ DEFINITIONS = f"""\
   otherwise the last {WINDOW} logged rows up to that step are read: a non-finite loss means the
   forward pass broke, a non-finite gradient with a finite loss means the backward pass did; else the
   signal furthest above its threshold names the site ({", ".join(f"{k} → {WHERE[s]}" for k, _, s in
-  _DEFAULT_SIGNALS)}); "—" when none is. The thresholds of overflow, underflow and bit-stall are
-  the run's own `stability` warning levels (its config.yaml; by default {", ".join(
-  f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)}); the evidence names the one that applied.
+  _DEFAULT_SIGNALS)}); "—" when none is. Every threshold is the run's own `stability` setting
+  (its config.yaml; by default {", ".join(f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)});
+  the evidence names the one that applied.
 - **Manifold − standard**: per seed, best val loss with `{MANIFOLD}` minus with `{STANDARD}` (same
   format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
   **Extra axes**: the same per-seed difference between two values of one axis, all else equal.

@@ -32,7 +32,7 @@ class FormatAblation:
         runs = trials_to_run(points)
         r = cfg.resources
         param_space = {"key": tune.grid_search([p.key for p in runs]),
-                       **trial_limits(r.cpus_per_trial, r.gpu_per_trial, cfg.stopper.stall_threshold)}
+                       **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
         a = cfg.asha
         scheduler = StabilityRungs(
             StateStore(cfg.experiment_path), metric=a.metric, mode=a.mode, max_t=cfg.max_t,

@@ -79,20 +79,30 @@ class Resources(StrictModel):
     cpus_per_trial: int = Field(ge=1, description="CPU cores per trial, also torch's thread count")
 
 
+# Stopper keys that became run settings: each trial's stopper reads them from its own run config.
+MOVED_STOPPER_KEYS = {"nan_patience": "base.stability.nan_patience",
+                      "stall_threshold": "base.stability.stall_stop",
+                      "stall_reports": "base.stability.stall_stop_reports"}
+
+
 class StopperSettings(StrictModel):
-    """The stability stopper: NaN streaks and persistent bit-stall end a trial early. Bit-stall
-    counts only for runs whose weights are stored in their format (`quant.master_weights: format`):
-    with fp32 master weights a stalled 8-bit view still learns (`trainable.stall_halts_learning`)."""
+    """The stability stopper: a NaN streak or persistent bit-stall ends a trial early, judged by
+    the trial's own `stability` settings (`nan_patience`, `stall_stop`, `stall_stop_reports`), the
+    numbers its trainer acts on too. Bit-stall counts only for runs whose weights are stored in
+    their format (`quant.master_weights: format`): with fp32 master weights a stalled 8-bit view
+    still learns (`trainable.stall_halts_learning`)."""
 
     enabled: bool = True
-    nan_patience: int | None = Field(
-        None, ge=1, description="stop after this many consecutive NaN steps; null: the trainer's own "
-                                "limit, base.stability.nan_patience (one number for both)")
-    stall_threshold: float = Field(0.99, gt=0, le=1, description="bit-stall rate that counts as stalled")
-    stall_reports: int = Field(
-        20, ge=1, description="stop after this many stalled reports in a row; only reports of "
-                              "diagnostic steps (train.diag_every) carry bit-stall and count"
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        moved = [f"stopper.{key} moved to {MOVED_STOPPER_KEYS[key]}" for key in MOVED_STOPPER_KEYS
+                 if isinstance(data, dict) and key in data]
+        if moved:
+            raise ValueError("; ".join(moved) + " (a run setting: the trainer and the stopper read the same "
+                             "number, and grid.axes may vary it)")
+        return data
 
 
 class FailureSettings(StrictModel):
@@ -158,11 +168,6 @@ class SweepSettings(StrictModel):
     def check(self) -> None:
         """Cross-field checks that need the run config; ConfigError names the field."""
 
-    @property
-    def nan_patience(self) -> int:
-        """The NaN streak that ends a trial: the stopper's, else the base run's own limit."""
-        return self.stopper.nan_patience or self.base_run.stability.nan_patience
-
     @cached_property
     def base_run(self) -> RunConfig:
         """The run every trial starts from (preset < base), validated once."""
@@ -191,13 +196,14 @@ class SweepSettings(StrictModel):
             return None
         run = self.base_run
         available = stall_reports_in_run(run)
-        if self.stopper.stall_reports <= available:
+        window = run.stability.stall_stop_reports
+        if window <= available:
             return None
         t = run.train
-        return (f"stopper.stall_reports ({self.stopper.stall_reports}) is more than the {available} "
-                f"reports that carry bit-stall in a {t.max_steps}-step run (train.diag_every "
-                f"{t.diag_every}, train.log_interval {t.log_interval}), so no trial can be stopped for "
-                f"bit_stall; set stopper.stall_reports to at most {available} or lower base.train.diag_every")
+        return (f"base.stability.stall_stop_reports ({window}) is more than the {available} reports that "
+                f"carry bit-stall in a {t.max_steps}-step run (train.diag_every {t.diag_every}, "
+                f"train.log_interval {t.log_interval}), so no trial can be stopped for bit_stall; set "
+                f"base.stability.stall_stop_reports to at most {available} or lower base.train.diag_every")
 
     @property
     def experiment_path(self) -> str:

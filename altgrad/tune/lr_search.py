@@ -44,7 +44,7 @@ class LrSearch:
             search = OptunaSearch(metric=STABLE_LR, mode="max", seed=seed,
                                   points_to_evaluate=[{"lr": lr} for lr in cfg.lr.grid])
             param_space = {"key": point.key, "lr": tune.loguniform(cfg.lr.low, cfg.lr.high),
-                           **trial_limits(r.cpus_per_trial, r.gpu_per_trial, cfg.stopper.stall_threshold)}
+                           **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
             grid = [trial_labels({"key": point.key, "lr": lr}, point.labels) for lr in cfg.lr.grid]
             out.append(Experiment(cfg, LrSearch.kind, f"{cfg.experiment_path}/{fmt}", {point.key: point},
                                   param_space, grid, len(cfg.lr.grid) + cfg.lr.samples, search_alg=search))

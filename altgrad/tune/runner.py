@@ -202,9 +202,7 @@ def _new_tuner(exp: Experiment, trainable):
                             JsonLoggerCallback(), CSVLoggerCallback()]
     stopper = None
     if s.stopper.enabled:
-        stopper = StabilityStopper(exp.store, nan_patience=s.nan_patience,
-                                   stall_reports=s.stopper.stall_reports,
-                                   stall_threshold=s.stopper.stall_threshold)
+        stopper = StabilityStopper(exp.store, {key: p.run_config.stability for key, p in exp.points.items()})
     return tune.Tuner(
         trainable,
         param_space=exp.param_space,

@@ -66,7 +66,7 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
              "started": time.time()}))
         history = read_jsonl(run_dir / METRICS_FILE)  # read before the trainer trims it
         with trial_run(wandb, trial_key(config), cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
-            reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr,
+            reporter = TuneReporter(SweepSignals(cfg.stability.stall_stop, cfg.optim.lr,
                                                  stall_halts_learning(cfg)),
                                     history, attach_checkpoints=not storage_is_local(), wandb_run=run)
             with resume_point(run_dir) as resume:
@@ -162,16 +162,17 @@ class SweepSignals:
     """What the sweep's deciders read on top of the trainer's metrics, from the stream of rows.
 
     - `val/loss` as ASHA sees it: +inf while the loss is NaN or the evaluation non-finite;
-    - `sweep/stall_streak`: consecutive reports with bit-stall at or above the threshold, for a
-      run where stall halts learning (`stall_halts_learning`), else always 0;
+    - `sweep/stall_streak`: consecutive reports with bit-stall at or above the run's
+      `stability.stall_stop`, for a run where stall halts learning (`stall_halts_learning`), else
+      always 0;
     - `sweep/stable_lr`: the run's peak learning rate while it learns stably, else 0 (the
       learning-rate search maximizes it).
     Fed the run's history before the first new report on resume, so the values match a run that
     never stopped.
     """
 
-    def __init__(self, stall_threshold: float, lr: float, counts_stall: bool = True):
-        self.stall_threshold = stall_threshold
+    def __init__(self, stall_stop: float, lr: float, counts_stall: bool = True):
+        self.stall_stop = stall_stop
         self.lr = lr
         self.counts_stall = counts_stall
         self.stall_streak = 0
@@ -180,7 +181,7 @@ class SweepSignals:
     def observe(self, row: dict[str, float]) -> dict[str, float]:
         rate = row.get(BIT_STALL_RATE)
         if rate is not None and self.counts_stall:  # rows without diagnostics leave the streak alone
-            self.stall_streak = self.stall_streak + 1 if rate >= self.stall_threshold else 0
+            self.stall_streak = self.stall_streak + 1 if rate >= self.stall_stop else 0
         if self.first_val is None and row.get(VAL_STEP) == row["step"]:
             self.first_val = row[VAL_LOSS]
         val = row[VAL_LOSS]

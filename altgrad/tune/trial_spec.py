@@ -1,9 +1,9 @@
 """The config Ray hands each trial, and the names derived from it (driver and worker agree here).
 
-A trial config is small: `{"key": <grid point key>, "limits": {"cpus", "gpu_fraction"},
-"stall_threshold": float}`, plus `"lr"` when a searcher samples the learning rate. The grid points'
-run configs reach the trainable separately (`tune.with_parameters`), so Ray's status tables,
-`params.json` and experiment snapshots stay small.
+A trial config is small: `{"key": <grid point key>, "limits": {"cpus", "gpu_fraction"}}`, plus
+`"lr"` when a searcher samples the learning rate. The grid points' run configs (with every
+threshold a trial is judged by, its `stability`) reach the trainable separately
+(`tune.with_parameters`), so Ray's status tables, `params.json` and experiment snapshots stay small.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ def sampled(config: dict[str, Any]) -> dict[str, Any]:
     return {k: config[k] for k in SEARCHED if k in config}
 
 
-def trial_limits(cpus: int, gpu_fraction: float, stall_threshold: float) -> dict[str, Any]:
+def trial_limits(cpus: int, gpu_fraction: float) -> dict[str, Any]:
     """The part of every trial config that is the same for all trials of a sweep."""
-    return {"limits": {"cpus": cpus, "gpu_fraction": gpu_fraction}, "stall_threshold": stall_threshold}
+    return {"limits": {"cpus": cpus, "gpu_fraction": gpu_fraction}}
 
 
 def learning(first_val_loss: float | None, val_loss: float) -> bool:
