@@ -222,7 +222,8 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
     run first, then Optuna's sample inside [low, high]; the table and lr_search.json name the
     largest rate that trained stably (1000 diverges, 0.01 learns). W&B is on, as lr_search.yaml
     has it."""
-    from altgrad.tune.lr_search import RESULT_FILE, LrSearch
+    from altgrad.experiment import LR_SEARCH_FILE
+    from altgrad.tune.lr_search import LrSearch
 
     sets = [
         "preset=cpu", "formats=[e4m3]", "lr={grid: [0.01, 1000.0], low: 0.001, high: 1000.0, samples: 1}",
@@ -235,7 +236,7 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
     args = [a for s in sets for a in ("--set", s)] + ["--name", "lr", "--storage-path", str(tmp_path)]
     assert sweep_main(LrSearch, LR_SEARCH, "test", args) == 0
     out = capsys.readouterr().out
-    (row,) = json.loads((tmp_path / "lr" / RESULT_FILE).read_text())
+    (row,) = json.loads((tmp_path / "lr" / LR_SEARCH_FILE).read_text())
     sweep_id = f"{tmp_path / 'lr' / 'e4m3'}@{json.loads((tmp_path / 'lr' / 'e4m3' / STATE_DIR / 'sweep.json').read_text())['started']}"
     records = load_experiment(tmp_path / "lr" / "e4m3")
     sampled = sorted(r.params["lr"] for r in records)
@@ -245,7 +246,7 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
     assert row["format"] == "e4m3" and row["trials"] == 3
     assert 0.01 in stable and 1000.0 not in stable and row["largest_stable_lr"] == max(stable)
     assert row["smallest_unstable_lr"] == min(set(sampled) - set(stable))
-    assert "largest stable lr" in out and f"results: {tmp_path / 'lr' / RESULT_FILE}" in out
+    assert "largest stable lr" in out and f"results: {tmp_path / 'lr' / LR_SEARCH_FILE}" in out
     for record in records:  # W&B: one offline run per trial, in the trial's directory
         runs = offline_runs(record.trial_dir)
         assert list(runs) == [run_id(sweep_id, record.key)]

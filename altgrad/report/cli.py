@@ -13,9 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from altgrad.experiment import REPORT_DIR
 from altgrad.remote import is_remote, readable, upload_dir
-
-REPORT_DIR = "report"  # the report's folder inside an experiment
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

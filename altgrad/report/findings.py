@@ -15,19 +15,29 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
-from altgrad.config import BASELINE, StabilityConfig
-from altgrad.experiment import TrialRecord, axis_names, axis_value_text
+from altgrad.config import StabilityConfig
+from altgrad.experiment import (
+    BROKEN_STOPS,
+    UNFINISHED,
+    StopReason,
+    TrialRecord,
+    TrialStatus,
+    axis_names,
+    axis_value_text,
+)
 from altgrad.metrics import (
     BIT_STALL_RATE,
     GRAD_DEAD_FRAC,
     GRAD_HAS_NAN,
     LOSS_IS_NAN,
     OVERFLOW_RATE,
+    STEP,
     TRAIN_LOSS,
     UNDERFLOW_RATE,
     ZERO_UPDATE_FRAC,
     layer_values,
 )
+from altgrad.precision import BASELINE
 from altgrad.report.stats import (
     Comparison,
     Interval,
@@ -39,9 +49,6 @@ from altgrad.report.stats import (
 
 STANDARD, MANIFOLD = "adamw", "manifold"
 VERDICT_FORMAT, VERDICT_PRECISION, VERDICT_TOLERANCE = "e5m2", "all", 0.10
-# The trial broke (as opposed to completing its budget): the sweep stops only broken trials.
-BROKEN_STOPS = ("asha", "nan", "bit_stall", "error")
-UNFINISHED = ("PENDING", "RUNNING", "PAUSED")
 
 # The pass a failure is attributed to, keyed by summary.json `collapse_where` values.
 WHERE = {"forward": "forward overflow", "backward": "backward underflow", "optimizer": "optimizer stall"}
@@ -140,7 +147,7 @@ def trial_best(r: TrialRecord, upto: int | None = None) -> float:
 
 
 def stop_reason(r: TrialRecord) -> str | None:
-    return r.stop_reason or r.summary.get("stop_reason") or ("error" if r.status == "ERROR" else None)
+    return r.stop_reason or r.summary.get("stop_reason") or (StopReason.ERROR if r.status == TrialStatus.ERROR else None)
 
 
 def broke(r: TrialRecord) -> bool:
@@ -155,7 +162,7 @@ def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
     bad = next((s for s, v in zip(steps, losses, strict=True) if not math.isfinite(v)), None)
     if bad is not None:
         return bad, True
-    last = r.history[-1]["step"] if r.history else r.summary.get("steps")  # a running summary lags
+    last = r.history[-1][STEP] if r.history else r.summary.get("steps")  # a running summary lags
     return (int(last) if _finite(last) else None), False
 
 
@@ -170,12 +177,12 @@ def _metric(row: dict[str, float], key: str) -> float:
 def failure_site(r: TrialRecord) -> tuple[str, str]:
     """(where, evidence) of a failure; see DEFINITIONS. The evidence names the strongest signal."""
     step, _ = stop_step(r)
-    rows = [row for row in r.history if step is None or row["step"] <= step][-WINDOW:]
+    rows = [row for row in r.history if step is None or row[STEP] <= step][-WINDOW:]
     signal = _strongest_signal(rows, r.stability)
     also = f"; {signal[1]}" if signal else ""
     if r.summary.get("collapse_where") in WHERE:
         return WHERE[r.summary["collapse_where"]], "recorded by the trainer" + also
-    if stop_reason(r) == "bit_stall":
+    if stop_reason(r) == StopReason.BIT_STALL:
         return WHERE["optimizer"], "stopped for bit-stall" + also
     if not rows:
         return "unknown", "no metrics recorded"
@@ -186,7 +193,7 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
         (last.get(GRAD_HAS_NAN, 0) > 0, "backward", "gradient non-finite, loss finite"),
     ):
         if broken:
-            return WHERE[site], f"{what} at step {last['step']:.0f}{also}"
+            return WHERE[site], f"{what} at step {last[STEP]:.0f}{also}"
     return (WHERE[signal[0]], signal[1]) if signal else ("—", "no signal above threshold")
 
 
@@ -211,7 +218,7 @@ def axes_text(axes: AxesKey) -> str:
 
 
 def completed_budget(r: TrialRecord) -> bool:
-    return stop_reason(r) == "completed" and r.status not in UNFINISHED
+    return stop_reason(r) == StopReason.COMPLETED and r.status not in UNFINISHED
 
 
 def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[int, float]:
@@ -261,7 +268,7 @@ class Cell:
 
     @property
     def stops(self) -> tuple[str, ...]:
-        return tuple(sorted({s for t in self.trials if (s := stop_reason(t)) not in (None, "completed")}))
+        return tuple(sorted({s for t in self.trials if (s := stop_reason(t)) not in (None, StopReason.COMPLETED)}))
 
     @property
     def vs_bf16(self) -> str:
@@ -285,7 +292,7 @@ class SweetSpot:
         if len(self.group) > 1:
             return f"tie: {' ≈ '.join(self.group)} (intervals overlap)"
         if self.leader is None:
-            return "bf16 (every format is worse)"
+            return f"{BASELINE} (every format is worse)"
         return f"{self.leader.name} at {self.leader.ratio.text('.3f')}× bf16"
 
 
@@ -382,7 +389,7 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
     values = seed_values(trials, steps)
     label = " ≡ ".join((key[0], *also))
-    ratio = ratio_interval(values, seed_values(baseline_trials(bf16, key[3]), steps), labels=(label, "bf16"))
+    ratio = ratio_interval(values, seed_values(baseline_trials(bf16, key[3]), steps), labels=(label, BASELINE))
     return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also)
 
 
@@ -434,7 +441,7 @@ def _missing(records: list[TrialRecord], given: list[str]) -> list[str]:
     out += [f"{name(r)} ({label(r)}): unreadable: {r.unreadable}" for r in records if r.unreadable]
     for r in records:
         if r.status in UNFINISHED and name(r) not in given and not r.same_as:
-            state = "not started" if r.status == "PENDING" else f"still running at step {stop_step(r)[0]}, numbers provisional"
+            state = "not started" if r.status == TrialStatus.PENDING else f"still running at step {stop_step(r)[0]}, numbers provisional"
             out.append(f"{name(r)} ({label(r)}): {state}")
     return list(dict.fromkeys(out))
 
@@ -449,7 +456,7 @@ def _difference(what: str, a: Cell, b: Cell) -> Difference | None:
 
 def compute_findings(records: list[TrialRecord], missing: list[str] | None = None) -> Findings:
     """All findings of an experiment; `missing` names grid points that never started."""
-    started = [r for r in records if r.status != "PENDING" or r.history]
+    started = [r for r in records if r.status != TrialStatus.PENDING or r.history]
     measured = [r for r in started if not r.same_as]
     quantized = [r for r in measured if r.format != BASELINE]
     by_key = {r.key: r for r in measured}
@@ -480,7 +487,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     for r in sorted(measured, key=lambda r: (format_key(r.format), r.optimizer, r.precision, r.seed)):
         reason = stop_reason(r)
         step, collapsed = stop_step(r)
-        if reason in (None, "completed") and not collapsed:
+        if reason in (None, StopReason.COMPLETED) and not collapsed:
             continue
         where, evidence = failure_site(r)
         if r.stop_detail:

@@ -16,9 +16,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from altgrad.config import BASELINE, ConfigError, RunConfig, deep_merge, nested
+from altgrad.config import ConfigError, RunConfig, deep_merge, nested
 from altgrad.experiment import axis_names, axis_value_text
-from altgrad.precision import policy_rules
+from altgrad.precision import BASELINE, policy_rules
 from altgrad.quant.equivalence import quantize_identically
 from altgrad.tune.asha import asha_milestones
 from altgrad.tune.config import (
@@ -210,7 +210,7 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
         a = cfg.asha
         rungs = ", ".join(str(m) for m in asha_milestones(a.grace_period, a.reduction_factor, cfg.max_t))
         lines.append(f"early stopping at rungs (steps {rungs or 'none'}) on {a.metric}: only broken "
-                     f"trials stop (non-finite, or more than {100 * a.tolerance:g} % behind bf16 of "
+                     f"trials stop (non-finite, or more than {100 * a.tolerance:g} % behind {BASELINE} of "
                      "the same optimizer and seed, else the rung's best)")
     if cfg.stopper.enabled:
         s = cfg.base_run.stability

@@ -15,15 +15,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from altgrad.experiment import TrialRecord, load_experiment
+from altgrad.experiment import LR_SEARCH_FILE, StopReason, TrialRecord, TrialStatus, load_experiment
 from altgrad.metrics import STABLE_LR
 from altgrad.remote import is_remote
 from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
 from altgrad.tune.runner import Experiment
 from altgrad.tune.trial_spec import learning, trial_labels, trial_limits
-
-RESULT_FILE = "lr_search.json"
 
 
 class LrSearch:
@@ -70,7 +68,7 @@ class LrSearch:
             return 0
         rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path)) for exp in experiments]
         print(render_lr_table(rows))
-        path = Path(cfg.experiment_path) / RESULT_FILE
+        path = Path(cfg.experiment_path) / LR_SEARCH_FILE
         path.write_text(json.dumps(rows, indent=1))
         print(f"results: {path}")
         return 0
@@ -79,11 +77,11 @@ class LrSearch:
 def stable(record: TrialRecord) -> bool:
     """Ran to the end, and its final val loss is finite and below its first."""
     vals = record.val_series()[1]
-    return record.stop_reason == "completed" and bool(vals) and learning(vals[0], vals[-1])
+    return record.stop_reason == StopReason.COMPLETED and bool(vals) and learning(vals[0], vals[-1])
 
 
 def stable_lr_row(fmt: str, records: list[TrialRecord]) -> dict[str, Any]:
-    done = [r for r in records if r.status == "TERMINATED" and "lr" in r.params]
+    done = [r for r in records if r.status == TrialStatus.TERMINATED and "lr" in r.params]
     ok = [r for r in done if stable(r)]
     bad = [r.params["lr"] for r in done if not stable(r)]
     best = max(ok, key=lambda r: r.params["lr"], default=None)

@@ -18,8 +18,8 @@ from typing import Any
 from ray.tune.stopper import Stopper
 
 from altgrad.config import StabilityConfig
-from altgrad.experiment import STOPPER_FILE
-from altgrad.metrics import NAN_STREAK, STALL_STREAK
+from altgrad.experiment import STOPPER_FILE, StopReason
+from altgrad.metrics import NAN_STREAK, STALL_STREAK, STEP
 from altgrad.tune.store import StateStore
 
 
@@ -42,22 +42,22 @@ class StabilityStopper(Stopper):
         return self._state
 
     def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-        if "step" not in result:
+        if STEP not in result:
             return False
-        step = int(result["step"])
+        step = int(result[STEP])
         stopped = self.state["stopped"].get(trial_id)
         if stopped is not None:  # a resumed trial replaying its way to the recorded stop
-            return step >= stopped["step"]
+            return step >= stopped[STEP]
         limits = self.stability[result["config"]["key"]]
         if result.get(NAN_STREAK, 0) >= limits.nan_patience:
-            decision = {"reason": "nan", "streak": int(result[NAN_STREAK]), "patience": limits.nan_patience}
+            decision = {"reason": StopReason.NAN, "streak": int(result[NAN_STREAK]), "patience": limits.nan_patience}
         elif result.get(STALL_STREAK, 0) >= limits.stall_stop_reports:
             # the threshold is recorded with the stop; the streak is counted by the trainable
-            decision = {"reason": "bit_stall", "streak": int(result[STALL_STREAK]),
+            decision = {"reason": StopReason.BIT_STALL, "streak": int(result[STALL_STREAK]),
                         "patience": limits.stall_stop_reports, "threshold": limits.stall_stop}
         else:
             return False
-        self.state["stopped"][trial_id] = {**decision, "step": step}
+        self.state["stopped"][trial_id] = {**decision, STEP: step}
         self._store.write(STOPPER_FILE, self.state)
         return True
 

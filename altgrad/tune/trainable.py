@@ -31,12 +31,20 @@ import ray
 from ray import tune
 
 from altgrad.config import RunConfig
-from altgrad.experiment import METRICS_FILE, RUN_DIR, TRIALS_DIR, WORKER_FILE, read_jsonl
+from altgrad.experiment import (
+    METRICS_FILE,
+    RUN_DIR,
+    TRIAL_LOG_FILE,
+    TRIALS_DIR,
+    WORKER_FILE,
+    read_jsonl,
+)
 from altgrad.metrics import (
     BIT_STALL_RATE,
     LOSS_IS_NAN,
     STABLE_LR,
     STALL_STREAK,
+    STEP,
     TRAIN_LOSS,
     VAL_LOSS,
     VAL_STEP,
@@ -60,7 +68,7 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
     run_dir = trial_dir / RUN_DIR
     limit_resources(config["limits"]["cpus"], config["limits"]["gpu_fraction"])
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # no line per persisted checkpoint
-    with trial_log(trial_dir / "trial.log"):
+    with trial_log(trial_dir / TRIAL_LOG_FILE):
         (trial_dir / WORKER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
              "started": time.time()}))
@@ -182,7 +190,7 @@ class SweepSignals:
         rate = row.get(BIT_STALL_RATE)
         if rate is not None and self.counts_stall:  # rows without diagnostics leave the streak alone
             self.stall_streak = self.stall_streak + 1 if rate >= self.stall_stop else 0
-        if self.first_val is None and row.get(VAL_STEP) == row["step"]:
+        if self.first_val is None and row.get(VAL_STEP) == row[STEP]:
             self.first_val = row[VAL_LOSS]
         val = row[VAL_LOSS]
         broken = row.get(LOSS_IS_NAN, 0) > 0 or not math.isfinite(val)
@@ -205,10 +213,10 @@ class TuneReporter:
         self.attach_checkpoints = attach_checkpoints
 
     def __call__(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
-        step = metrics["step"]
+        step = metrics[STEP]
         if self._history is not None:  # resumed: replay what the run logged before this step
             for row in self._history:
-                if row.get("step", math.inf) < step:
+                if row.get(STEP, math.inf) < step:
                     replayed = self._reported(row)
                     if self.wandb_run is not None:  # rows a killed attempt's W&B run lost
                         self.wandb_run.log(replayed)
