@@ -142,7 +142,8 @@ BEAT_S, STALE_S = 30.0, 90.0
 
 
 class ExperimentError(ValueError):
-    """The path is not (or not yet) an AltGrad experiment directory; the message says what is."""
+    """The path is not (or not yet) an AltGrad experiment directory, or it cannot be read; the
+    message says what is wrong."""
 
 
 @dataclass
@@ -153,7 +154,9 @@ class TrialRecord:
     precision: str  # "all" | "mlp" | "attn" | "no_head" | a custom policy's name
     seed: int = 0
     status: str = TrialStatus.PENDING
-    stop_reason: str | None = None  # a StopReason once the trial has ended
+    # A StopReason once the trial has ended: the sweep's stop, else its trainer's (summary.json),
+    # else `error` for a trial Ray lists as errored (filled in by __post_init__); None while it runs.
+    stop_reason: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
@@ -170,6 +173,11 @@ class TrialRecord:
     # The thresholds the run's trainer acted on (its config.yaml); the defaults before it started.
     stability: StabilityConfig = field(default_factory=StabilityConfig)
 
+    def __post_init__(self) -> None:
+        if self.stop_reason is None:
+            errored = self.status == TrialStatus.ERROR
+            self.stop_reason = self.summary.get("stop_reason") or (StopReason.ERROR if errored else None)
+
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the history, skipping rows that lack it."""
         rows = [r for r in self.history if key in r]
@@ -179,6 +187,18 @@ class TrialRecord:
         """Validation loss at the steps where it was actually evaluated."""
         rows = [r for r in self.history if VAL_LOSS in r and r.get(VAL_STEP) == r[STEP]]
         return [int(r[STEP]) for r in rows], [float(r[VAL_LOSS]) for r in rows]
+
+    def best_val_loss(self, upto: int | None = None) -> float:
+        """The lowest finite validation loss evaluated up to step `upto` (all when None); inf when
+        there is none, as the trainer's summary says. The summary's own `best_val_loss` counts when
+        the steps it covers are within `upto`: it also holds evaluations at steps that were not
+        logged (`train.log_interval`)."""
+        steps, values = self.val_series()
+        candidates: list[Any] = [v for s, v in zip(steps, values, strict=True) if upto is None or s <= upto]
+        covered = self.summary.get("steps")
+        if upto is None or (covered is not None and covered <= upto):
+            candidates.append(self.summary.get("best_val_loss"))
+        return min((v for v in candidates if isinstance(v, int | float) and math.isfinite(v)), default=math.inf)
 
 
 def axis_names(paths: list[str]) -> dict[str, str]:
@@ -260,6 +280,34 @@ def load_experiment(exp_dir: str | Path) -> list[TrialRecord]:
     return records
 
 
+@dataclass(frozen=True)
+class ExperimentSnapshot:
+    """An experiment as read at one moment: its sweep may still be running."""
+
+    name: str  # the experiment directory's own name
+    sweep: dict[str, Any]  # its sweep.json
+    records: list[TrialRecord]  # every trial, as `load_experiment` reads them
+
+
+def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
+    """The experiment at a local path or on object storage, for the commands that read one
+    (`trials`, `report`). ExperimentError, its message naming the path, when it is not an
+    experiment, a sweep file is corrupt, or its storage cannot be read; a corrupt trial file only
+    marks that trial `unreadable`."""
+    from altgrad.remote import readable  # `altgrad.remote` reads the file names defined here
+
+    try:
+        with readable(experiment) as exp_dir:
+            records = load_experiment(exp_dir)
+            return ExperimentSnapshot(exp_dir.resolve().name, read_json(exp_dir / STATE_DIR / SWEEP_FILE), records)
+    except ExperimentError:
+        raise
+    except ValueError as e:  # a corrupt sweep or trial-index file
+        raise ExperimentError(f"{experiment}: cannot read the experiment: {e}") from None
+    except OSError as e:  # remote storage unreachable, or no permission
+        raise ExperimentError(f"cannot read {experiment}: {e}") from None
+
+
 def _alias(record: TrialRecord, labels: dict[str, Any]) -> TrialRecord:
     """The measured trial listed under an equivalent format's name (one measurement, two names)."""
     return replace(record, key=labels["key"], format=labels["format"], same_as=labels["same_as"],
@@ -309,20 +357,19 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
     except ValueError as e:  # one corrupt trial must not hide the others
         return _record(entry, trial_id=trial_id, status=TrialStatus.ERROR, stop_reason=StopReason.ERROR,
                        trial_dir=trial_dir, unreadable=str(e))
-    reason, stop_step, detail = None, None, None
-    if stop is not None:
-        reason, stop_step, detail = stop["reason"], int(stop[STEP]), stop_detail(stop)
-        history = [r for r in history if r[STEP] <= stop_step]
-        events = [e for e in events if e[STEP] <= stop_step]
-        summary = {**summary, **_summary_at(history), "status": RunStatus.FINISHED, "stop_reason": reason,
-                   "steps": stop_step}
-    elif summary.get("status") == RunStatus.FINISHED:
-        reason = summary.get("stop_reason")
-    elif entry["status"] == TrialStatus.ERROR:
-        reason = StopReason.ERROR
-    return _record(entry, trial_id=trial_id, status=entry["status"], stop_reason=reason,
-                   history=history, events=events, summary=summary, trial_dir=trial_dir,
-                   stop_step=stop_step, stop_detail=detail, error=entry.get("error"), stability=stability)
+    if stop is None:
+        return _record(entry, trial_id=trial_id, status=entry["status"], history=history, events=events,
+                       summary=summary, trial_dir=trial_dir, error=entry.get("error"), stability=stability)
+    step = int(stop[STEP])
+    cut = _record(entry, trial_id=trial_id, status=entry["status"], stop_reason=stop["reason"],
+                  history=[r for r in history if r[STEP] <= step], events=[e for e in events if e[STEP] <= step],
+                  summary=summary, trial_dir=trial_dir, stop_step=step, stop_detail=stop_detail(stop),
+                  error=entry.get("error"), stability=stability)
+    values = cut.val_series()[1]
+    cut.summary = {**summary, "best_val_loss": cut.best_val_loss(upto=step),
+                   "final_val_loss": values[-1] if values else math.nan,
+                   "status": RunStatus.FINISHED, "stop_reason": stop["reason"], "steps": step}
+    return cut
 
 
 def run_stability(run_dir: Path) -> StabilityConfig:
@@ -336,14 +383,6 @@ def run_stability(run_dir: Path) -> StabilityConfig:
 def _by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per step (the last one written wins), in step order."""
     return sorted({r[STEP]: r for r in rows if STEP in r}.values(), key=lambda r: r[STEP])
-
-
-def _summary_at(history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary fields that the history up to a stop determines."""
-    vals = [r[VAL_LOSS] for r in history if VAL_LOSS in r and r.get(VAL_STEP) == r[STEP]]
-    finite = [v for v in vals if math.isfinite(v)]
-    return {"best_val_loss": min(finite, default=math.inf),
-            "final_val_loss": vals[-1] if vals else math.nan}
 
 
 def driver_alive(driver: dict[str, Any]) -> bool:

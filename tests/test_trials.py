@@ -1,5 +1,5 @@
-"""`python -m altgrad trials` (`altgrad.tune.trials`): exit 2 for what is not an experiment or holds a
-corrupt trial (still listing the others), and no torch or Ray loaded."""
+"""`python -m altgrad trials` (`altgrad.tune.trials`): exit 2 for what is not an experiment, cannot be
+read, or holds a corrupt trial (still listing the others), and no torch or Ray loaded."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import pytest
 from experiment_files import KEYS
 
 from altgrad.__main__ import main
-from altgrad.experiment import RUN_DIR, TRIALS_DIR, ExperimentError, load_experiment
+from altgrad.experiment import (
+    RUN_DIR,
+    STATE_DIR,
+    TRIALS_DIR,
+    TRIALS_FILE,
+    ExperimentError,
+    load_experiment,
+)
 
 
 def test_not_an_experiment(tmp_path, capsys):
@@ -30,6 +37,16 @@ def test_a_corrupt_trial_is_listed_and_exits_2(experiment, capsys):
     assert len(rows) == 6 and rows[KEYS[0]]["error"].startswith("unreadable: ")
     assert rows[KEYS[1]]["stop_reason"] == "asha"
     assert KEYS[0] in err
+
+
+@pytest.mark.parametrize("command", ["trials", "report"])
+def test_a_corrupt_sweep_file_exits_2_with_a_message(experiment, capsys, command):
+    """Both readers open an experiment the same way (`read_experiment`): a sweep file that is not
+    JSON is an error naming the experiment, never a traceback."""
+    (experiment / STATE_DIR / TRIALS_FILE).write_text("{not json")
+    assert main([command, str(experiment)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {experiment}: cannot read the experiment: ") and "Traceback" not in err
 
 
 # `python -m altgrad trials EXP`, then the names of the top-level packages it loaded on stderr.

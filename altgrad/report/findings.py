@@ -9,7 +9,6 @@ when the 95 % intervals separate; otherwise the report says "indistinguishable".
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import fmean
@@ -38,6 +37,7 @@ from altgrad.metrics import (
     layer_values,
 )
 from altgrad.precision import BASELINE
+from altgrad.quant.formats import exmy_bits
 from altgrad.report.stats import (
     Comparison,
     Interval,
@@ -114,8 +114,8 @@ def format_key(name: str) -> tuple[int, str]:
     """Sort bf16 first, then eXmY by exponent bits (E0M7 … E7M0), then anything else by name."""
     if name == BASELINE:
         return (-1, name)
-    m = re.fullmatch(r"e(\d+)m(\d+)", name)
-    return (int(m.group(1)), name) if m else (99, name)
+    bits = exmy_bits(name)
+    return (bits[0], name) if bits else (99, name)
 
 
 def _finite(x: object) -> bool:
@@ -136,22 +136,8 @@ def last_eval(r: TrialRecord) -> int | None:
     return steps[-1] if steps else None
 
 
-def trial_best(r: TrialRecord, upto: int | None = None) -> float:
-    """Lowest finite val loss, over evaluations up to step `upto` (all when None); the summary's
-    `best_val_loss` counts when the whole run does."""
-    steps, values = r.val_series()
-    values = [v for s, v in zip(steps, values, strict=True) if upto is None or s <= upto]
-    if upto is None or not steps or upto >= steps[-1]:
-        values.append(r.summary.get("best_val_loss"))
-    return min((v for v in values if _finite(v)), default=math.nan)
-
-
-def stop_reason(r: TrialRecord) -> str | None:
-    return r.stop_reason or r.summary.get("stop_reason") or (StopReason.ERROR if r.status == TrialStatus.ERROR else None)
-
-
 def broke(r: TrialRecord) -> bool:
-    return stop_reason(r) in BROKEN_STOPS
+    return r.stop_reason in BROKEN_STOPS
 
 
 def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
@@ -182,7 +168,7 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
     also = f"; {signal[1]}" if signal else ""
     if r.summary.get("collapse_where") in WHERE:
         return WHERE[r.summary["collapse_where"]], "recorded by the trainer" + also
-    if stop_reason(r) == StopReason.BIT_STALL:
+    if r.stop_reason == StopReason.BIT_STALL:
         return WHERE["optimizer"], "stopped for bit-stall" + also
     if not rows:
         return "unknown", "no metrics recorded"
@@ -218,12 +204,12 @@ def axes_text(axes: AxesKey) -> str:
 
 
 def completed_budget(r: TrialRecord) -> bool:
-    return stop_reason(r) == StopReason.COMPLETED and r.status not in UNFINISHED
+    return r.stop_reason == StopReason.COMPLETED and r.status not in UNFINISHED
 
 
 def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[int, float]:
     """Each seed's best val loss (up to step `upto`); non-finite where it has none."""
-    return {t.seed: trial_best(t, upto) for t in trials}
+    return {t.seed: t.best_val_loss(upto) for t in trials}
 
 
 def reading(estimate: Interval, null: float, below: str, above: str) -> str:
@@ -268,7 +254,7 @@ class Cell:
 
     @property
     def stops(self) -> tuple[str, ...]:
-        return tuple(sorted({s for t in self.trials if (s := stop_reason(t)) not in (None, StopReason.COMPLETED)}))
+        return tuple(sorted({s for t in self.trials if (s := t.stop_reason) not in (None, StopReason.COMPLETED)}))
 
     @property
     def vs_bf16(self) -> str:
@@ -375,7 +361,7 @@ def _baselines(records: list[TrialRecord], optimizers: tuple[str, ...],
     """The bf16 trials each optimizer is compared with: its own, else `adamw`'s (else the first)."""
     own: dict[str, list[TrialRecord]] = {}
     for r in records:
-        if r.format == BASELINE and math.isfinite(trial_best(r)):
+        if r.format == BASELINE and math.isfinite(r.best_val_loss()):
             own.setdefault(r.optimizer, []).append(r)
     lender = STANDARD if STANDARD in own else next(iter(sorted(own)), None)
     for opt in optimizers:
@@ -485,7 +471,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
 
     failures = []
     for r in sorted(measured, key=lambda r: (format_key(r.format), r.optimizer, r.precision, r.seed)):
-        reason = stop_reason(r)
+        reason = r.stop_reason
         step, collapsed = stop_step(r)
         if reason in (None, StopReason.COMPLETED) and not collapsed:
             continue
