@@ -4,7 +4,10 @@ exits 2 naming the field, before anything is written."""
 from __future__ import annotations
 
 import pytest
-from sweep_helpers import ablation
+from sweep_helpers import LR_SEARCH, ablation
+
+from altgrad.tune.cli import sweep_main
+from altgrad.tune.lr_search import LrSearch
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -53,3 +56,22 @@ def test_malformed_yaml_files(tmp_path, capsys):
     assert ablation("--config", str(bad)) == 2
     assert "expected a mapping" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_base_settings_the_sweep_overrides_are_warned_about(capsys):
+    """A `base` setting that no trial (or not every trial) uses is legal but probably not meant:
+    the sweep says so before it runs, and before its dry run."""
+    assert ablation("--dry-run", "--smoke", "--set", "base.quant.format=e5m2", "--set", "base.optim.name=manifold",
+                    "--set", "base.quant.precision=mlp", "--set", "base.train.seed=3",
+                    "--set", "base.quant.master_weights=format") == 0
+    err = capsys.readouterr().err
+    for path, key in (("quant.format", "grid.formats"), ("optim.name", "grid.optimizers"),
+                      ("quant.precision", "grid.precisions"), ("train.seed", "grid.seeds")):
+        assert f"warning: base.{path} is not used: {key} sets it in every trial" in err
+    assert "warning: base.quant.master_weights is format, but bf16 has no 8-bit format" in err
+    # without grid.seeds the base seed is the one that runs; without bf16 nothing is forced
+    assert ablation("--dry-run", "--smoke", "--set", "grid.seeds=null", "--set", "base.train.seed=3",
+                    "--set", "grid.formats=[e4m3]", "--set", "base.quant.master_weights=format") == 0
+    assert "warning" not in capsys.readouterr().err
+    assert sweep_main(LrSearch, LR_SEARCH, "test", ["--dry-run", "--smoke", "--set", "base.optim.lr=0.01"]) == 0
+    assert "warning: base.optim.lr is not used: the search over lr sets it in every trial" in capsys.readouterr().err

@@ -40,13 +40,14 @@ from altgrad.config import (
     resolve_preset,
 )
 from altgrad.metrics import VAL_LOSS
-from altgrad.precision import PRECISION_PRESETS
+from altgrad.precision import BASELINE, PRECISION_PRESETS
 from altgrad.remote import is_remote
 from altgrad.tune.trial_spec import stall_reports_in_run
 
-# Run settings the grid sets itself (-> the grid key that sets them): not allowed as extra axes.
-FIXED_AXES = {"quant.format": "formats", "optim.name": "optimizers", "quant.precision": "precisions",
-              "train.seed": "seeds", "preset": "(the sweep's top-level preset)"}
+# Run settings the grid sets itself (-> the sweep key that sets them): not allowed as extra axes.
+FIXED_AXES = {"quant.format": "grid.formats", "optim.name": "grid.optimizers",
+              "quant.precision": "grid.precisions", "train.seed": "grid.seeds",
+              "preset": "the sweep's top-level preset"}
 AxisValue = str | bool | int | float  # one value of an extra grid axis: a scalar, part of the trial key
 
 # Resources per trial by preset: a GPU is shared by 4 trials; on CPU each trial gets one core.
@@ -186,7 +187,35 @@ class SweepSettings(StrictModel):
 
     def warnings(self) -> list[str]:
         """What is legal but probably not meant; printed before a sweep (and its dry run)."""
-        return [w for w in (self.stall_window_warning(),) if w]
+        return [w for w in (self.stall_window_warning(), *self.base_warnings()) if w]
+
+    def fixed_fields(self) -> dict[str, str]:
+        """The run settings the sweep sets in every trial itself (dotted path -> the sweep key
+        that sets them), whatever `base` says."""
+        raise NotImplementedError
+
+    def trained_formats(self) -> list[str]:
+        """Every format the sweep trains."""
+        raise NotImplementedError
+
+    def sets_in_base(self, path: str) -> bool:
+        """Whether `base` (with this preset's `per_preset` section) gives the dotted run setting."""
+        node: Any = self.base
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    def base_warnings(self) -> list[str]:
+        """Settings of `base` that some trials do not use: ones the sweep sets in every trial
+        (`fixed_fields`), and stored-in-format weights, which bf16 has none to store in."""
+        out = [f"base.{path} is not used: {key} sets it in every trial"
+               for path, key in self.fixed_fields().items() if self.sets_in_base(path)]
+        if BASELINE in self.trained_formats() and self.base_run.quant.master_weights == "format":
+            out.append(f"base.quant.master_weights is format, but {BASELINE} has no 8-bit format to store "
+                       f"weights in: its trials run with master_weights fp32 (the quantized ones with format)")
+        return out
 
     def stall_window_warning(self) -> str | None:
         """Why the stopper can never stop a trial for bit-stall (its window is longer than the
@@ -234,7 +263,7 @@ class GridSettings(StrictModel):
     def _axes(cls, v: dict[str, list[AxisValue]]) -> dict[str, list[AxisValue]]:
         for path, values in v.items():
             if path in FIXED_AXES:
-                raise ValueError(f"{path!r} is a fixed axis of the grid: set it with grid.{FIXED_AXES[path]}")
+                raise ValueError(f"{path!r} is a fixed axis of the grid: set it with {FIXED_AXES[path]}")
             leaf_field(path)
             if not values:
                 raise ValueError(f"{path}: give at least one value")
@@ -310,18 +339,18 @@ class SweepConfig(SweepSettings):
     asha: AshaSettings = Field(default_factory=AshaSettings)
     estimate: EstimateSettings = Field(default_factory=EstimateSettings)
 
-    def warnings(self) -> list[str]:
-        def set_in_base(path: str) -> bool:
-            node: Any = self.base
-            for part in path.split("."):
-                if not isinstance(node, dict) or part not in node:
-                    return False
-                node = node[part]
-            return True
+    def fixed_fields(self) -> dict[str, str]:
+        """The grid's fixed axes (seeds only when the grid lists them; else base's seed runs)."""
+        return {path: key for path, key in FIXED_AXES.items()
+                if path != "preset" and (path != "train.seed" or self.grid.seeds)}
 
+    def trained_formats(self) -> list[str]:
+        return list(self.grid.formats)
+
+    def warnings(self) -> list[str]:
         return [*super().warnings(), *(
             f"grid.axes.{path} overrides base.{path} in every trial; the base value is not used"
-            for path in self.grid.axes if set_in_base(path))]
+            for path in self.grid.axes if self.sets_in_base(path))]
 
     def check(self) -> None:
         """Every extra-axis value must validate in the run config, named by its field."""
@@ -363,6 +392,14 @@ class LrSearchConfig(SweepSettings):
     tolerance: float = Field(
         0.0, ge=0, description="stable = final val loss < first val loss × (1 - tolerance), no stop"
     )
+
+    def fixed_fields(self) -> dict[str, str]:
+        """Format, optimizer and precision per experiment; the learning rate is what it searches."""
+        return {"quant.format": "formats", "optim.name": "optimizer", "quant.precision": "precision",
+                "optim.lr": "the search over lr"}
+
+    def trained_formats(self) -> list[str]:
+        return list(self.formats)
 
     @field_validator("optimizer")
     @classmethod
