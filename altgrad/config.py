@@ -323,11 +323,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "eval_interval": 50, "eval_iters": 20, "checkpoint_interval": 100,
                   "shadow_every": 10},
     },
-    # Small enough that the full grid finishes in minutes on 2 cores. An evaluation (16 x 8 windows,
-    # 8,192 tokens: a standard error of at most ~0.2 % of the loss on the difference of two runs)
-    # costs ~7 training steps, so it runs every 20 (docs/design.md, "Validation loss"). Its steps
-    # are bound by compute, not host overhead, and a trial is 60 of them: compiling the step graph
-    # would cost more than it saves (docs/design.md, "The whole step in one graph").
+    # Small enough that the full grid finishes in minutes on 2 cores. Why it evaluates every 20 steps
+    # and does not compile: docs/design.md, "Validation loss" and "The whole step in one graph".
     "cpu": {
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
         "optim": {"lr": 2e-3, "grad_clip": 1.0},

@@ -161,7 +161,7 @@ def resume_point(run_dir: Path) -> Iterator[Path | None]:
 def stall_halts_learning(run: RunConfig) -> bool:
     """Whether bit-stall means this run stopped learning: only when its weights are stored in
     their format. With fp32 master weights the master keeps accumulating the updates its 8-bit view
-    rounds away, so a stalled view still learns (a trial at 99 % stall may be within 1 % of bf16):
+    rounds away, so a stalled view still learns (docs/design.md, "Bit-stall is not breakage"):
     its loss, judged at ASHA's rungs, says whether it is broken, and the stopper leaves it alone."""
     return not run.quant.is_baseline and run.quant.master_weights == "format"
 
