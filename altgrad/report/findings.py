@@ -279,7 +279,7 @@ class SweetSpot:
             return f"tie: {' ≈ '.join(self.group)} (intervals overlap)"
         if self.leader is None:
             return f"{BASELINE} (every format is worse)"
-        return f"{self.leader.name} at {self.leader.ratio.text('.3f')}× bf16"
+        return f"{self.leader.name} at {self.leader.ratio.text('.3f')}× {BASELINE}"
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,7 @@ class Verdict:
 
     @property
     def line(self) -> str:
-        ratio = (f"× bf16 {self.cell.ratio.text('.3f')}" if self.cell and math.isfinite(self.cell.ratio.mean)
+        ratio = (f"× {BASELINE} {self.cell.ratio.text('.3f')}" if self.cell and math.isfinite(self.cell.ratio.mean)
                  else "ratio n/a")
         return (f"{VERDICT_FORMAT.upper()} within {100 * VERDICT_TOLERANCE:.0f} % of BF16: "
                 f"{'PASS' if self.passed else 'INVESTIGATE'} ({ratio}; {self.reason})")
@@ -366,7 +366,8 @@ def _baselines(records: list[TrialRecord], optimizers: tuple[str, ...],
     lender = STANDARD if STANDARD in own else next(iter(sorted(own)), None)
     for opt in optimizers:
         if opt not in own and lender is not None:
-            notes.append(f"`{opt}` has no bf16 trial with a finite loss: its × bf16 uses the `{lender}` baseline.")
+            notes.append(f"`{opt}` has no {BASELINE} trial with a finite loss: its × {BASELINE} uses the `{lender}` "
+                         "baseline.")
     return {opt: own.get(opt) or own[lender] for opt in optimizers if opt in own or lender is not None}
 
 
@@ -396,7 +397,7 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
              axes_order: dict[AxesKey, int]) -> Verdict:
     candidates = [c for c in cells.values() if c.format == VERDICT_FORMAT or VERDICT_FORMAT in c.also]
     if not has_baseline:
-        return Verdict(False, None, "no bf16 baseline with a finite loss")
+        return Verdict(False, None, f"no {BASELINE} baseline with a finite loss")
     if not candidates:
         return Verdict(False, None, f"no {VERDICT_FORMAT} trial")
     full = [c for c in candidates if c.full_budget and not c.broke]
@@ -483,7 +484,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         failures.append(Failure(r, step, collapsed, reason or "—", where, evidence))
 
     notes += [f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''} "
-              f"trained better than bf16 beyond its interval (× bf16 {c.ratio.text('.3f')}). Published "
+              f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text('.3f')}). Published "
               "FP8 results run slightly worse than 16-bit, so treat this as an anomaly until an ablation "
               "explains it, e.g. forward-only quantization: `--set \"grid.axes={quant.roles.grad_output: "
               "[true, false]}\"`." for c in cells.values() if c.full_budget and c.vs_bf16 == "better"]
