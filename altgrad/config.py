@@ -29,14 +29,18 @@ class ConfigError(ValueError):
     """A user-caused configuration problem; the message names the field and the fix."""
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Every config section: an unknown key is an error (a typo never passes silently), values are
+    frozen once validated, and defaults are validated like given values."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 def format_name(name: str) -> str:
     """The canonical name of a format (`E4M3` -> `e4m3`) or `bf16`; ValueError listing the choices.
     Every config field that names a format is validated by this one function."""
-    from altgrad.quant import FORMATS, get_format  # torch: only when a format is validated
+    # Imported here: the package `altgrad.quant` loads torch, which reading a config must not.
+    from altgrad.quant.formats import FORMATS, get_format
 
     if name.strip().lower() == BASELINE:
         return BASELINE
@@ -53,7 +57,7 @@ def precision_name(name: str) -> str:
     return name
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """Validated fields of `altgrad.model.GPTConfig` (same names; the trainer builds one from them)."""
 
     n_layer: int = Field(6, ge=1)
@@ -71,7 +75,7 @@ class ModelConfig(_Strict):
         return self
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     source: str = "jsonl:../shared/data/eurlex"
     name: str | None = None
     max_docs: int | None = Field(None, ge=1)
@@ -86,7 +90,7 @@ class DataConfig(_Strict):
         return v
 
 
-class ScalingConfig(_Strict):
+class ScalingConfig(StrictModel):
     """Per-tensor scaling of a quantized tensor (SPEC §2): `none` is the format's raw range."""
 
     mode: Literal["none", "dynamic", "delayed"] = "delayed"
@@ -96,7 +100,7 @@ class ScalingConfig(_Strict):
     pow2: bool = True
 
 
-class LayerRule(_Strict):
+class LayerRule(StrictModel):
     """One rule of a custom layer-precision policy (`altgrad.precision`): layers whose name matches
     `pattern` get `format`: a format, `bf16` (kept in high precision) or `{fmt}` (the run's format)."""
 
@@ -118,7 +122,7 @@ def _fields_of(section: Any) -> dict[str, Any] | None:
     return dict(section) if isinstance(section, dict) else None
 
 
-class RolesConfig(_Strict):
+class RolesConfig(StrictModel):
     """Which of a quantized layer's tensors are fake-quantized. A role switched off passes its tensor
     through untouched (no scaling state, no counters): `grad_output: false` is forward-only
     quantization with full-precision gradients, an ablation of what the gradient format costs."""
@@ -133,7 +137,7 @@ class RolesConfig(_Strict):
         return tuple(role for role in type(self).model_fields if getattr(self, role))
 
 
-class QuantConfig(_Strict):
+class QuantConfig(StrictModel):
     format: str = "e4m3"
     precision: Annotated[str, AfterValidator(precision_name)] | list[LayerRule] = "all"
     grad_format: str = "e5m2"
@@ -203,7 +207,7 @@ class QuantConfig(_Strict):
         return self
 
 
-class OptimConfig(_Strict):
+class OptimConfig(StrictModel):
     name: str = "adamw"
     lr: float = Field(6e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
@@ -229,7 +233,7 @@ class OptimConfig(_Strict):
         return v
 
 
-class TrainConfig(_Strict):
+class TrainConfig(StrictModel):
     max_steps: int = Field(2000, ge=1)
     warmup_steps: int = Field(100, ge=0)
     batch_size: int = Field(12, ge=1)
@@ -254,14 +258,16 @@ class TrainConfig(_Strict):
         "calling each kernel on its own (for debugging; ALTGRAD_NO_COMPILE=1 makes everything eager)")
 
 
-class StabilityConfig(_Strict):
-    """The thresholds that act on a run's metrics (`altgrad.metrics`), read by the trainer and, for
-    NaN streaks, by a sweep's stopper. Bit-stall has three levels on purpose, one per action: a
-    warning event at `stall_warn`, an emergency mantissa shift of a layer stalled above
-    `shift_stall_threshold` for `shift_patience` diagnostic steps, and a sweep's stop at its
-    `stopper.stall_threshold` (0.99, sustained)."""
+class StabilityConfig(StrictModel):
+    """The thresholds that act on a run's metrics (`altgrad.metrics`), one set per run: its trainer
+    acts on them, a sweep's stopper judges each trial by its own, and the report reads each run's
+    from its config.yaml. Bit-stall has three levels on purpose, one per action, a ladder: a warning
+    event at `stall_warn`; an emergency mantissa shift of a layer stalled above
+    `shift_stall_threshold` for `shift_patience` diagnostic steps; and a sweep's stop of a run whose
+    model-wide rate stays at or above `stall_stop` for `stall_stop_reports` reports."""
 
-    nan_patience: int = Field(10, ge=1)
+    nan_patience: int = Field(10, ge=1, description="stop after this many non-finite steps in a row "
+                                                    "(the trainer, and a sweep's stopper at the same step)")
     stall_warn: float = Field(0.5, ge=0, le=1)
     overflow_warn: float = Field(0.01, ge=0, le=1)
     underflow_warn: float = Field(0.01, ge=0, le=1)
@@ -269,9 +275,20 @@ class StabilityConfig(_Strict):
     divergence_patience: int = Field(5, ge=1)
     shift_patience: int | None = Field(None, ge=1, description="mantissa shift after N bad steps; None = off")
     shift_stall_threshold: float = Field(0.9, gt=0, le=1)
+    stall_stop: float = Field(0.99, gt=0, le=1, description="a sweep stops a run whose bit-stall rate "
+                              "stays at or above this (only a run whose weights are stored in their "
+                              "format: with fp32 master weights a stalled 8-bit view still learns)")
+    stall_stop_reports: int = Field(
+        20, ge=1, description="... for this many reports in a row; only reports of diagnostic steps "
+                              "(train.diag_every) carry bit-stall and count")
+    dead_grad_signal: float = Field(0.5, ge=0, le=1, description="the report's failure analysis: a "
+                                    "dead-gradient fraction (mean over layers) above this points at "
+                                    "the backward pass")
+    zero_update_signal: float = Field(0.5, ge=0, le=1, description="the report's failure analysis: a "
+                                      "zero-update fraction above this points at the optimizer")
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictModel):
     preset: Literal["cpu", "gpu"] | None = None
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -306,11 +323,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "eval_interval": 50, "eval_iters": 20, "checkpoint_interval": 100,
                   "shadow_every": 10},
     },
-    # Small enough that the full grid finishes in minutes on 2 cores. An evaluation (16 x 8 windows,
-    # 8,192 tokens: a standard error of at most ~0.2 % of the loss on the difference of two runs)
-    # costs ~7 training steps, so it runs every 20 (docs/design.md, "Validation loss"). Its steps
-    # are bound by compute, not host overhead, and a trial is 60 of them: compiling the step graph
-    # would cost more than it saves (docs/design.md, "The whole step in one graph").
+    # Small enough that the full grid finishes in minutes on 2 cores. Why it evaluates every 20 steps
+    # and does not compile: docs/design.md, "Validation loss" and "The whole step in one graph".
     "cpu": {
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
         "optim": {"lr": 2e-3, "grad_clip": 1.0},

@@ -1,27 +1,35 @@
 """What a finished (or running) trial looks like to readers: the trial table and the report.
 
+Every name of the results is defined here once: files and folders, stop reasons, statuses and
+event kinds; writers (the trainer, the sweep) and readers (the trial table, the report) use them.
+
 A run directory, written by `altgrad.train.Trainer` and knowing nothing of Ray, holds:
 
 - `config.yaml`      the validated RunConfig
 - `metrics.jsonl`    one flat JSON object of floats per logged step (`step`, `train/loss`, ...;
                      `val/loss` carries the latest evaluation, whose step is `val/step`)
-- `events.jsonl`     `{"step", "kind", "message", ...}` per stability event / format shift / resume
-- `summary.json`     `{"status", "stop_reason", "steps", "best_val_loss", "final_val_loss",
-                     "collapse_step", "collapse_where", "wall_time_s", ...}`, rewritten as it goes
-- `checkpoints/`     `step_XXXXXXXX/checkpoint.pt` (best + last N), `anomaly_step_XXXXXXXX/`
+- `events.jsonl`     `{"step", "kind", "message", ...}` per event (`EventKind`)
+- `summary.json`     `{"status" (RunStatus), "stop_reason" (StopReason), "steps", "best_val_loss",
+                     "final_val_loss", "collapse_step", "collapse_where", "wall_time_s", ...}`,
+                     rewritten as it goes
+- `bit_positions.jsonl`  per diagnostic step, how far each quantized weight moved in codes
+- `checkpoints/`     `step_XXXXXXXX/checkpoint.pt` (best + last N), `anomaly_step_XXXXXXXX/`,
+                     `best.json` naming the best
+- `wandb.json`       in a sweep with W&B: the trial's run id and the last step it logged
 
 An experiment directory, written by a sweep (`altgrad.tune`) as `<storage_path>/<name>/`, holds
 Ray's own files (`experiment_state-*.json`, `tuner.pkl`, and per Ray trial `<key>_<id>/` with
 `result.json`, `checkpoint_XXXXXX/`, `error.txt`), our trial directories `trials/<key>/` (`run/`
-the run directory, `trial.log` across every attempt, `worker.json` the current worker (pid, host, Ray node id)),
-keyed by grid point so that a trial Ray re-creates after a kill finds its checkpoints, and the
-sweep's state in `sweep_state/` (a sub-folder, so that Ray's restore, which copies the
-experiment root's `*.json` around, never touches it):
+the run directory, `trial.log` across every attempt, `worker.json` the current worker (pid, host,
+Ray node id)), keyed by grid point so that a trial Ray re-creates after a kill finds its
+checkpoints, the report (`report/report.md` and its plots), a learning-rate search's result
+(`lr_search.json`), and the sweep's state in `sweep_state/` (a sub-folder, so that Ray's restore,
+which copies the experiment root's `*.json` around, never touches it):
 
 - `sweep.json`    the validated sweep config, the grid points in order, status, resume command and
                   the driver (pid, host, `beat`: its heartbeat time), `started` (with the path, the
                   sweep's identity: a `--fresh` sweep at the same path is another)
-- `trials.json`   Ray trial id -> grid key, Ray's trial dir, status (PENDING/RUNNING/TERMINATED/ERROR)
+- `trials.json`   Ray trial id -> grid key, Ray's trial dir, status (`TrialStatus`)
 - `asha.json`     the rung records and which trial a rung stopped, why (`asha` / `nan`), at which
                   step and the numbers (value, reference, how far behind, tolerance)
 - `stopper.json`  which trial the stability stopper stopped, why (`nan` / `bit_stall`), when and
@@ -40,14 +48,74 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from altgrad.config import StabilityConfig, read_yaml
-from altgrad.metrics import VAL_LOSS, VAL_STEP
+from altgrad.metrics import STEP, VAL_LOSS, VAL_STEP
+from altgrad.precision import BASELINE
 
-STOP_REASONS = ("completed", "asha", "nan", "bit_stall", "error")
-TERMINAL_STATUSES = ("TERMINATED", "ERROR")
+
+class StopReason(StrEnum):
+    """Why a trial ended: it ran its budget, its trainer or the sweep stopped it, or it crashed."""
+
+    COMPLETED = "completed"
+    ASHA = "asha"  # trailed its rung's reference by more than the tolerance
+    NAN = "nan"  # a NaN streak of `stability.nan_patience` steps, or a non-finite val loss at a rung
+    BIT_STALL = "bit_stall"  # stalled at `stability.stall_stop` for `stall_stop_reports` reports
+    ERROR = "error"
+
+
+# The trial broke (as opposed to completing its budget): the sweep stops only broken trials.
+BROKEN_STOPS = tuple(r for r in StopReason if r is not StopReason.COMPLETED)
+
+
+class TrialStatus(StrEnum):
+    """A trial's status, as Ray names it (and `trials.json` records it)."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    TERMINATED = "TERMINATED"
+    ERROR = "ERROR"
+
+
+TERMINAL_STATUSES = (TrialStatus.TERMINATED, TrialStatus.ERROR)
+UNFINISHED = tuple(s for s in TrialStatus if s not in TERMINAL_STATUSES)
+
+
+class RunStatus(StrEnum):
+    """`summary.json`'s status: the run's own, whatever Ray's status of its trial."""
+
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class SweepStatus(StrEnum):
+    """`sweep.json`'s status: the sweep's, as its driver last wrote it."""
+
+    RUNNING = "running"
+    FINISHED = "finished"  # every trial TERMINATED
+    ERRORED = "errored"  # every trial ended, some in ERROR (a resume retries them)
+    INTERRUPTED = "interrupted"  # stopped before the end; resumable
+
+
+class EventKind(StrEnum):
+    """The kinds of `events.jsonl` rows: what the trainer records and W&B raises as alerts."""
+
+    NAN_SKIP = "nan_skip"  # a non-finite step, skipped
+    NAN_STOP = "nan_stop"
+    BIT_STALL_WARN = "bit_stall_warn"
+    OVERFLOW_WARN = "overflow_warn"
+    UNDERFLOW_WARN = "underflow_warn"
+    KURTOSIS_WARN = "kurtosis_warn"
+    DIVERGENCE_WARN = "divergence_warn"
+    FORMAT_SHIFT = "format_shift"  # an emergency mantissa shift of one layer
+    ANOMALY_CHECKPOINT = "anomaly_checkpoint"  # the pre-step state at the first NaN of a streak
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a corrupt checkpoint passed over on resume
+    RESUME = "resume"
+
 
 STATE_DIR = "sweep_state"
 SWEEP_FILE = "sweep.json"
@@ -56,27 +124,39 @@ ASHA_FILE = "asha.json"
 STOPPER_FILE = "stopper.json"
 TRIALS_DIR = "trials"  # our trial directories, one per grid key
 RUN_DIR = "run"  # the Trainer's run directory inside a trial directory
-# A run directory's files (written by `altgrad.train.run_files.RunFiles`, read here).
+# A run directory's files (written by `altgrad.train`, read here).
 CONFIG_FILE, METRICS_FILE, EVENTS_FILE, SUMMARY_FILE = "config.yaml", "metrics.jsonl", "events.jsonl", "summary.json"
-WORKER_FILE = "worker.json"  # in a trial directory: the process running it (pid, host, Ray node, start)
+BIT_POSITIONS_FILE = "bit_positions.jsonl"
+CHECKPOINTS_DIR, CHECKPOINT_FILE, BEST_FILE = "checkpoints", "checkpoint.pt", "best.json"
+WANDB_STATE_FILE = "wandb.json"  # the trial's W&B run id and the last step a finished attempt logged
+# A trial directory's files, next to its run directory.
+WORKER_FILE = "worker.json"  # the process running it (pid, host, Ray node, start)
+TRIAL_LOG_FILE = "trial.log"  # the trial's log lines across every attempt
+# An experiment's results, next to its trials.
+REPORT_DIR, REPORT_FILE = "report", "report.md"
+LR_SEARCH_FILE = "lr_search.json"  # a learning-rate search's table
+
 # The driver refreshes `driver.beat` in sweep.json this often (`heartbeat.DriverHeartbeat`); a
 # driver on another host whose beat is older than STALE_S is taken for gone (its node was lost).
 BEAT_S, STALE_S = 30.0, 90.0
 
 
 class ExperimentError(ValueError):
-    """The path is not (or not yet) an AltGrad experiment directory; the message says what is."""
+    """The path is not (or not yet) an AltGrad experiment directory, or it cannot be read; the
+    message says what is wrong."""
 
 
 @dataclass
 class TrialRecord:
     trial_id: str
-    format: str  # "bf16" for the baseline
+    format: str  # BASELINE (bf16) for the unquantized run
     optimizer: str
     precision: str  # "all" | "mlp" | "attn" | "no_head" | a custom policy's name
     seed: int = 0
-    status: str = "PENDING"  # Ray's: PENDING / RUNNING / PAUSED / TERMINATED / ERROR
-    stop_reason: str | None = None  # one of STOP_REASONS once the trial has ended
+    status: str = TrialStatus.PENDING
+    # A StopReason once the trial has ended: the sweep's stop, else its trainer's (summary.json),
+    # else `error` for a trial Ray lists as errored (filled in by __post_init__); None while it runs.
+    stop_reason: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
@@ -93,15 +173,32 @@ class TrialRecord:
     # The thresholds the run's trainer acted on (its config.yaml); the defaults before it started.
     stability: StabilityConfig = field(default_factory=StabilityConfig)
 
+    def __post_init__(self) -> None:
+        if self.stop_reason is None:
+            errored = self.status == TrialStatus.ERROR
+            self.stop_reason = self.summary.get("stop_reason") or (StopReason.ERROR if errored else None)
+
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the history, skipping rows that lack it."""
         rows = [r for r in self.history if key in r]
-        return [int(r["step"]) for r in rows], [float(r[key]) for r in rows]
+        return [int(r[STEP]) for r in rows], [float(r[key]) for r in rows]
 
     def val_series(self) -> tuple[list[int], list[float]]:
         """Validation loss at the steps where it was actually evaluated."""
-        rows = [r for r in self.history if VAL_LOSS in r and r.get(VAL_STEP) == r["step"]]
-        return [int(r["step"]) for r in rows], [float(r[VAL_LOSS]) for r in rows]
+        rows = [r for r in self.history if VAL_LOSS in r and r.get(VAL_STEP) == r[STEP]]
+        return [int(r[STEP]) for r in rows], [float(r[VAL_LOSS]) for r in rows]
+
+    def best_val_loss(self, upto: int | None = None) -> float:
+        """The lowest finite validation loss evaluated up to step `upto` (all when None); inf when
+        there is none, as the trainer's summary says. The summary's own `best_val_loss` counts when
+        the steps it covers are within `upto`: it also holds evaluations at steps that were not
+        logged (`train.log_interval`)."""
+        steps, values = self.val_series()
+        candidates: list[Any] = [v for s, v in zip(steps, values, strict=True) if upto is None or s <= upto]
+        covered = self.summary.get("steps")
+        if upto is None or (covered is not None and covered <= upto):
+            candidates.append(self.summary.get("best_val_loss"))
+        return min((v for v in candidates if isinstance(v, int | float) and math.isfinite(v)), default=math.inf)
 
 
 def axis_names(paths: list[str]) -> dict[str, str]:
@@ -167,7 +264,7 @@ def load_experiment(exp_dir: str | Path) -> list[TrialRecord]:
                 "pass the directory a sweep printed, e.g. experiments/format_ablation")
         raise ExperimentError(f"{exp_dir} is not an AltGrad experiment ({what}); {hint}")
     trials: dict[str, dict[str, Any]] = read_json(state / TRIALS_FILE) or {}
-    stops = {tid: {"reason": "asha", **d} for tid, d in _stopped(state / ASHA_FILE).items()}
+    stops = {tid: {"reason": StopReason.ASHA, **d} for tid, d in _stopped(state / ASHA_FILE).items()}
     stops.update(_stopped(state / STOPPER_FILE))
     by_key = {entry["key"]: tid for tid, entry in trials.items()}
     measured: dict[str, TrialRecord] = {}
@@ -175,12 +272,40 @@ def load_experiment(exp_dir: str | Path) -> list[TrialRecord]:
         if point.get("same_as"):
             continue
         tid = by_key.pop(point["key"], None)
-        measured[point["key"]] = (_record(point, trial_id="", status="PENDING") if tid is None else
+        measured[point["key"]] = (_record(point, trial_id="", status=TrialStatus.PENDING) if tid is None else
                                   _trial_record(exp_dir, tid, {**point, **trials[tid]}, stops.get(tid)))
     records = [measured[p["key"]] if not p.get("same_as") else _alias(measured[p["same_as"]], p)
                for p in sweep["points"]]
     records += [_trial_record(exp_dir, tid, trials[tid], stops.get(tid)) for tid in by_key.values()]
     return records
+
+
+@dataclass(frozen=True)
+class ExperimentSnapshot:
+    """An experiment as read at one moment: its sweep may still be running."""
+
+    name: str  # the experiment directory's own name
+    sweep: dict[str, Any]  # its sweep.json
+    records: list[TrialRecord]  # every trial, as `load_experiment` reads them
+
+
+def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
+    """The experiment at a local path or on object storage, for the commands that read one
+    (`trials`, `report`). ExperimentError, its message naming the path, when it is not an
+    experiment, a sweep file is corrupt, or its storage cannot be read; a corrupt trial file only
+    marks that trial `unreadable`."""
+    from altgrad.remote import readable  # `altgrad.remote` reads the file names defined here
+
+    try:
+        with readable(experiment) as exp_dir:
+            records = load_experiment(exp_dir)
+            return ExperimentSnapshot(exp_dir.resolve().name, read_json(exp_dir / STATE_DIR / SWEEP_FILE), records)
+    except ExperimentError:
+        raise
+    except ValueError as e:  # a corrupt sweep or trial-index file
+        raise ExperimentError(f"{experiment}: cannot read the experiment: {e}") from None
+    except OSError as e:  # remote storage unreachable, or no permission
+        raise ExperimentError(f"cannot read {experiment}: {e}") from None
 
 
 def _alias(record: TrialRecord, labels: dict[str, Any]) -> TrialRecord:
@@ -191,17 +316,17 @@ def _alias(record: TrialRecord, labels: dict[str, Any]) -> TrialRecord:
 
 def stop_detail(stop: dict[str, Any]) -> str:
     """Why the sweep stopped a trial, with the numbers, e.g. `asha: 23 % behind bf16 at step 20`."""
-    reason, step = stop["reason"], stop["step"]
-    if "behind" not in stop and "streak" not in stop:  # written before the numbers were recorded
+    reason, step = stop["reason"], stop[STEP]
+    if "behind" not in stop and "streak" not in stop:  # a stop recorded without its numbers
         return f"{reason} at step {step}"
-    if reason == "bit_stall":
+    if reason == StopReason.BIT_STALL:
         return (f"bit_stall: bit-stall >= {stop['threshold']:g} for {stop['streak']} reports in a row "
                 f"(patience {stop['patience']}) at step {step}")
     if "streak" in stop:
         return f"nan: {stop['streak']} non-finite steps in a row (patience {stop['patience']}) at step {step}"
     if stop["behind"] is None:
         return f"nan: val loss non-finite at rung step {step}"
-    ref = "bf16" if stop.get("reference_key") else "the rung's best"
+    ref = BASELINE if stop.get("reference_key") else "the rung's best"
     return (f"asha: {100 * stop['behind']:.0f} % behind {ref} at step {step} ({stop['value']:.4f} vs "
             f"{stop['reference']:.4f}; tolerance {100 * stop['tolerance']:.0f} %)")
 
@@ -230,22 +355,21 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
         summary = read_json(run / SUMMARY_FILE) or {}
         stability = run_stability(run)
     except ValueError as e:  # one corrupt trial must not hide the others
-        return _record(entry, trial_id=trial_id, status="ERROR", stop_reason="error",
+        return _record(entry, trial_id=trial_id, status=TrialStatus.ERROR, stop_reason=StopReason.ERROR,
                        trial_dir=trial_dir, unreadable=str(e))
-    reason, stop_step, detail = None, None, None
-    if stop is not None:
-        reason, stop_step, detail = stop["reason"], int(stop["step"]), stop_detail(stop)
-        history = [r for r in history if r["step"] <= stop_step]
-        events = [e for e in events if e["step"] <= stop_step]
-        summary = {**summary, **_summary_at(history), "status": "finished", "stop_reason": reason,
-                   "steps": stop_step}
-    elif summary.get("status") == "finished":
-        reason = summary.get("stop_reason")
-    elif entry["status"] == "ERROR":
-        reason = "error"
-    return _record(entry, trial_id=trial_id, status=entry["status"], stop_reason=reason,
-                   history=history, events=events, summary=summary, trial_dir=trial_dir,
-                   stop_step=stop_step, stop_detail=detail, error=entry.get("error"), stability=stability)
+    if stop is None:
+        return _record(entry, trial_id=trial_id, status=entry["status"], history=history, events=events,
+                       summary=summary, trial_dir=trial_dir, error=entry.get("error"), stability=stability)
+    step = int(stop[STEP])
+    cut = _record(entry, trial_id=trial_id, status=entry["status"], stop_reason=stop["reason"],
+                  history=[r for r in history if r[STEP] <= step], events=[e for e in events if e[STEP] <= step],
+                  summary=summary, trial_dir=trial_dir, stop_step=step, stop_detail=stop_detail(stop),
+                  error=entry.get("error"), stability=stability)
+    values = cut.val_series()[1]
+    cut.summary = {**summary, "best_val_loss": cut.best_val_loss(upto=step),
+                   "final_val_loss": values[-1] if values else math.nan,
+                   "status": RunStatus.FINISHED, "stop_reason": stop["reason"], "steps": step}
+    return cut
 
 
 def run_stability(run_dir: Path) -> StabilityConfig:
@@ -258,15 +382,7 @@ def run_stability(run_dir: Path) -> StabilityConfig:
 
 def _by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per step (the last one written wins), in step order."""
-    return sorted({r["step"]: r for r in rows if "step" in r}.values(), key=lambda r: r["step"])
-
-
-def _summary_at(history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary fields that the history up to a stop determines."""
-    vals = [r[VAL_LOSS] for r in history if VAL_LOSS in r and r.get(VAL_STEP) == r["step"]]
-    finite = [v for v in vals if math.isfinite(v)]
-    return {"best_val_loss": min(finite, default=math.inf),
-            "final_val_loss": vals[-1] if vals else math.nan}
+    return sorted({r[STEP]: r for r in rows if STEP in r}.values(), key=lambda r: r[STEP])
 
 
 def driver_alive(driver: dict[str, Any]) -> bool:

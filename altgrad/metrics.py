@@ -1,20 +1,21 @@
 """The metrics contract: the name of every metric a run records, and which steps carry it.
 
-A run directory's `metrics.jsonl` has one row per logged step (every `train.log_interval` steps,
-and at each checkpoint and at a stop). Every name is defined here once; the trainer writes them,
-and the sweep's deciders, the trial table and the report read them by these names.
+A run directory's `metrics.jsonl` has one row per logged step (`is_logged_step`: every
+`train.log_interval` steps, at each checkpoint and the last step; and at a stop). Every name is
+defined here once, and so is the rule of which steps carry which metrics (`is_diagnostic_step`,
+`is_shadow_step`, `is_eval_step`): the trainer writes by them, and the sweep's deciders, its
+estimate, the trial table and the report read by them.
 
 Every logged row
     STEP; TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, GRAD_NORM, TOKENS_PER_S;
     LOSS_IS_NAN, GRAD_HAS_NAN (1.0 when that step was non-finite and skipped), NAN_STREAK,
     DIVERGENCE, FORMAT_SHIFTS;
-    VAL_LOSS, VAL_PPL: the latest evaluation, made at step VAL_STEP (`train.eval_interval`,
-    step 1 and the last step).
-Diagnostic steps (every `train.diag_every` steps, and step 1), quantized runs
+    VAL_LOSS, VAL_PPL: the latest evaluation, made at step VAL_STEP (`is_eval_step`).
+Diagnostic steps (`is_diagnostic_step`), quantized runs
     model-wide OVERFLOW_RATE, UNDERFLOW_RATE, CODES_USED, BIT_STALL_RATE, ZERO_UPDATE_FRAC,
     KURTOSIS_MAX, and per layer (`per_layer(metric, layer)`) the first four, ACT_KURTOSIS and
     `gradient_stat(stat)` for each of `diagnostics.GRADIENT_STATS` (GRAD_DEAD_FRAC among them).
-Shadow steps (every `train.shadow_every` steps, and step 1)
+Shadow steps (`is_shadow_step`)
     SHADOW_COS_MEAN, SHADOW_COS_MIN, and per layer SHADOW_COS.
 Added by a sweep's trial to what it reports to Tune (not in metrics.jsonl)
     STALL_STREAK, STABLE_LR.
@@ -27,6 +28,10 @@ run's `stability` settings (`altgrad.config.StabilityConfig`), read by the train
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # this module is names and rules only: it loads neither pydantic nor torch
+    from altgrad.config import TrainConfig
 
 STEP = "step"
 
@@ -82,3 +87,28 @@ def layer_values(metric: str, row: Mapping[str, float]) -> dict[str, float]:
 def model_wide(name: str) -> bool:
     """Whether a metric is model-wide (`group/name`) rather than per layer (`group/name/<layer>`)."""
     return name.count("/") <= 1
+
+
+def is_logged_step(train: TrainConfig, step: int) -> bool:
+    """Whether a run writes step `step` (1-based) to metrics.jsonl and reports it: every
+    `log_interval` steps, at each checkpoint (so a resumed run finds the rows its checkpoint
+    covers) and at the last step. A run that stops early logs its stop step too."""
+    return step % train.log_interval == 0 or step % train.checkpoint_interval == 0 or step == train.max_steps
+
+
+def is_diagnostic_step(train: TrainConfig, step: int) -> bool:
+    """Whether step `step` measures the quantizer, gradient and activation diagnostics: every
+    `diag_every` steps (0: never) and step 1, so even a short run has a first reading."""
+    return bool(train.diag_every) and (step % train.diag_every == 0 or step == 1)
+
+
+def is_shadow_step(train: TrainConfig, step: int) -> bool:
+    """Whether step `step` compares with the FP32 shadow: every `shadow_every` steps (0: never)
+    and step 1."""
+    return bool(train.shadow_every) and (step % train.shadow_every == 0 or step == 1)
+
+
+def is_eval_step(train: TrainConfig, step: int) -> bool:
+    """Whether step `step` evaluates the validation loss: every `eval_interval` steps, step 1 (the
+    loss a run starts from) and the last step (the one it ends at)."""
+    return step % train.eval_interval == 0 or step in (1, train.max_steps)

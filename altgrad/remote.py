@@ -28,6 +28,7 @@ READ_FILES = (METRICS_FILE, EVENTS_FILE, SUMMARY_FILE, CONFIG_FILE)  # of a run 
 
 
 def is_remote(path: str | Path) -> bool:
+    """Whether `path` names object storage (a URI such as `s3://bucket/prefix`), not a local path."""
     return "://" in str(path)
 
 

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from altgrad.experiment import (
-    STATE_DIR,
-    SWEEP_FILE,
+    RunStatus,
+    SweepStatus,
     TrialRecord,
+    TrialStatus,
     axis_names,
     driver_alive,
-    read_json,
 )
-from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN
+from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN, STEP
 
 # The text table's columns (extra grid axes go after `precision`, `same_as` last when present).
 COLUMNS = ("trial", "format", "optimizer", "precision", "status", "stop_reason", "steps",
@@ -35,11 +35,11 @@ def trial_row(r: TrialRecord) -> dict[str, Any]:
     FP32-shadow cosine it logged (up to its stop, for a trial the sweep stopped). A running trial's
     summary lags at its last checkpoint, so its steps and best loss come from its history."""
     last = r.history[-1] if r.history else {}
-    if r.summary.get("status") == "finished":
+    if r.summary.get("status") == RunStatus.FINISHED:
         steps, best = r.summary.get("steps"), r.summary.get("best_val_loss")
     else:
-        finite = [v for v in r.val_series()[1] if math.isfinite(v)]
-        steps, best = (int(last["step"]) if last else 0), min(finite, default=None)
+        steps, best = (int(last[STEP]) if last else 0), r.best_val_loss()
+        best = best if math.isfinite(best) else None
     return {
         "trial": r.key, "trial_id": r.trial_id, "format": r.format, "optimizer": r.optimizer,
         "precision": r.precision, **r.axes, "seed": r.seed,
@@ -123,15 +123,14 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def sweep_banner(experiment: str | Path, exp_dir: Path, records: list[TrialRecord]) -> str:
-    """One line: the sweep's state and, when it stopped before the end, how to resume it
-    (`experiment` as the user named it, `exp_dir` where its files were read)."""
-    sweep = read_json(Path(exp_dir) / STATE_DIR / SWEEP_FILE)
+def sweep_banner(experiment: str | Path, sweep: dict[str, Any], records: list[TrialRecord]) -> str:
+    """One line: the sweep's state (from its `sweep.json`) and, when it stopped before the end, how
+    to resume it (`experiment` as the user named it)."""
     status = sweep.get("status", "unknown")
-    if status == "running" and not driver_alive(sweep.get("driver", {})):
+    if status == SweepStatus.RUNNING and not driver_alive(sweep.get("driver", {})):
         status = "interrupted (its driver is gone)"
     text = f"experiment {experiment}: {status}"
-    unfinished = any(r.status != "TERMINATED" for r in records)
-    if status != "running" and unfinished and sweep.get("resume_command"):
+    unfinished = any(r.status != TrialStatus.TERMINATED for r in records)
+    if status != SweepStatus.RUNNING and unfinished and sweep.get("resume_command"):
         text += f"\nresume with: {sweep['resume_command']}"
     return text

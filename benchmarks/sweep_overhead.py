@@ -27,12 +27,23 @@ import yaml
 from record import Claim, add_record_argument, write
 
 from altgrad.data import prepare_dataset
-from altgrad.experiment import RUN_DIR, STATE_DIR, TRIALS_DIR, TRIALS_FILE, load_experiment
-from altgrad.metrics import TOKENS_PER_S
+from altgrad.experiment import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    RUN_DIR,
+    STATE_DIR,
+    TRIALS_DIR,
+    TRIALS_FILE,
+    SweepStatus,
+    load_experiment,
+)
+from altgrad.metrics import STEP, TOKENS_PER_S
+from altgrad.train.checkpoint import step_checkpoints
 from altgrad.tune.ablation import FormatAblation
 from altgrad.tune.config import SweepConfig, load_sweep_config
 from altgrad.tune.grid import concurrency, machine_resources
-from altgrad.tune.runner import Outcome, run_experiment, start_ray
+from altgrad.tune.runner import run_experiment, start_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "sweeps" / "configs" / "format_ablation.yaml"
@@ -46,13 +57,13 @@ TARGET = 0.25
 def train_seconds(trial_dir: Path) -> float:
     """A trial's own training time: the trainer's per-step time summed over its logged steps."""
     run = trial_dir / RUN_DIR
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg = yaml.safe_load((run / CONFIG_FILE).read_text())
     tokens = cfg["train"]["batch_size"] * cfg["model"]["block_size"]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+    rows = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines() if line]
     total, prev = 0.0, 0
     for row in rows:
-        total += tokens / row[TOKENS_PER_S] * (row["step"] - prev)
-        prev = row["step"]
+        total += tokens / row[TOKENS_PER_S] * (row[STEP] - prev)
+        prev = row[STEP]
     return total
 
 
@@ -77,7 +88,7 @@ def first_result_watch(exp_dir: Path) -> list[float]:
 
     def poll() -> None:
         while not seen:
-            if any(p.stat().st_size for p in exp_dir.glob(f"{TRIALS_DIR}/*/{RUN_DIR}/metrics.jsonl")):
+            if any(p.stat().st_size for p in exp_dir.glob(f"{TRIALS_DIR}/*/{RUN_DIR}/{METRICS_FILE}")):
                 seen.append(time.perf_counter())
             time.sleep(0.01)
 
@@ -88,8 +99,8 @@ def first_result_watch(exp_dir: Path) -> list[float]:
 def trial_startup_seconds(ray_dir: Path, run_dir: Path) -> float:
     """Time from the trial function's start to its first report, less its first step."""
     first_report = json.loads((ray_dir / "result.json").read_text().splitlines()[0])
-    first_row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    first_row = json.loads((run_dir / METRICS_FILE).read_text().splitlines()[0])
+    cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     step = cfg["train"]["batch_size"] * cfg["model"]["block_size"] / first_row[TOKENS_PER_S]
     return max(0.0, first_report["time_this_iter_s"] - step)
 
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     outcome, _ = run_experiment(experiment, restore=False, resume_command="")
     wall = time.perf_counter() - t1
-    if outcome is not Outcome.FINISHED:
+    if outcome is not SweepStatus.FINISHED:
         print(f"the sweep did not finish ({outcome.value})")
         return 2
     FormatAblation.summarize(cfg, [experiment])
@@ -130,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ideal = train / at_once
     overhead = wall / ideal - 1
     run = cfg.base_run.train
-    checkpoint = sorted((records[0].trial_dir / RUN_DIR / "checkpoints").glob("step_*"))[-1]
+    checkpoint = step_checkpoints(records[0].trial_dir / RUN_DIR / CHECKPOINTS_DIR)[-1]
     per_ckpt = persist_seconds(checkpoint)
     size_mb = sum(f.stat().st_size for f in checkpoint.iterdir()) / 2**20
     step_time = train / sum(r.summary["steps"] for r in records)

@@ -18,6 +18,8 @@ from pathlib import Path
 from statistics import fmean, stdev
 
 from altgrad.experiment import (
+    REPORT_DIR,
+    REPORT_FILE,
     STATE_DIR,
     SWEEP_FILE,
     WORKER_FILE,
@@ -35,7 +37,7 @@ IMAGES = Path("docs/img/study")
 
 def section(exp_dir: Path, readme_dir: Path) -> str:
     records = load_experiment(exp_dir)
-    report = write_report(records, exp_dir / "report", title=f"AltGrad report: {exp_dir.name}")
+    report = write_report(records, exp_dir / REPORT_DIR, title=f"AltGrad report: {exp_dir.name}")
     f = compute_findings(records)
     (readme_dir / IMAGES).mkdir(parents=True, exist_ok=True)
     images = []
@@ -52,7 +54,7 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
         f"{len(measured)} trials, seeds {', '.join(map(str, seeds))}; stop reasons: "
         f"{', '.join(f'{s} {sum(r.stop_reason == s for r in measured)}' for s in stops)}; "
         f"{wall_time(measured, sweep.get('updated'))}. "
-        f"Full report: `{exp_dir / 'report' / 'report.md'}` (not committed).*",
+        f"Full report: `{exp_dir / REPORT_DIR / REPORT_FILE}` (not committed).*",
         "",
         f"**{f.verdict.line}**",
         "",

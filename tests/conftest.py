@@ -80,6 +80,15 @@ def make_config(eurlex_dir, data_root):
     return make
 
 
+@pytest.fixture
+def experiment(tmp_path) -> Path:
+    """An experiment of six grid points written by hand (`experiment_files.six_trial_experiment`):
+    completed, cut by ASHA, stopped for NaN, running, errored, never started."""
+    from experiment_files import six_trial_experiment
+
+    return six_trial_experiment(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def ray_address():
     """One Ray instance for the whole session (starting one costs seconds); its GCS address lets

@@ -1,5 +1,6 @@
-"""What the sweep tests share: a tiny three-trial sweep's overrides, and drivers run as
-subprocesses (joining a Ray cluster, or on a Ray of their own as if on another machine)."""
+"""What the sweep tests share: the sweep entry points on the shipped configs (`ablation`,
+`dry_run`), a tiny three-trial sweep's overrides, and drivers run as subprocesses (joining a Ray
+cluster, or on a Ray of their own as if on another machine)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,30 @@ from pathlib import Path
 import pytest
 
 from altgrad.experiment import RUN_DIR, TRIALS_DIR, read_jsonl
+from altgrad.tune.ablation import FormatAblation
+from altgrad.tune.cli import sweep_main
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "sweeps" / "format_ablation.py"
+ABLATION = ROOT / "sweeps" / "configs" / "format_ablation.yaml"
+LR_SEARCH = ROOT / "sweeps" / "configs" / "lr_search.yaml"
 STEPS, CHECKPOINT = 20, 5
 # The environment of every Ray node the sweep tests start, and so of their trial processes: the
 # quantizer kernels run eagerly. Each trial process would otherwise compile them afresh (seconds
 # to a minute each on a cold cache); the sweep tests are about orchestration, and the eager and
 # compiled kernels are bit-identical (test_quantize, test_linear, test_codes).
 TRIALS_ENV = {"ALTGRAD_NO_COMPILE": "1"}
+
+
+def ablation(*args: str) -> int:
+    """`sweeps/format_ablation.py ARGS` in this process, on the shipped config; its exit code."""
+    return sweep_main(FormatAblation, ABLATION, "test", list(args))
+
+
+def dry_run(capsys, *args: str, kind=FormatAblation, config=ABLATION) -> str:
+    """What `--dry-run ARGS` prints (it must exit 0)."""
+    assert sweep_main(kind, config, "test", ["--dry-run", *args]) == 0
+    return capsys.readouterr().out
 
 
 def tiny_sweep(eurlex_dir: Path, data_root: Path) -> list[str]:
@@ -35,7 +51,7 @@ def tiny_sweep(eurlex_dir: Path, data_root: Path) -> list[str]:
         f"base.train.max_steps={STEPS}", "base.train.warmup_steps=2", "base.train.eval_interval=5",
         f"base.train.checkpoint_interval={CHECKPOINT}", "base.train.eval_iters=2",
         "base.train.diag_every=5", "base.train.shadow_every=5",
-        "asha.grace_period=10", "stopper.nan_patience=3", "max_concurrent_trials=1",
+        "asha.grace_period=10", "base.stability.nan_patience=3", "max_concurrent_trials=1",
         "wandb.enabled=false", "dashboard.enabled=false",
     ]
     return [arg for s in sets for arg in ("--set", s)]

@@ -488,7 +488,7 @@ def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, t
         "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
         "base.train.max_steps=20", "base.train.warmup_steps=2", "base.train.eval_interval=5",
         "base.train.eval_iters=2", "base.train.checkpoint_interval=10", "asha.grace_period=10",
-        "stopper.nan_patience=3", "wandb.enabled=false", "dashboard.enabled=false",
+        "base.stability.nan_patience=3", "wandb.enabled=false", "dashboard.enabled=false",
     ]
     config = Path(__file__).resolve().parents[1] / "sweeps" / "configs" / "format_ablation.yaml"
     argv = [a for s in sets for a in ("--set", s)] + ["--name", "tiny", "--storage-path", str(tmp_path)]

@@ -1,8 +1,23 @@
-"""The sweep driver's signal handling (`altgrad.tune.runner`)."""
+"""The sweep driver's Ray and signals (`altgrad.tune.runner`): SIGTERM takes Ray's graceful SIGINT
+path, and the dashboard `start_ray` starts listens on 127.0.0.1 only, behind Ray's token
+authentication (401 without the token). For the dashboard Ray runs in a subprocess with its own
+home, so its token is generated fresh there."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
 
 from altgrad.tune.runner import sigterm_stops_gracefully
 
@@ -16,3 +31,64 @@ def test_sigterm_takes_the_sigint_path():
     finally:
         signal.signal(signal.SIGINT, previous)
     assert received == [signal.SIGTERM] and seen == ["sigint"]
+
+
+START = """
+import sys
+from altgrad.tune.config import DashboardSettings
+from altgrad.tune.runner import start_ray
+start_ray(DashboardSettings(port=int(sys.argv[1])))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine_address() -> str:
+    """This machine's address on its network (what another machine would connect to)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+        return s.getsockname()[0]
+
+
+def get(url: str, token: str | None = None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_dashboard_listens_on_loopback_behind_the_token(request):
+    port = free_port()
+    home = Path(tempfile.mkdtemp(prefix="altgrad-"))  # short: Ray's socket paths must fit 107 bytes
+    request.addfinalizer(lambda: shutil.rmtree(home, ignore_errors=True))
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE")},
+           "HOME": str(home), "RAY_TMPDIR": str(home)}
+    proc = subprocess.Popen([sys.executable, "-c", START, str(port)], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        lines = iter(proc.stdout.readline, "")
+        assert any("ready" in line for line in lines), "start_ray did not come up"
+        url = f"http://127.0.0.1:{port}/api/version"
+        deadline = time.monotonic() + 60
+        while get(url) not in (200, 401) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        token = (home / ".ray" / "auth_token").read_text().strip()  # what `ray get-auth-token` prints
+        assert get(url) == 401
+        assert get(url, token="not-the-token") in (401, 403)
+        assert get(url, token=token) == 200
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError):  # not on the network
+            s.settimeout(5)
+            s.connect((machine_address(), port))
+    finally:
+        proc.stdin.close()  # the driver exits, and its Ray with it
+        proc.wait(timeout=60)

@@ -24,15 +24,16 @@ from pathlib import Path
 
 import pytest
 from sweep_helpers import (
+    ABLATION,
     CHECKPOINT,
-    ROOT,
+    LR_SEARCH,
     STEPS,
     kill_processes_mentioning,
     last_step,
     start_driver,
     wait_for,
 )
-from wandb_files import history_steps, offline_runs
+from wandb_reading import history_steps, offline_runs
 
 from altgrad.__main__ import main
 from altgrad.experiment import (
@@ -50,7 +51,6 @@ from altgrad.tune.wandb_runs import run_id
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-CONFIG = ROOT / "sweeps" / "configs" / "format_ablation.yaml"
 COMPARED = ("trial", "status", "stop_reason", "steps", "best_val_loss", "bit_stall", "overflow", "shadow_cos")
 
 
@@ -62,7 +62,7 @@ def table(exp_dir: Path) -> list[dict]:
 def reference(ray_address, sweep_args, tmp_path_factory):
     """An uninterrupted sweep, run in this process on the shared Ray instance."""
     storage = tmp_path_factory.mktemp("reference")
-    code = sweep_main(FormatAblation, CONFIG, "test", [*sweep_args, "--name", "ref", "--storage-path", str(storage)],
+    code = sweep_main(FormatAblation, ABLATION, "test", [*sweep_args, "--name", "ref", "--storage-path", str(storage)],
                       after=report_after_sweep)  # as sweeps/format_ablation.py does
     return code, storage / "ref"
 
@@ -76,7 +76,7 @@ def test_sweep_end_to_end(reference, capsys):
     assert rows["bf16-adamw-all-s42"]["stop_reason"] == "completed"
     assert rows["bf16-adamw-all-s42"]["steps"] == STEPS
     nan = rows["e7m0-adamw-all-s42"]
-    assert nan["stop_reason"] == "nan" and nan["steps"] < STEPS  # the stopper, not the trainer
+    assert nan["stop_reason"] == "nan" and nan["steps"] < STEPS  # at its patience: trainer and stopper agree
     assert json.loads((exp / STATE_DIR / "stopper.json").read_text())["stopped"]
     e7m0 = next(r for r in load_experiment(exp) if r.format == "e7m0")
     assert e7m0.stop_detail.startswith("nan: 3 non-finite steps in a row (patience 3)")
@@ -122,7 +122,7 @@ def test_kill9_then_resume_equals_uninterrupted(reference, ray_address, sweep_ar
     assert main(["trials", str(exp), "--json"]) == 0  # readable while the sweep runs
     live = json.loads(capsys.readouterr().out)
     assert [r["status"] for r in live] == ["RUNNING", "PENDING", "PENDING"] and live[0]["steps"] > CHECKPOINT
-    assert sweep_main(FormatAblation, CONFIG, "test", [*args, "--resume"]) == 2  # a second driver
+    assert sweep_main(FormatAblation, ABLATION, "test", [*args, "--resume"]) == 2  # a second driver
     assert f"sweep {exp} is running right now (driver pid {proc.pid}" in capsys.readouterr().err
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -184,7 +184,7 @@ def test_fresh_moves_a_finished_sweep_aside_and_runs_again(reference, sweep_args
     old_table = table(exp)
     args = ["--set", "grid.formats=[bf16]", "--set", "base.train.max_steps=12", "--name", "ref",
             "--storage-path", str(tmp_path), "--fresh"]
-    assert sweep_main(FormatAblation, CONFIG, "test", [*sweep_args, *args]) == 0
+    assert sweep_main(FormatAblation, ABLATION, "test", [*sweep_args, *args]) == 0
     (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith("ref.old-")]
     assert f"moved the previous experiment aside to {moved}" in capsys.readouterr().out
     assert table(moved) == old_table
@@ -207,7 +207,7 @@ def test_dead_worker_is_retried_from_its_checkpoint(ray_address, sweep_args, tmp
 
     killer = threading.Thread(target=kill_worker_after_first_checkpoint, daemon=True)
     killer.start()
-    assert sweep_main(FormatAblation, CONFIG, "test", args) == 0
+    assert sweep_main(FormatAblation, ABLATION, "test", args) == 0
     killer.join()
     assert killed
     (record,) = load_experiment(exp)
@@ -222,7 +222,8 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
     run first, then Optuna's sample inside [low, high]; the table and lr_search.json name the
     largest rate that trained stably (1000 diverges, 0.01 learns). W&B is on, as lr_search.yaml
     has it."""
-    from altgrad.tune.lr_search import RESULT_FILE, LrSearch
+    from altgrad.experiment import LR_SEARCH_FILE
+    from altgrad.tune.lr_search import LrSearch
 
     sets = [
         "preset=cpu", "formats=[e4m3]", "lr={grid: [0.01, 1000.0], low: 0.001, high: 1000.0, samples: 1}",
@@ -230,12 +231,12 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
         "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
         "base.train.max_steps=10", "base.train.warmup_steps=2", "base.train.eval_interval=5",
         "base.train.checkpoint_interval=5", "base.train.eval_iters=2", "base.train.diag_every=5",
-        "stopper.nan_patience=3", "wandb={enabled: true, mode: offline}", "dashboard.enabled=false",
+        "base.stability.nan_patience=3", "wandb={enabled: true, mode: offline}", "dashboard.enabled=false",
     ]
     args = [a for s in sets for a in ("--set", s)] + ["--name", "lr", "--storage-path", str(tmp_path)]
-    assert sweep_main(LrSearch, ROOT / "sweeps" / "configs" / "lr_search.yaml", "test", args) == 0
+    assert sweep_main(LrSearch, LR_SEARCH, "test", args) == 0
     out = capsys.readouterr().out
-    (row,) = json.loads((tmp_path / "lr" / RESULT_FILE).read_text())
+    (row,) = json.loads((tmp_path / "lr" / LR_SEARCH_FILE).read_text())
     sweep_id = f"{tmp_path / 'lr' / 'e4m3'}@{json.loads((tmp_path / 'lr' / 'e4m3' / STATE_DIR / 'sweep.json').read_text())['started']}"
     records = load_experiment(tmp_path / "lr" / "e4m3")
     sampled = sorted(r.params["lr"] for r in records)
@@ -245,7 +246,7 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
     assert row["format"] == "e4m3" and row["trials"] == 3
     assert 0.01 in stable and 1000.0 not in stable and row["largest_stable_lr"] == max(stable)
     assert row["smallest_unstable_lr"] == min(set(sampled) - set(stable))
-    assert "largest stable lr" in out and f"results: {tmp_path / 'lr' / RESULT_FILE}" in out
+    assert "largest stable lr" in out and f"results: {tmp_path / 'lr' / LR_SEARCH_FILE}" in out
     for record in records:  # W&B: one offline run per trial, in the trial's directory
         runs = offline_runs(record.trial_dir)
         assert list(runs) == [run_id(sweep_id, record.key)]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from altgrad.__main__ import main
-from altgrad.experiment import read_jsonl
+from altgrad.experiment import CHECKPOINT_FILE, read_jsonl
 from altgrad.quant.convert import quantized_layers
 from altgrad.quant.quantize import quantize
 from altgrad.train import Trainer
-from altgrad.train.checkpoint import CHECKPOINT_FILE, CheckpointError, step_checkpoints
+from altgrad.train.checkpoint import CheckpointError, step_checkpoints
 from altgrad.train.trainer import build_model
 
 # The trainer's behaviour, on eager kernels: compiling them cold costs minutes here, and the

@@ -1,6 +1,6 @@
 """W&B runs from the trial's own process (`altgrad.tune.wandb_runs`), read back from the offline
 run files: one run per trial, the same run id across a crash and resume with every step logged
-once, and stability events as alerts with a cooldown."""
+once, and stability events as alerts with a cooldown; an online sweep without a key is refused."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from wandb_files import alerts, history_rows, history_steps, offline_runs
+from sweep_helpers import ablation
+from wandb_reading import alerts, history_rows, history_steps, offline_runs
 
 from altgrad.experiment import read_jsonl
 from altgrad.metrics import model_wide
@@ -105,3 +106,23 @@ def test_a_killed_trial_loses_no_step_of_its_run(make_config, tmp_path):
 def test_run_ids_differ_between_sweeps_and_trials():
     ids = {run_id(s, k) for s in ("exp@1", "exp@2", "other@1") for k in ("a", "b")}
     assert len(ids) == 6 and all(len(i) == 16 and not math.isnan(int(i, 16)) for i in ids)
+
+
+def test_online_wandb_without_a_key_is_refused_before_any_trial(tmp_path, monkeypatch, capsys):
+    """No API key (no WANDB_API_KEY, no `wandb login` in ~/.netrc): exit 2 with the fix, before
+    Ray starts or anything is written. With a key in ~/.netrc the check passes."""
+    from altgrad.tune.wandb_runs import missing_login
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ablation("--smoke", "--storage-path", str(tmp_path / "exp"), "--set", "wandb.enabled=true",
+                    "--set", "wandb.mode=online") == 2
+    err = capsys.readouterr().err
+    assert "needs a W&B API key for api.wandb.ai" in err and "wandb login" in err
+    assert not (tmp_path / "exp").exists()
+    assert missing_login("offline") is None
+    netrc = tmp_path / ".netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    assert missing_login("online") is None

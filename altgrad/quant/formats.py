@@ -166,6 +166,13 @@ FORMATS: dict[str, FormatSpec] = {
 }
 
 
+def exmy_bits(name: str) -> tuple[int, int] | None:
+    """(exponent bits, mantissa bits) that an `eXmY` name spells (any case), None for any other
+    name; whether such a format exists is `get_format`'s to say."""
+    m = _EXMY.fullmatch(name.strip().lower())
+    return (int(m[1]), int(m[2])) if m else None
+
+
 def get_format(fmt: str | FormatSpec) -> FormatSpec:
     """Look a format up by (case-insensitive) name; a FormatSpec passes through."""
     if isinstance(fmt, FormatSpec):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from altgrad.experiment import TrialRecord
+from altgrad.experiment import REPORT_FILE, TrialRecord
 from altgrad.report.findings import Findings, compute_findings
 from altgrad.report.markdown import render
 from altgrad.report.plots import plot_all
@@ -22,6 +22,6 @@ def write_report(records: list[TrialRecord], out_dir: Path, missing: list[str] |
     out_dir.mkdir(parents=True, exist_ok=True)
     findings = compute_findings(records, missing)
     plots = plot_all(findings, out_dir)
-    path = out_dir / "report.md"
+    path = out_dir / REPORT_FILE
     path.write_text(render(records, findings, plots, out_dir, title))
     return path

@@ -13,9 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from altgrad.remote import is_remote, readable, upload_dir
-
-REPORT_DIR = "report"  # the report's folder inside an experiment
+from altgrad.experiment import REPORT_DIR
+from altgrad.remote import is_remote, upload_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,24 +29,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported on use, so that the other sub-commands do not pay for matplotlib.
-    from altgrad.experiment import ExperimentError, load_experiment
+    from altgrad.experiment import ExperimentError, read_experiment
 
     try:
-        with readable(args.experiment) as exp_dir:
-            records = load_experiment(exp_dir)
-            name = exp_dir.resolve().name
+        experiment = read_experiment(args.experiment)
     except ExperimentError as e:
         return _fail(str(e))
-    except ValueError as e:  # a corrupt sweep or trial file
-        return _fail(f"{args.experiment}: cannot read the experiment: {e}")
-    except OSError as e:  # remote storage unreachable, or no permission
-        return _fail(f"cannot read {args.experiment}: {e}")
+    records = experiment.records
     if not any(r.history for r in records):
         return _fail(f"{args.experiment}: no trial has recorded any metrics yet "
                      f"({len(records)} grid points); run or resume the sweep first")
     out = args.out or f"{str(args.experiment).rstrip('/')}/{REPORT_DIR}"
     try:
-        path = _write(records, out, name)
+        path = _write(records, out, experiment.name)
     except OSError as e:
         return _fail(f"cannot write the report to {out}: {e}")
     print(f"report written: {path}")
@@ -61,12 +55,11 @@ def report_after_sweep(experiment: str, name: str) -> int:
     """A sweep entry point's last step: the report of the experiment it ran, into
     `<experiment>/report/`. 0 when written, 1 (with the command that retries it) when not: the
     sweep's data is safe either way."""
-    from altgrad.experiment import load_experiment
+    from altgrad.experiment import read_experiment
 
     out = f"{experiment.rstrip('/')}/{REPORT_DIR}"
     try:
-        with readable(experiment) as exp_dir:
-            path = _write(load_experiment(exp_dir), out, name)
+        path = _write(read_experiment(experiment).records, out, name)
     except Exception as e:  # noqa: BLE001 - any failure: say how to retry the report alone
         print(f"report failed ({type(e).__name__}: {e}); retry: python -m altgrad report {experiment}")
         return 1

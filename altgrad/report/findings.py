@@ -9,25 +9,35 @@ when the 95 % intervals separate; otherwise the report says "indistinguishable".
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
-from altgrad.config import BASELINE, StabilityConfig
-from altgrad.experiment import TrialRecord, axis_names, axis_value_text
+from altgrad.config import StabilityConfig
+from altgrad.experiment import (
+    BROKEN_STOPS,
+    UNFINISHED,
+    StopReason,
+    TrialRecord,
+    TrialStatus,
+    axis_names,
+    axis_value_text,
+)
 from altgrad.metrics import (
     BIT_STALL_RATE,
     GRAD_DEAD_FRAC,
     GRAD_HAS_NAN,
     LOSS_IS_NAN,
     OVERFLOW_RATE,
+    STEP,
     TRAIN_LOSS,
     UNDERFLOW_RATE,
     ZERO_UPDATE_FRAC,
     layer_values,
 )
+from altgrad.precision import BASELINE
+from altgrad.quant.formats import exmy_bits
 from altgrad.report.stats import (
     Comparison,
     Interval,
@@ -39,9 +49,6 @@ from altgrad.report.stats import (
 
 STANDARD, MANIFOLD = "adamw", "manifold"
 VERDICT_FORMAT, VERDICT_PRECISION, VERDICT_TOLERANCE = "e5m2", "all", 0.10
-# The trial broke (as opposed to completing its budget): the sweep stops only broken trials.
-BROKEN_STOPS = ("asha", "nan", "bit_stall", "error")
-UNFINISHED = ("PENDING", "RUNNING", "PAUSED")
 
 # The pass a failure is attributed to, keyed by summary.json `collapse_where` values.
 WHERE = {"forward": "forward overflow", "backward": "backward underflow", "optimizer": "optimizer stall"}
@@ -50,15 +57,15 @@ WINDOW = 5  # logged rows up to the stop that are searched for signals
 
 def signals(stability: StabilityConfig) -> tuple[tuple[str, float, str], ...]:
     """(metric, threshold, site) per failure signal: a signal above its threshold points at that
-    site. Overflow, underflow and bit-stall use the run's own warning levels (SPEC §5), the
-    dead-gradient fraction (the mean over layers) and the zero-update fraction the report's own
-    half-way mark."""
+    site. Every threshold is the run's own (`stability`): overflow, underflow and bit-stall its
+    warning levels (SPEC §5), the dead-gradient fraction (the mean over layers) and the zero-update
+    fraction its `dead_grad_signal` and `zero_update_signal`."""
     return (
         (OVERFLOW_RATE, stability.overflow_warn, "forward"),
         (UNDERFLOW_RATE, stability.underflow_warn, "backward"),
-        (GRAD_DEAD_FRAC, 0.5, "backward"),
+        (GRAD_DEAD_FRAC, stability.dead_grad_signal, "backward"),
         (BIT_STALL_RATE, stability.stall_warn, "optimizer"),
-        (ZERO_UPDATE_FRAC, 0.5, "optimizer"),
+        (ZERO_UPDATE_FRAC, stability.zero_update_signal, "optimizer"),
     )
 
 
@@ -87,9 +94,9 @@ DEFINITIONS = f"""\
   otherwise the last {WINDOW} logged rows up to that step are read: a non-finite loss means the
   forward pass broke, a non-finite gradient with a finite loss means the backward pass did; else the
   signal furthest above its threshold names the site ({", ".join(f"{k} → {WHERE[s]}" for k, _, s in
-  _DEFAULT_SIGNALS)}); "—" when none is. The thresholds of overflow, underflow and bit-stall are
-  the run's own `stability` warning levels (its config.yaml; by default {", ".join(
-  f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)}); the evidence names the one that applied.
+  _DEFAULT_SIGNALS)}); "—" when none is. Every threshold is the run's own `stability` setting
+  (its config.yaml; by default {", ".join(f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)});
+  the evidence names the one that applied.
 - **Manifold − standard**: per seed, best val loss with `{MANIFOLD}` minus with `{STANDARD}` (same
   format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
   **Extra axes**: the same per-seed difference between two values of one axis, all else equal.
@@ -107,8 +114,8 @@ def format_key(name: str) -> tuple[int, str]:
     """Sort bf16 first, then eXmY by exponent bits (E0M7 … E7M0), then anything else by name."""
     if name == BASELINE:
         return (-1, name)
-    m = re.fullmatch(r"e(\d+)m(\d+)", name)
-    return (int(m.group(1)), name) if m else (99, name)
+    bits = exmy_bits(name)
+    return (bits[0], name) if bits else (99, name)
 
 
 def _finite(x: object) -> bool:
@@ -129,22 +136,8 @@ def last_eval(r: TrialRecord) -> int | None:
     return steps[-1] if steps else None
 
 
-def trial_best(r: TrialRecord, upto: int | None = None) -> float:
-    """Lowest finite val loss, over evaluations up to step `upto` (all when None); the summary's
-    `best_val_loss` counts when the whole run does."""
-    steps, values = r.val_series()
-    values = [v for s, v in zip(steps, values, strict=True) if upto is None or s <= upto]
-    if upto is None or not steps or upto >= steps[-1]:
-        values.append(r.summary.get("best_val_loss"))
-    return min((v for v in values if _finite(v)), default=math.nan)
-
-
-def stop_reason(r: TrialRecord) -> str | None:
-    return r.stop_reason or r.summary.get("stop_reason") or ("error" if r.status == "ERROR" else None)
-
-
 def broke(r: TrialRecord) -> bool:
-    return stop_reason(r) in BROKEN_STOPS
+    return r.stop_reason in BROKEN_STOPS
 
 
 def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
@@ -155,7 +148,7 @@ def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
     bad = next((s for s, v in zip(steps, losses, strict=True) if not math.isfinite(v)), None)
     if bad is not None:
         return bad, True
-    last = r.history[-1]["step"] if r.history else r.summary.get("steps")  # a running summary lags
+    last = r.history[-1][STEP] if r.history else r.summary.get("steps")  # a running summary lags
     return (int(last) if _finite(last) else None), False
 
 
@@ -170,12 +163,12 @@ def _metric(row: dict[str, float], key: str) -> float:
 def failure_site(r: TrialRecord) -> tuple[str, str]:
     """(where, evidence) of a failure; see DEFINITIONS. The evidence names the strongest signal."""
     step, _ = stop_step(r)
-    rows = [row for row in r.history if step is None or row["step"] <= step][-WINDOW:]
+    rows = [row for row in r.history if step is None or row[STEP] <= step][-WINDOW:]
     signal = _strongest_signal(rows, r.stability)
     also = f"; {signal[1]}" if signal else ""
     if r.summary.get("collapse_where") in WHERE:
         return WHERE[r.summary["collapse_where"]], "recorded by the trainer" + also
-    if stop_reason(r) == "bit_stall":
+    if r.stop_reason == StopReason.BIT_STALL:
         return WHERE["optimizer"], "stopped for bit-stall" + also
     if not rows:
         return "unknown", "no metrics recorded"
@@ -186,7 +179,7 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
         (last.get(GRAD_HAS_NAN, 0) > 0, "backward", "gradient non-finite, loss finite"),
     ):
         if broken:
-            return WHERE[site], f"{what} at step {last['step']:.0f}{also}"
+            return WHERE[site], f"{what} at step {last[STEP]:.0f}{also}"
     return (WHERE[signal[0]], signal[1]) if signal else ("—", "no signal above threshold")
 
 
@@ -211,12 +204,12 @@ def axes_text(axes: AxesKey) -> str:
 
 
 def completed_budget(r: TrialRecord) -> bool:
-    return stop_reason(r) == "completed" and r.status not in UNFINISHED
+    return r.stop_reason == StopReason.COMPLETED and r.status not in UNFINISHED
 
 
 def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[int, float]:
     """Each seed's best val loss (up to step `upto`); non-finite where it has none."""
-    return {t.seed: trial_best(t, upto) for t in trials}
+    return {t.seed: t.best_val_loss(upto) for t in trials}
 
 
 def reading(estimate: Interval, null: float, below: str, above: str) -> str:
@@ -261,7 +254,7 @@ class Cell:
 
     @property
     def stops(self) -> tuple[str, ...]:
-        return tuple(sorted({s for t in self.trials if (s := stop_reason(t)) not in (None, "completed")}))
+        return tuple(sorted({s for t in self.trials if (s := t.stop_reason) not in (None, StopReason.COMPLETED)}))
 
     @property
     def vs_bf16(self) -> str:
@@ -285,8 +278,8 @@ class SweetSpot:
         if len(self.group) > 1:
             return f"tie: {' ≈ '.join(self.group)} (intervals overlap)"
         if self.leader is None:
-            return "bf16 (every format is worse)"
-        return f"{self.leader.name} at {self.leader.ratio.text('.3f')}× bf16"
+            return f"{BASELINE} (every format is worse)"
+        return f"{self.leader.name} at {self.leader.ratio.text('.3f')}× {BASELINE}"
 
 
 @dataclass(frozen=True)
@@ -321,7 +314,7 @@ class Verdict:
 
     @property
     def line(self) -> str:
-        ratio = (f"× bf16 {self.cell.ratio.text('.3f')}" if self.cell and math.isfinite(self.cell.ratio.mean)
+        ratio = (f"× {BASELINE} {self.cell.ratio.text('.3f')}" if self.cell and math.isfinite(self.cell.ratio.mean)
                  else "ratio n/a")
         return (f"{VERDICT_FORMAT.upper()} within {100 * VERDICT_TOLERANCE:.0f} % of BF16: "
                 f"{'PASS' if self.passed else 'INVESTIGATE'} ({ratio}; {self.reason})")
@@ -368,12 +361,13 @@ def _baselines(records: list[TrialRecord], optimizers: tuple[str, ...],
     """The bf16 trials each optimizer is compared with: its own, else `adamw`'s (else the first)."""
     own: dict[str, list[TrialRecord]] = {}
     for r in records:
-        if r.format == BASELINE and math.isfinite(trial_best(r)):
+        if r.format == BASELINE and math.isfinite(r.best_val_loss()):
             own.setdefault(r.optimizer, []).append(r)
     lender = STANDARD if STANDARD in own else next(iter(sorted(own)), None)
     for opt in optimizers:
         if opt not in own and lender is not None:
-            notes.append(f"`{opt}` has no bf16 trial with a finite loss: its × bf16 uses the `{lender}` baseline.")
+            notes.append(f"`{opt}` has no {BASELINE} trial with a finite loss: its × {BASELINE} uses the `{lender}` "
+                         "baseline.")
     return {opt: own.get(opt) or own[lender] for opt in optimizers if opt in own or lender is not None}
 
 
@@ -382,7 +376,7 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
     values = seed_values(trials, steps)
     label = " ≡ ".join((key[0], *also))
-    ratio = ratio_interval(values, seed_values(baseline_trials(bf16, key[3]), steps), labels=(label, "bf16"))
+    ratio = ratio_interval(values, seed_values(baseline_trials(bf16, key[3]), steps), labels=(label, BASELINE))
     return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also)
 
 
@@ -403,7 +397,7 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
              axes_order: dict[AxesKey, int]) -> Verdict:
     candidates = [c for c in cells.values() if c.format == VERDICT_FORMAT or VERDICT_FORMAT in c.also]
     if not has_baseline:
-        return Verdict(False, None, "no bf16 baseline with a finite loss")
+        return Verdict(False, None, f"no {BASELINE} baseline with a finite loss")
     if not candidates:
         return Verdict(False, None, f"no {VERDICT_FORMAT} trial")
     full = [c for c in candidates if c.full_budget and not c.broke]
@@ -434,7 +428,7 @@ def _missing(records: list[TrialRecord], given: list[str]) -> list[str]:
     out += [f"{name(r)} ({label(r)}): unreadable: {r.unreadable}" for r in records if r.unreadable]
     for r in records:
         if r.status in UNFINISHED and name(r) not in given and not r.same_as:
-            state = "not started" if r.status == "PENDING" else f"still running at step {stop_step(r)[0]}, numbers provisional"
+            state = "not started" if r.status == TrialStatus.PENDING else f"still running at step {stop_step(r)[0]}, numbers provisional"
             out.append(f"{name(r)} ({label(r)}): {state}")
     return list(dict.fromkeys(out))
 
@@ -449,7 +443,7 @@ def _difference(what: str, a: Cell, b: Cell) -> Difference | None:
 
 def compute_findings(records: list[TrialRecord], missing: list[str] | None = None) -> Findings:
     """All findings of an experiment; `missing` names grid points that never started."""
-    started = [r for r in records if r.status != "PENDING" or r.history]
+    started = [r for r in records if r.status != TrialStatus.PENDING or r.history]
     measured = [r for r in started if not r.same_as]
     quantized = [r for r in measured if r.format != BASELINE]
     by_key = {r.key: r for r in measured}
@@ -478,9 +472,9 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
 
     failures = []
     for r in sorted(measured, key=lambda r: (format_key(r.format), r.optimizer, r.precision, r.seed)):
-        reason = stop_reason(r)
+        reason = r.stop_reason
         step, collapsed = stop_step(r)
-        if reason in (None, "completed") and not collapsed:
+        if reason in (None, StopReason.COMPLETED) and not collapsed:
             continue
         where, evidence = failure_site(r)
         if r.stop_detail:
@@ -490,7 +484,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         failures.append(Failure(r, step, collapsed, reason or "—", where, evidence))
 
     notes += [f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''} "
-              f"trained better than bf16 beyond its interval (× bf16 {c.ratio.text('.3f')}). Published "
+              f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text('.3f')}). Published "
               "FP8 results run slightly worse than 16-bit, so treat this as an anomaly until an ablation "
               "explains it, e.g. forward-only quantization: `--set \"grid.axes={quant.roles.grad_output: "
               "[true, false]}\"`." for c in cells.values() if c.full_budget and c.vs_bf16 == "better"]

@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from altgrad.experiment import TrialRecord
+from altgrad.experiment import RunStatus, StopReason, TrialRecord
 from altgrad.report.findings import (
     DEFINITIONS,
     MANIFOLD,
@@ -108,7 +108,7 @@ def _cells(f: Findings) -> str:
     rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—",
              ", ".join(sorted({str(t.seed) for t in c.trials})), c.best.text(), c.steps,
              c.ratio.text(".3f"), c.vs_bf16,
-             ", ".join(c.stops) or ("running" if c.running else "completed")]
+             ", ".join(c.stops) or (RunStatus.RUNNING if c.running else StopReason.COMPLETED)]
             for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision, c.axes, format_key(c.format)))]
     return _table(["format", "optimizer", "precision", "extra axes", "seeds", "best val loss (95 %)", "steps",
                    "× bf16 (95 %)", "vs bf16", "stops"], rows)

@@ -17,9 +17,9 @@ from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from altgrad.config import BASELINE
 from altgrad.experiment import TrialRecord
 from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN
+from altgrad.precision import BASELINE
 from altgrad.report.findings import (
     AxesKey,
     Findings,
@@ -150,7 +150,7 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
     if starts:  # diverging trials leave through the top (the initial loss): the useful range stays readable
         low, high = min(finite), max(max(starts), min(finite) + 1e-6)
         panels[0].set_ylim(low - 0.03 * (high - low), high + 0.03 * (high - low))
-    fig.suptitle(f"Validation loss vs bf16 — optimizer {optimizer}{_suffix(axes)}")
+    fig.suptitle(f"Validation loss vs {BASELINE} — optimizer {optimizer}{_suffix(axes)}")
     return _save(fig, path)
 
 
@@ -212,8 +212,8 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
             ax.text(j, i, text, ha="center", va="center", fontsize=7)
     ax.set(xticks=range(len(precisions)), xticklabels=precisions, yticks=range(len(formats)),
            yticklabels=formats, xlabel="layer precision",
-           title=f"Best val loss / bf16 — optimizer {optimizer}{_suffix(axes)}")
-    fig.colorbar(image, ax=ax, label="× bf16, mean over seeds (lower is better)")
+           title=f"Best val loss / {BASELINE} — optimizer {optimizer}{_suffix(axes)}")
+    fig.colorbar(image, ax=ax, label=f"× {BASELINE}, mean over seeds (lower is better)")
     return _save(fig, path)
 
 

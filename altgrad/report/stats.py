@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from statistics import fmean, stdev
 
+from altgrad.precision import BASELINE
+
 __all__ = [
     "Comparison",
     "Interval",
@@ -271,7 +273,7 @@ def _compare(a: Mapping[int, float], b: Mapping[int, float], confidence: float,
 
 def ratio_interval(cell: Mapping[int, float], baseline: Mapping[int, float],
                    confidence: float = 0.95,
-                   labels: tuple[str, str] = ("the cell", "bf16")) -> Comparison:
+                   labels: tuple[str, str] = ("the cell", BASELINE)) -> Comparison:
     """A cell's loss relative to the baseline's (seed -> value maps), with its interval.
 
     Same finite seeds on both sides: the mean of the per-seed ratios x_s / b_s with their t

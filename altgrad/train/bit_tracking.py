@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
+from altgrad.experiment import BIT_POSITIONS_FILE
 from altgrad.quant.codes import MOVE_BINS, encode
 from altgrad.quant.linear import QuantizedLinear, by_weight_format
 from altgrad.train.run_files import RunFiles
-
-FILE = "bit_positions.jsonl"
 
 
 class BitTracker:
@@ -63,7 +62,7 @@ class BitPositionsFile:
 
     def __init__(self, files: RunFiles):
         self.files = files
-        self.path = Path(files.dir) / FILE
+        self.path = Path(files.dir) / BIT_POSITIONS_FILE
 
     def start(self, resume_step: int | None) -> None:
         if resume_step is None:

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-CHECKPOINT_FILE = "checkpoint.pt"
+from altgrad.experiment import BEST_FILE, CHECKPOINT_FILE, CHECKPOINTS_DIR
+
 STEP_PREFIX = "step_"
 ANOMALY_PREFIX = "anomaly_step_"
 
@@ -73,8 +74,8 @@ def resume_candidates(path: Path) -> list[Path]:
     case older checkpoints of the same run follow as fall-backs for a corrupt newest one.
     """
     path = Path(path)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    if (path / CHECKPOINTS_DIR).is_dir():
+        path = path / CHECKPOINTS_DIR
     if path.is_file():
         path = path.parent
     if path.name.startswith((STEP_PREFIX, ANOMALY_PREFIX)) or (path / CHECKPOINT_FILE).is_file():
@@ -87,12 +88,12 @@ class CheckpointManager:
     """Writes checkpoints under `<run_dir>/checkpoints` and keeps the best one plus the last N."""
 
     def __init__(self, run_dir: Path, keep_last: int):
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = Path(run_dir) / CHECKPOINTS_DIR
         self.keep_last = keep_last
 
     @property
     def best_file(self) -> Path:
-        return self.root / "best.json"
+        return self.root / BEST_FILE
 
     def best(self) -> dict[str, Any] | None:
         return json.loads(self.best_file.read_text()) if self.best_file.is_file() else None

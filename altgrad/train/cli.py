@@ -9,8 +9,18 @@ from pathlib import Path
 
 from altgrad.config import ConfigError, load_config
 from altgrad.data import DataError
-from altgrad.experiment import CONFIG_FILE
-from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, UNDERFLOW_RATE, VAL_STEP
+from altgrad.experiment import CONFIG_FILE, StopReason
+from altgrad.metrics import (
+    BIT_STALL_RATE,
+    OVERFLOW_RATE,
+    STEP,
+    TOKENS_PER_S,
+    TRAIN_LOSS,
+    TRAIN_LR,
+    UNDERFLOW_RATE,
+    VAL_LOSS,
+    VAL_STEP,
+)
 from altgrad.train.checkpoint import CheckpointError
 
 
@@ -53,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         f"done: {summary['stop_reason']} after {summary['steps']} steps, best val loss "
         f"{summary['best_val_loss']:.4f}, run dir {run_dir}"
     )
-    return 0 if summary["stop_reason"] == "completed" else 1
+    return 0 if summary["stop_reason"] == StopReason.COMPLETED else 1
 
 
 class ProgressPrinter:
@@ -64,15 +74,15 @@ class ProgressPrinter:
         self.max_steps = max_steps
 
     def __call__(self, m: dict[str, float], checkpoint: Path | None) -> None:
-        step = int(m["step"])
+        step = int(m[STEP])
         if m[VAL_STEP] != step and checkpoint is None:
             return
         parts = [
             f"step {step:>{self.width}}/{self.max_steps}",
-            f"loss {m['train/loss']:.4f}",
-            f"val {m['val/loss']:.4f}",
-            f"lr {m['train/lr']:.2e}",
-            f"{m['train/tokens_per_s']:,.0f} tok/s",
+            f"loss {m[TRAIN_LOSS]:.4f}",
+            f"val {m[VAL_LOSS]:.4f}",
+            f"lr {m[TRAIN_LR]:.2e}",
+            f"{m[TOKENS_PER_S]:,.0f} tok/s",
         ]
         for key, label in ((BIT_STALL_RATE, "stall"), (OVERFLOW_RATE, "ovf"),
                            (UNDERFLOW_RATE, "unf")):

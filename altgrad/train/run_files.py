@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from altgrad.experiment import CONFIG_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl
+from altgrad.metrics import STEP
 
 
 class RunFiles:
@@ -36,7 +37,7 @@ class RunFiles:
 
     def truncate(self, path: Path, step: int) -> None:
         """Keep only the rows of `path` up to `step` (a resumed run redoes the rest)."""
-        rows = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
+        rows = [r for r in read_jsonl(path) if int(r.get(STEP, 0)) <= step]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.replace(tmp, path)
@@ -49,7 +50,7 @@ class RunFiles:
         self.append(self.metrics, metrics)
 
     def log_event(self, step: int, kind: str, message: str, **extra: Any) -> dict[str, Any]:
-        event = {"step": step, "kind": kind, "message": message, **extra}
+        event = {STEP: step, "kind": kind, "message": message, **extra}
         self.append(self.events, event)
         return event
 

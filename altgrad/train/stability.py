@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from altgrad.config import StabilityConfig
+from altgrad.experiment import EventKind, StopReason
 from altgrad.metrics import (
     BIT_STALL_RATE,
     GRAD_HAS_NAN,
@@ -23,10 +24,10 @@ from altgrad.metrics import (
 )
 
 WARNINGS = {  # event kind -> (metric, config threshold attribute)
-    "bit_stall_warn": (BIT_STALL_RATE, "stall_warn"),
-    "overflow_warn": (OVERFLOW_RATE, "overflow_warn"),
-    "underflow_warn": (UNDERFLOW_RATE, "underflow_warn"),
-    "kurtosis_warn": (KURTOSIS_MAX, "kurtosis_warn"),
+    EventKind.BIT_STALL_WARN: (BIT_STALL_RATE, "stall_warn"),
+    EventKind.OVERFLOW_WARN: (OVERFLOW_RATE, "overflow_warn"),
+    EventKind.UNDERFLOW_WARN: (UNDERFLOW_RATE, "underflow_warn"),
+    EventKind.KURTOSIS_WARN: (KURTOSIS_MAX, "kurtosis_warn"),
 }
 
 
@@ -38,7 +39,8 @@ class Event:
 
 
 ShiftFn = Callable[[list[str] | None, str], list[Event]]
-"""Shift the named layers (None: every quantized layer) for a reason; the shifts that happened."""
+"""Shift the named layers (None: every quantized layer) for a reason (the cause, `StopReason.NAN`
+or `StopReason.BIT_STALL`, or `NAN_UNLOCALIZED`); the shifts that happened."""
 
 NAN_UNLOCALIZED = "nan_unlocalized"
 """Shift reason when no step of a NaN streak could be traced to a layer: every layer shifts."""
@@ -58,7 +60,7 @@ class StabilityMonitor:
 
     def observe_step(self, step: int, m: dict[str, float], shift: ShiftFn | None = None,
                      origin: list[str] | None = None) -> tuple[list[Event], str | None]:
-        """Events for this step, and the stop reason (`nan`) if the run must end here.
+        """Events for this step, and the stop reason (`StopReason.NAN`) if the run must end here.
 
         With `shift_patience` set and a `shift` function, a NaN streak or a layer's bit-stall
         streak of that length first tries an emergency mantissa shift; a shift resets the streak
@@ -79,14 +81,15 @@ class StabilityMonitor:
             origin = origin or []
             self.nan_origins += [name for name in origin if name not in self.nan_origins]
             events.append(Event(
-                "nan_skip",
+                EventKind.NAN_SKIP,
                 f"non-finite {'loss' if loss_bad else 'gradient'} ({where}); optimizer step skipped "
                 f"(streak {self.nan_streak}/{self.cfg.nan_patience}); origin: {', '.join(origin) or 'unknown'}",
                 {"streak": self.nan_streak, "where": where, "origin": origin},
             ))
             if patience and self.nan_streak >= patience:
                 localized = bool(self.nan_origins)
-                shifted = shift(list(self.nan_origins) if localized else None, "nan" if localized else NAN_UNLOCALIZED)
+                shifted = shift(list(self.nan_origins) if localized else None,
+                                StopReason.NAN if localized else NAN_UNLOCALIZED)
                 events += shifted
                 if shifted:
                     self.format_shifts += len(shifted)
@@ -94,8 +97,8 @@ class StabilityMonitor:
                     self.nan_origins = []
                     return events, None
             if self.nan_streak >= self.cfg.nan_patience:
-                events.append(Event("nan_stop", f"{self.nan_streak} consecutive non-finite steps: stopping"))
-                return events, "nan"
+                events.append(Event(EventKind.NAN_STOP, f"{self.nan_streak} consecutive non-finite steps: stopping"))
+                return events, StopReason.NAN
         else:
             self.nan_streak = 0
         if patience:
@@ -112,7 +115,7 @@ class StabilityMonitor:
             if self.stall_streaks[name] >= patience:
                 stalled.append(name)
                 self.stall_streaks[name] = 0
-        shifted = shift(stalled, "bit_stall") if stalled else []
+        shifted = shift(stalled, StopReason.BIT_STALL) if stalled else []
         self.format_shifts += len(shifted)
         return shifted
 
@@ -137,7 +140,7 @@ class StabilityMonitor:
         self.rising_evals = self.rising_evals + 1 if rising else 0
         self.last_val = val_loss
         if self.rising_evals == self.cfg.divergence_patience:
-            return [Event("divergence_warn", f"validation loss rose {self.rising_evals} evaluations in a row")]
+            return [Event(EventKind.DIVERGENCE_WARN, f"validation loss rose {self.rising_evals} evaluations in a row")]
         return []
 
     @property
@@ -149,7 +152,7 @@ class StabilityMonitor:
             "nan_streak": self.nan_streak,
             "collapse_step": self.collapse_step,
             "collapse_where": self.collapse_where,
-            "active_warnings": list(self.active_warnings),
+            "active_warnings": [str(kind) for kind in self.active_warnings],  # plain: weights_only loads
             "last_val": self.last_val,
             "rising_evals": self.rising_evals,
             "format_shifts": self.format_shifts,

@@ -24,6 +24,7 @@ import torch
 
 from altgrad.config import RunConfig, dump_config
 from altgrad.data import TokenBatches, prepare_dataset
+from altgrad.experiment import EventKind, RunStatus, StopReason
 from altgrad.metrics import (
     DIVERGENCE,
     FORMAT_SHIFTS,
@@ -31,6 +32,7 @@ from altgrad.metrics import (
     GRAD_NORM,
     LOSS_IS_NAN,
     NAN_STREAK,
+    STEP,
     TOKENS_PER_S,
     TRAIN_LOSS,
     TRAIN_LR,
@@ -38,6 +40,10 @@ from altgrad.metrics import (
     VAL_LOSS,
     VAL_PPL,
     VAL_STEP,
+    is_diagnostic_step,
+    is_eval_step,
+    is_logged_step,
+    is_shadow_step,
 )
 from altgrad.model import GPT, GPTConfig
 from altgrad.optim import build_optimizer
@@ -172,9 +178,9 @@ class Trainer:
         self.files.start(dump_config(self.cfg), resume_step=start if resume is not None else None)
         self.bit_file.start(start if resume is not None else None)
         for problem in skipped:
-            self._log_event(start, Event("checkpoint_skipped", problem))
+            self._log_event(start, Event(EventKind.CHECKPOINT_SKIPPED, problem))
         if resume is not None:
-            self._log_event(start, Event("resume", f"resumed from step {start}"))
+            self._log_event(start, Event(EventKind.RESUME, f"resumed from step {start}"))
         max_steps = self.cfg.train.max_steps
         stop_reason = None
         step = start
@@ -188,17 +194,17 @@ class Trainer:
             t_last = now
             stop_reason = self._apply_policy(step, metrics, result.nan_origin)
             checkpoint_due = step % self.cfg.train.checkpoint_interval == 0 or step == max_steps
-            if step % self.cfg.train.log_interval == 0 or checkpoint_due or stop_reason:
+            if is_logged_step(self.cfg.train, step) or stop_reason:
                 self.files.log_metrics(metrics)  # before the checkpoint: a checkpoint's rows exist
             ckpt = None
             if checkpoint_due:
                 ckpt = self.checkpoints.save(step, self._state(step), self.val_loss)
-                self.files.write_summary(self._summary(step, "running", None))
-            if report is not None and (step % self.cfg.train.log_interval == 0 or ckpt or stop_reason):
+                self.files.write_summary(self._summary(step, RunStatus.RUNNING, None))
+            if report is not None and (is_logged_step(self.cfg.train, step) or stop_reason):
                 report(metrics, ckpt)
             if stop_reason:
                 break
-        summary = self._summary(step, "finished", stop_reason or "completed")
+        summary = self._summary(step, RunStatus.FINISHED, stop_reason or StopReason.COMPLETED)
         self.files.write_summary(summary)
         return summary
 
@@ -215,9 +221,9 @@ class Trainer:
         lr = lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, t.max_steps, self.cfg.optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        diag = bool(t.diag_every) and (step % t.diag_every == 0 or step == 1)
-        shadow = self.shadow is not None and (step % t.shadow_every == 0 or step == 1)
-        evaluate = step % t.eval_interval == 0 or step in (1, t.max_steps)
+        diag = is_diagnostic_step(t, step)
+        shadow = is_shadow_step(t, step)
+        evaluate = is_eval_step(t, step)
 
         # forward and backward; what the diagnostics read from them before the update
         if not self.model.training:  # (only `_evaluate` leaves train mode; setting it walks every module)
@@ -263,7 +269,7 @@ class Trainer:
         values, probe, bit_values = to_host(m, nan_probe, bits)
         if bits is not None:
             self.bit_file.write(self.bit_tracker.rows(step, bit_values))
-        metrics = {"step": float(step), TRAIN_LR: lr, **values}
+        metrics = {STEP: float(step), TRAIN_LR: lr, **values}
         metrics[TRAIN_PPL] = _ppl(metrics[TRAIN_LOSS])
         if evaluate:
             self.val_loss = metrics[VAL_LOSS] if math.isfinite(metrics[VAL_LOSS]) else math.inf
@@ -320,7 +326,7 @@ class Trainer:
             events += self.monitor.observe_eval(metrics[VAL_LOSS])
         if self.monitor.nan_streak == 1:  # first NaN of a streak: the step was skipped, so this
             path = self.checkpoints.save_anomaly(step, self._state(step - 1))  # is the pre-step state
-            events.append(Event("anomaly_checkpoint", f"pre-step state saved to {path.name}", {"path": str(path)}))
+            events.append(Event(EventKind.ANOMALY_CHECKPOINT, f"pre-step state saved to {path.name}", {"path": str(path)}))
         for e in events:
             self._log_event(step, e)
         metrics[NAN_STREAK] = float(self.monitor.nan_streak)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from altgrad.experiment import load_experiment
+from altgrad.remote import is_remote
 from altgrad.trial_table import render_table, trial_row
 from altgrad.tune.asha import StabilityRungs
 from altgrad.tune.config import SweepConfig
@@ -31,7 +32,7 @@ class FormatAblation:
         runs = trials_to_run(points)
         r = cfg.resources
         param_space = {"key": tune.grid_search([p.key for p in runs]),
-                       **trial_limits(r.cpus_per_trial, r.gpu_per_trial, cfg.stopper.stall_threshold)}
+                       **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
         a = cfg.asha
         scheduler = StabilityRungs(
             StateStore(cfg.experiment_path), metric=a.metric, mode=a.mode, max_t=cfg.max_t,
@@ -49,7 +50,7 @@ class FormatAblation:
     @staticmethod
     def summarize(cfg: SweepConfig, experiments: list[Experiment]) -> int:
         """Print the trial table."""
-        if "://" in cfg.experiment_path:
+        if is_remote(cfg.experiment_path):
             print(f"trial table: copy {cfg.experiment_path} to local disk, then run `python -m altgrad trials DIR`")
             return 0
         print(render_table([trial_row(r) for r in load_experiment(Path(cfg.experiment_path))]))

@@ -21,7 +21,8 @@ from typing import Any
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
-from altgrad.experiment import ASHA_FILE
+from altgrad.experiment import ASHA_FILE, StopReason
+from altgrad.metrics import STEP
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import trial_key
 
@@ -40,7 +41,7 @@ class StabilityRungs(FIFOScheduler):
 
     def __init__(self, store: StateStore, *, metric: str, mode: str, max_t: int, grace_period: int,
                  reduction_factor: float, tolerance: float, references: dict[str, str | None],
-                 time_attr: str = "step"):
+                 time_attr: str = STEP):
         super().__init__()
         self._store = store
         self._metric = metric
@@ -80,7 +81,7 @@ class StabilityRungs(FIFOScheduler):
         t = result[self._time_attr]
         stopped = self.state["stopped"].get(trial_id)
         if stopped is not None:  # decided before (a resumed trial replaying its way to the stop)
-            return TrialScheduler.STOP if t >= stopped["step"] else TrialScheduler.CONTINUE
+            return TrialScheduler.STOP if t >= stopped[STEP] else TrialScheduler.CONTINUE
         reached = [m for m in self.milestones if m <= t]
         if not reached:
             return TrialScheduler.CONTINUE
@@ -92,7 +93,7 @@ class StabilityRungs(FIFOScheduler):
         rung[trial_id] = value
         self.state["keys"][trial_id] = key
         if decision is not None:
-            self.state["stopped"][trial_id] = {"step": int(t), "rung": reached[-1], "value": value,
+            self.state["stopped"][trial_id] = {STEP: int(t), "rung": reached[-1], "value": value,
                                                "tolerance": self.tolerance, **decision}
         self._store.write(ASHA_FILE, self.state)
         return TrialScheduler.CONTINUE if decision is None else TrialScheduler.STOP
@@ -100,7 +101,7 @@ class StabilityRungs(FIFOScheduler):
     def _judge(self, key: str, value: float, rung: dict[str, float]) -> dict[str, Any] | None:
         """None for a healthy trial, else why it is broken (reason and the numbers)."""
         if not math.isfinite(value):
-            return {"reason": "nan", "reference": None, "reference_key": None, "behind": None}
+            return {"reason": StopReason.NAN, "reference": None, "reference_key": None, "behind": None}
         ref_key = self.references.get(key)
         keys = self.state["keys"]
         bf16 = [v for tid, v in rung.items() if ref_key is not None and keys.get(tid) == ref_key]
@@ -114,7 +115,7 @@ class StabilityRungs(FIFOScheduler):
         behind = self._sign * (value - reference) / abs(reference) if reference else 0.0
         if behind <= self.tolerance:
             return None
-        return {"reason": "asha", "reference": reference, "reference_key": ref_name, "behind": behind}
+        return {"reason": StopReason.ASHA, "reference": reference, "reference_key": ref_name, "behind": behind}
 
     def debug_string(self) -> str:
         rungs = ", ".join(f"{m}: {len(self.state['rungs'][str(m)])} recorded" for m in self.milestones)

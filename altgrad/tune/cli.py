@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from altgrad.config import ConfigError
+from altgrad.experiment import STALE_S, SweepStatus, driver_alive
+from altgrad.remote import is_remote
 from altgrad.tune.config import SweepSettings, load_sweep_config
 from altgrad.tune.lifecycle import check_new_location, choose_config, move_aside, stored_sweep
-from altgrad.tune.runner import Experiment, Outcome, run_experiment, start_ray
+from altgrad.tune.runner import Experiment, run_experiment, start_ray
 
 
 class SweepKind(Protocol):
@@ -106,7 +108,7 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
         check_new_location(cfg.experiment_path)
 
     status = {e.path: (stored_sweep(e.path) or {}).get("status") for e in experiments}
-    todo = [e for e in experiments if status[e.path] != "finished"]
+    todo = [e for e in experiments if status[e.path] != SweepStatus.FINISHED]
     if not todo:
         print(f"sweep {cfg.name} is complete ({cfg.experiment_path}); --fresh starts it over")
         return _finish(kind, cfg, experiments, after)
@@ -128,11 +130,11 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     errored = False
     for exp in todo:
         outcome, signum = run_experiment(exp, restore=status[exp.path] is not None, resume_command=command)
-        if outcome is Outcome.INTERRUPTED:
+        if outcome is SweepStatus.INTERRUPTED:
             print(f"\nsweep {cfg.name} interrupted; Ray saved its state and every trial keeps its "
                   f"checkpoints.\nresume with: {command}", flush=True)
             return 128 + int(signum)
-        errored |= outcome is Outcome.ERRORED
+        errored |= outcome is SweepStatus.ERRORED
     code = _finish(kind, cfg, experiments, after)
     if errored:
         print(f"some trials errored; {command} retries them from their checkpoints")
@@ -152,11 +154,9 @@ def _warn(cfg: SweepSettings) -> None:
 
 
 def _refuse_if_running(stored: dict[str, Any], path: str) -> None:
-    from altgrad.experiment import STALE_S, driver_alive
-
     driver = stored.get("driver", {})
-    if stored.get("status") == "running" and driver_alive(driver):
-        where = "a local copy of it" if "://" in path else path
+    if stored.get("status") == SweepStatus.RUNNING and driver_alive(driver):
+        where = "a local copy of it" if is_remote(path) else path
         raise ConfigError(
             f"sweep {path} is running right now (driver pid {driver.get('pid')} on "
             f"{driver.get('host')}); watch it with `python -m altgrad trials` on {where}. A driver "

@@ -17,8 +17,6 @@ from typing import Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -30,6 +28,7 @@ from altgrad.config import (
     ConfigError,
     LayerRule,
     RunConfig,
+    StrictModel,
     apply_overrides,
     deep_merge,
     describe_validation_error,
@@ -41,12 +40,14 @@ from altgrad.config import (
     resolve_preset,
 )
 from altgrad.metrics import VAL_LOSS
-from altgrad.precision import PRECISION_PRESETS
+from altgrad.precision import BASELINE, PRECISION_PRESETS
+from altgrad.remote import is_remote
 from altgrad.tune.trial_spec import stall_reports_in_run
 
-# Run settings the grid sets itself (-> the grid key that sets them): not allowed as extra axes.
-FIXED_AXES = {"quant.format": "formats", "optim.name": "optimizers", "quant.precision": "precisions",
-              "train.seed": "seeds", "preset": "(the sweep's top-level preset)"}
+# Run settings the grid sets itself (-> the sweep key that sets them): not allowed as extra axes.
+FIXED_AXES = {"quant.format": "grid.formats", "optim.name": "grid.optimizers",
+              "quant.precision": "grid.precisions", "train.seed": "grid.seeds",
+              "preset": "the sweep's top-level preset"}
 AxisValue = str | bool | int | float  # one value of an extra grid axis: a scalar, part of the trial key
 
 # Resources per trial by preset: a GPU is shared by 4 trials; on CPU each trial gets one core.
@@ -54,10 +55,6 @@ SWEEP_PRESETS: dict[str, dict[str, float]] = {
     "gpu": {"gpu_per_trial": 0.25, "cpus_per_trial": 1},
     "cpu": {"gpu_per_trial": 0.0, "cpus_per_trial": 1},
 }
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 def _unique(values: list[str], what: str) -> list[str]:
@@ -78,50 +75,60 @@ def registered_optimizers() -> list[str]:
     return sorted(OPTIMIZERS)
 
 
-class Resources(_Strict):
+class Resources(StrictModel):
     gpu_per_trial: float = Field(ge=0, le=8, description="GPUs per trial; 0.25 = 4 trials share one")
     cpus_per_trial: int = Field(ge=1, description="CPU cores per trial, also torch's thread count")
 
 
-class StopperSettings(_Strict):
-    """The stability stopper: NaN streaks and persistent bit-stall end a trial early. Bit-stall
-    counts only for runs whose weights are stored in their format (`quant.master_weights: format`):
-    with fp32 master weights a stalled 8-bit view still learns (`trainable.stall_halts_learning`)."""
+# Stopper keys that became run settings: each trial's stopper reads them from its own run config.
+MOVED_STOPPER_KEYS = {"nan_patience": "base.stability.nan_patience",
+                      "stall_threshold": "base.stability.stall_stop",
+                      "stall_reports": "base.stability.stall_stop_reports"}
+
+
+class StopperSettings(StrictModel):
+    """The stability stopper: a NaN streak or persistent bit-stall ends a trial early, judged by
+    the trial's own `stability` settings (`nan_patience`, `stall_stop`, `stall_stop_reports`), the
+    numbers its trainer acts on too. Bit-stall counts only for runs whose weights are stored in
+    their format (`quant.master_weights: format`): with fp32 master weights a stalled 8-bit view
+    still learns (`trainable.stall_halts_learning`)."""
 
     enabled: bool = True
-    nan_patience: int | None = Field(
-        None, ge=1, description="stop after this many consecutive NaN steps; null: the trainer's own "
-                                "limit, base.stability.nan_patience (one number for both)")
-    stall_threshold: float = Field(0.99, gt=0, le=1, description="bit-stall rate that counts as stalled")
-    stall_reports: int = Field(
-        20, ge=1, description="stop after this many stalled reports in a row; only reports of "
-                              "diagnostic steps (train.diag_every) carry bit-stall and count"
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        moved = [f"stopper.{key} moved to {MOVED_STOPPER_KEYS[key]}" for key in MOVED_STOPPER_KEYS
+                 if isinstance(data, dict) and key in data]
+        if moved:
+            raise ValueError("; ".join(moved) + " (a run setting: the trainer and the stopper read the same "
+                             "number, and grid.axes may vary it)")
+        return data
 
 
-class FailureSettings(_Strict):
+class FailureSettings(StrictModel):
     max_failures: int = Field(2, ge=0, description="retries of a crashed trial, from its checkpoint")
 
 
-class CheckpointSettings(_Strict):
+class CheckpointSettings(StrictModel):
     num_to_keep: int = Field(
         1, ge=1, description="Tune checkpoints kept per trial (the trainer keeps its own best + last N)"
     )
 
 
-class WandbSettings(_Strict):
+class WandbSettings(StrictModel):
     enabled: bool = True
     project: str = "altgrad"
     mode: Literal["offline", "online", "disabled"] = "offline"
 
 
-class DashboardSettings(_Strict):
+class DashboardSettings(StrictModel):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(8265, ge=1, le=65535)
 
 
-class SweepSettings(_Strict):
+class SweepSettings(StrictModel):
     """What every sweep entry point shares: where it lives, the base run and how trials run."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -162,11 +169,6 @@ class SweepSettings(_Strict):
     def check(self) -> None:
         """Cross-field checks that need the run config; ConfigError names the field."""
 
-    @property
-    def nan_patience(self) -> int:
-        """The NaN streak that ends a trial: the stopper's, else the base run's own limit."""
-        return self.stopper.nan_patience or self.base_run.stability.nan_patience
-
     @cached_property
     def base_run(self) -> RunConfig:
         """The run every trial starts from (preset < base), validated once."""
@@ -185,7 +187,35 @@ class SweepSettings(_Strict):
 
     def warnings(self) -> list[str]:
         """What is legal but probably not meant; printed before a sweep (and its dry run)."""
-        return [w for w in (self.stall_window_warning(),) if w]
+        return [w for w in (self.stall_window_warning(), *self.base_warnings()) if w]
+
+    def fixed_fields(self) -> dict[str, str]:
+        """The run settings the sweep sets in every trial itself (dotted path -> the sweep key
+        that sets them), whatever `base` says."""
+        raise NotImplementedError
+
+    def trained_formats(self) -> list[str]:
+        """Every format the sweep trains."""
+        raise NotImplementedError
+
+    def sets_in_base(self, path: str) -> bool:
+        """Whether `base` (with this preset's `per_preset` section) gives the dotted run setting."""
+        node: Any = self.base
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    def base_warnings(self) -> list[str]:
+        """Settings of `base` that some trials do not use: ones the sweep sets in every trial
+        (`fixed_fields`), and stored-in-format weights, which bf16 has none to store in."""
+        out = [f"base.{path} is not used: {key} sets it in every trial"
+               for path, key in self.fixed_fields().items() if self.sets_in_base(path)]
+        if BASELINE in self.trained_formats() and self.base_run.quant.master_weights == "format":
+            out.append(f"base.quant.master_weights is format, but {BASELINE} has no 8-bit format to store "
+                       f"weights in: its trials run with master_weights fp32 (the quantized ones with format)")
+        return out
 
     def stall_window_warning(self) -> str | None:
         """Why the stopper can never stop a trial for bit-stall (its window is longer than the
@@ -195,20 +225,21 @@ class SweepSettings(_Strict):
             return None
         run = self.base_run
         available = stall_reports_in_run(run)
-        if self.stopper.stall_reports <= available:
+        window = run.stability.stall_stop_reports
+        if window <= available:
             return None
         t = run.train
-        return (f"stopper.stall_reports ({self.stopper.stall_reports}) is more than the {available} "
-                f"reports that carry bit-stall in a {t.max_steps}-step run (train.diag_every "
-                f"{t.diag_every}, train.log_interval {t.log_interval}), so no trial can be stopped for "
-                f"bit_stall; set stopper.stall_reports to at most {available} or lower base.train.diag_every")
+        return (f"base.stability.stall_stop_reports ({window}) is more than the {available} reports that "
+                f"carry bit-stall in a {t.max_steps}-step run (train.diag_every {t.diag_every}, "
+                f"train.log_interval {t.log_interval}), so no trial can be stopped for bit_stall; set "
+                f"base.stability.stall_stop_reports to at most {available} or lower base.train.diag_every")
 
     @property
     def experiment_path(self) -> str:
         return f"{self.storage_path.rstrip('/')}/{self.name}"
 
 
-class GridSettings(_Strict):
+class GridSettings(StrictModel):
     formats: Formats
     optimizers: list[str] | Literal["all"] = Field(
         "all", description="optimizer names, or 'all' = every registered optimizer"
@@ -232,7 +263,7 @@ class GridSettings(_Strict):
     def _axes(cls, v: dict[str, list[AxisValue]]) -> dict[str, list[AxisValue]]:
         for path, values in v.items():
             if path in FIXED_AXES:
-                raise ValueError(f"{path!r} is a fixed axis of the grid: set it with grid.{FIXED_AXES[path]}")
+                raise ValueError(f"{path!r} is a fixed axis of the grid: set it with {FIXED_AXES[path]}")
             leaf_field(path)
             if not values:
                 raise ValueError(f"{path}: give at least one value")
@@ -273,7 +304,7 @@ class GridSettings(_Strict):
         return registered_optimizers() if self.optimizers == "all" else list(self.optimizers)
 
 
-class AshaSettings(_Strict):
+class AshaSettings(StrictModel):
     """Rungs at which a broken trial is stopped (see `altgrad.tune.asha`): never the best-k rule."""
 
     enabled: bool = True
@@ -288,7 +319,7 @@ class AshaSettings(_Strict):
     )
 
 
-class EstimateSettings(_Strict):
+class EstimateSettings(StrictModel):
     """`--dry-run`'s time and cost estimate."""
 
     measure_steps: int = Field(
@@ -308,18 +339,18 @@ class SweepConfig(SweepSettings):
     asha: AshaSettings = Field(default_factory=AshaSettings)
     estimate: EstimateSettings = Field(default_factory=EstimateSettings)
 
-    def warnings(self) -> list[str]:
-        def set_in_base(path: str) -> bool:
-            node: Any = self.base
-            for part in path.split("."):
-                if not isinstance(node, dict) or part not in node:
-                    return False
-                node = node[part]
-            return True
+    def fixed_fields(self) -> dict[str, str]:
+        """The grid's fixed axes (seeds only when the grid lists them; else base's seed runs)."""
+        return {path: key for path, key in FIXED_AXES.items()
+                if path != "preset" and (path != "train.seed" or self.grid.seeds)}
 
+    def trained_formats(self) -> list[str]:
+        return list(self.grid.formats)
+
+    def warnings(self) -> list[str]:
         return [*super().warnings(), *(
             f"grid.axes.{path} overrides base.{path} in every trial; the base value is not used"
-            for path in self.grid.axes if set_in_base(path))]
+            for path in self.grid.axes if self.sets_in_base(path))]
 
     def check(self) -> None:
         """Every extra-axis value must validate in the run config, named by its field."""
@@ -335,7 +366,7 @@ class SweepConfig(SweepSettings):
         return self.asha.max_t or self.base_run.train.max_steps
 
 
-class LrRange(_Strict):
+class LrRange(StrictModel):
     grid: list[float] = Field(min_length=1, description="learning rates tried first, per format")
     low: float = Field(gt=0)
     high: float = Field(gt=0)
@@ -361,6 +392,14 @@ class LrSearchConfig(SweepSettings):
     tolerance: float = Field(
         0.0, ge=0, description="stable = final val loss < first val loss × (1 - tolerance), no stop"
     )
+
+    def fixed_fields(self) -> dict[str, str]:
+        """Format, optimizer and precision per experiment; the learning rate is what it searches."""
+        return {"quant.format": "formats", "optim.name": "optimizer", "quant.precision": "precision",
+                "optim.lr": "the search over lr"}
+
+    def trained_formats(self) -> list[str]:
+        return list(self.formats)
 
     @field_validator("optimizer")
     @classmethod
@@ -412,7 +451,7 @@ def load_sweep_config(
         resources = out.get("resources") or {}
         if isinstance(resources, dict):
             out["resources"] = {**SWEEP_PRESETS[preset], **resources}
-        if isinstance(out.get("storage_path"), str) and "://" not in out["storage_path"]:
+        if isinstance(out.get("storage_path"), str) and not is_remote(out["storage_path"]):
             out["storage_path"] = str(Path(out["storage_path"]).expanduser().resolve())
         return out
 

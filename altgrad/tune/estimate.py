@@ -20,8 +20,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from altgrad.config import BASELINE, RunConfig, deep_merge
+from altgrad.config import RunConfig, deep_merge
+from altgrad.metrics import is_eval_step
+from altgrad.precision import BASELINE
 from altgrad.tune.config import SweepConfig
+
+QUANTIZED = "quantized"  # the step cost of the grid's quantized runs (the slowest one's), by BASELINE's
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class StepCost:
 
     def trial_s(self, run: RunConfig, overhead_s: float) -> float:
         t = run.train
-        evals = t.max_steps // t.eval_interval + 2  # every eval_interval, plus the first and last step
+        evals = sum(is_eval_step(t, s) for s in range(1, t.max_steps + 1))
         return overhead_s + self.startup_s + t.max_steps * self.step_s + evals * self.eval_s
 
 
@@ -78,19 +82,19 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
         slowest = max(quantized, key=lambda r: r.quant.precision == "all", default=None)
         baseline = next((r for r in runs if r.quant.format == BASELINE), None)
         costs = {k: measure(r, e.measure_steps, cfg.resources.cpus_per_trial)
-                 for k, r in (("bf16", baseline), ("quantized", slowest)) if r is not None}
+                 for k, r in ((BASELINE, baseline), (QUANTIZED, slowest)) if r is not None}
         how = "; ".join(f"{k} {c.step_s * 1e3:.0f} ms/step, eval {c.eval_s:.2f} s, start-up "
                         f"{c.startup_s:.1f} s" for k, c in costs.items())
         source = f"measured here over {max(e.measure_steps, 6)} steps ({how})"
     elif stored_step is not None:
-        costs = {"bf16": stored(runs[0], stored_step), "quantized": stored(runs[0], stored_step)}
+        costs = {BASELINE: stored(runs[0], stored_step), QUANTIZED: stored(runs[0], stored_step)}
         why = "estimate.measure_steps = 0" if can_measure else "this machine cannot run the preset"
         source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step ({why})"
     else:
         return [f"time estimate: n/a (preset {cfg.preset} cannot run here and the config has no "
                 f"estimate.step_time_s.{cfg.preset})"]
-    per_trial = [(costs.get("bf16") if r.quant.format == BASELINE else None)
-                 or costs.get("quantized") or costs["bf16"] for r in runs]
+    per_trial = [(costs.get(BASELINE) if r.quant.format == BASELINE else None)
+                 or costs.get(QUANTIZED) or costs[BASELINE] for r in runs]
     total_s = sum(c.trial_s(r, e.trial_overhead_s) for c, r in zip(per_trial, runs, strict=True))
     wall_s = total_s / min(concurrency, len(runs))
     lines = [f"estimated wall time: {_duration(wall_s)} for {len(runs)} trials at full budget, "

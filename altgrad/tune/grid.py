@@ -16,9 +16,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from altgrad.config import BASELINE, ConfigError, deep_merge, nested
+from altgrad.config import ConfigError, RunConfig, deep_merge, nested
 from altgrad.experiment import axis_names, axis_value_text
-from altgrad.precision import policy_rules
+from altgrad.precision import BASELINE, policy_rules
 from altgrad.quant.equivalence import quantize_identically
 from altgrad.tune.asha import asha_milestones
 from altgrad.tune.config import (
@@ -40,6 +40,10 @@ class GridPoint:
     axes: dict[str, AxisValue] = field(default_factory=dict)  # extra-axis values that apply here
     same_as: str | None = None  # an equivalent format's point whose trial measures this one
     reference: str | None = None  # the bf16 point of the same optimizer, seed and axes, if any
+
+    @property
+    def run_config(self) -> RunConfig:
+        return RunConfig.model_validate(self.run)
 
     @property
     def labels(self) -> dict[str, Any]:
@@ -206,18 +210,19 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
         a = cfg.asha
         rungs = ", ".join(str(m) for m in asha_milestones(a.grace_period, a.reduction_factor, cfg.max_t))
         lines.append(f"early stopping at rungs (steps {rungs or 'none'}) on {a.metric}: only broken "
-                     f"trials stop (non-finite, or more than {100 * a.tolerance:g} % behind bf16 of "
+                     f"trials stop (non-finite, or more than {100 * a.tolerance:g} % behind {BASELINE} of "
                      "the same optimizer and seed, else the rung's best)")
     if cfg.stopper.enabled:
-        s = cfg.stopper
-        lines.append(f"stability stopper: {cfg.nan_patience} NaN steps in a row, or bit-stall >= "
-                     f"{s.stall_threshold:g} for {s.stall_reports} reports in a row")
+        s = cfg.base_run.stability
+        lines.append(f"stability stopper: {s.nan_patience} NaN steps in a row, or bit-stall >= "
+                     f"{s.stall_stop:g} for {s.stall_stop_reports} reports in a row (base.stability; a "
+                     "trial whose own run sets other levels is judged by those)")
     cpus, gpus = machine_resources()
     can_measure = cfg.preset == "cpu" or gpus > 0
     if cfg.resources.gpu_per_trial > 0 and gpus == 0:  # planning a GPU run here: one GPU, as planned
         cpus, gpus = max(cpus, math.ceil(1 / cfg.resources.gpu_per_trial) * cfg.resources.cpus_per_trial), 1
         lines.append("estimate for one GPU (this machine has none):")
-    lines += estimate_lines(cfg, [_run_config(p) for p in runs], concurrency(cfg, cpus, gpus), can_measure)
+    lines += estimate_lines(cfg, [p.run_config for p in runs], concurrency(cfg, cpus, gpus), can_measure)
     names = axis_names(list(grid.axes))
     width = max(len(p.key) for p in points)
     lines += ["", f"  {'':>3}  {'trial':<{width}}  {'format':<6} {'optimizer':<9} {'precision':<9} "
@@ -229,12 +234,6 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
         lines.append(f"  {index:>3}  {p.key:<{width}}  {p.format:<6} {p.optimizer:<9} {p.precision:<9} "
                      f"{axis_cells}{p.seed}{note}")
     return "\n".join(lines)
-
-
-def _run_config(point: GridPoint):
-    from altgrad.config import RunConfig
-
-    return RunConfig.model_validate(point.run)
 
 
 def _n(count: int, noun: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ray.tune import Callback
 
-from altgrad.experiment import TRIALS_FILE
+from altgrad.experiment import TRIALS_FILE, TrialStatus
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import trial_labels
 
@@ -35,16 +35,16 @@ class TrialIndex(Callback):
         return self._state
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info) -> None:
-        self._update(trial, "RUNNING")
+        self._update(trial, TrialStatus.RUNNING)
 
     def on_trial_recover(self, iteration: int, trials: list, trial, **info) -> None:
-        self._update(trial, "PENDING", failed=True)  # Ray retries it from its checkpoint
+        self._update(trial, TrialStatus.PENDING, failed=True)  # Ray retries it from its checkpoint
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
-        self._update(trial, "TERMINATED")
+        self._update(trial, TrialStatus.TERMINATED)
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
-        self._update(trial, "ERROR", error=_last_error_line(trial))
+        self._update(trial, TrialStatus.ERROR, error=_last_error_line(trial))
 
     def _update(self, trial, status: str, error: str | None = None, failed: bool = False) -> None:
         entry = self.state.setdefault(trial.trial_id, {

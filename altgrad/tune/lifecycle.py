@@ -14,6 +14,7 @@ from typing import Any
 
 from altgrad.config import ConfigError
 from altgrad.experiment import STATE_DIR, SWEEP_FILE
+from altgrad.remote import is_remote
 from altgrad.tune.store import StateStore
 
 # Settings that may change between a run and its resume: where it is and how it is watched.
@@ -53,7 +54,7 @@ def choose_config(stored: dict[str, Any], config: dict[str, Any], mode: str, exp
 def check_new_location(experiment_path: str) -> None:
     """A new experiment may not land on a directory that holds something else."""
     path = Path(experiment_path)
-    if "://" not in experiment_path and path.exists() and any(path.iterdir()) \
+    if not is_remote(experiment_path) and path.exists() and any(path.iterdir()) \
             and not (path / STATE_DIR).exists():
         raise ConfigError(
             f"{path} exists and is not an AltGrad experiment; choose another --name or "
@@ -63,7 +64,7 @@ def check_new_location(experiment_path: str) -> None:
 
 def move_aside(experiment_path: str) -> Path | None:
     """Rename an existing experiment directory to `<name>.old-<time>`; returns the new path."""
-    if "://" in experiment_path:
+    if is_remote(experiment_path):
         raise ConfigError(
             f"--fresh cannot move {experiment_path} on remote storage; move or delete it with your "
             "storage tools, or choose another --name"

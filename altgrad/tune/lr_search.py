@@ -15,14 +15,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from altgrad.experiment import TrialRecord, load_experiment
+from altgrad.experiment import LR_SEARCH_FILE, StopReason, TrialRecord, TrialStatus, load_experiment
 from altgrad.metrics import STABLE_LR
+from altgrad.remote import is_remote
 from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
 from altgrad.tune.runner import Experiment
 from altgrad.tune.trial_spec import learning, trial_labels, trial_limits
-
-RESULT_FILE = "lr_search.json"
 
 
 class LrSearch:
@@ -43,7 +42,7 @@ class LrSearch:
             search = OptunaSearch(metric=STABLE_LR, mode="max", seed=seed,
                                   points_to_evaluate=[{"lr": lr} for lr in cfg.lr.grid])
             param_space = {"key": point.key, "lr": tune.loguniform(cfg.lr.low, cfg.lr.high),
-                           **trial_limits(r.cpus_per_trial, r.gpu_per_trial, cfg.stopper.stall_threshold)}
+                           **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
             grid = [trial_labels({"key": point.key, "lr": lr}, point.labels) for lr in cfg.lr.grid]
             out.append(Experiment(cfg, LrSearch.kind, f"{cfg.experiment_path}/{fmt}", {point.key: point},
                                   param_space, grid, len(cfg.lr.grid) + cfg.lr.samples, search_alg=search))
@@ -64,12 +63,12 @@ class LrSearch:
 
     @staticmethod
     def summarize(cfg: LrSearchConfig, experiments: list[Experiment]) -> int:
-        if "://" in cfg.experiment_path:
+        if is_remote(cfg.experiment_path):
             print(f"copy {cfg.experiment_path} to local disk to read its results")
             return 0
         rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path)) for exp in experiments]
         print(render_lr_table(rows))
-        path = Path(cfg.experiment_path) / RESULT_FILE
+        path = Path(cfg.experiment_path) / LR_SEARCH_FILE
         path.write_text(json.dumps(rows, indent=1))
         print(f"results: {path}")
         return 0
@@ -78,11 +77,11 @@ class LrSearch:
 def stable(record: TrialRecord) -> bool:
     """Ran to the end, and its final val loss is finite and below its first."""
     vals = record.val_series()[1]
-    return record.stop_reason == "completed" and bool(vals) and learning(vals[0], vals[-1])
+    return record.stop_reason == StopReason.COMPLETED and bool(vals) and learning(vals[0], vals[-1])
 
 
 def stable_lr_row(fmt: str, records: list[TrialRecord]) -> dict[str, Any]:
-    done = [r for r in records if r.status == "TERMINATED" and "lr" in r.params]
+    done = [r for r in records if r.status == TrialStatus.TERMINATED and "lr" in r.params]
     ok = [r for r in done if stable(r)]
     bad = [r.params["lr"] for r in done if not stable(r)]
     best = max(ok, key=lambda r: r.params["lr"], default=None)

@@ -12,8 +12,15 @@ from typing import Any
 
 from ray.tune import Callback
 
-from altgrad.experiment import ASHA_FILE, STOPPER_FILE, stop_detail
-from altgrad.metrics import NAN_STREAK, VAL_LOSS
+from altgrad.experiment import (
+    ASHA_FILE,
+    STOPPER_FILE,
+    TERMINAL_STATUSES,
+    StopReason,
+    TrialStatus,
+    stop_detail,
+)
+from altgrad.metrics import NAN_STREAK, STEP, VAL_LOSS
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import trial_key
 
@@ -31,7 +38,7 @@ class SweepProgress(Callback):
         result: dict[str, Any] = trial.last_result or {}
         val = result.get(VAL_LOSS, math.nan)
         self._line(trials, trial, True, f"{self._reason(trial.trial_id, result)}; last report "
-                   f"step {int(result.get('step', 0))}, val loss {val:.4f}{self._took(trial.trial_id)}")
+                   f"step {int(result.get(STEP, 0))}, val loss {val:.4f}{self._took(trial.trial_id)}")
 
     def on_trial_recover(self, iteration: int, trials: list, trial, **info) -> None:
         self._line(trials, trial, False, "failed, retrying from its checkpoint")
@@ -43,8 +50,8 @@ class SweepProgress(Callback):
         for name in (STOPPER_FILE, ASHA_FILE):
             stopped = (self._store.read(name) or {}).get("stopped", {}).get(trial_id)
             if stopped is not None:
-                return stop_detail({"reason": "asha", **stopped})
-        return "nan" if result.get(NAN_STREAK, 0) > 0 else "completed"
+                return stop_detail({"reason": StopReason.ASHA, **stopped})
+        return StopReason.NAN if result.get(NAN_STREAK, 0) > 0 else StopReason.COMPLETED
 
     def _took(self, trial_id: str) -> str:
         start = self._started.pop(trial_id, None)
@@ -53,7 +60,7 @@ class SweepProgress(Callback):
     def _line(self, trials: list, trial, ended: bool, text: str) -> None:
         """`[done/total done, n running] key: text`, counting `trial` as it will be."""
         others = [t for t in trials if t is not trial]
-        done = sum(t.status in ("TERMINATED", "ERROR") for t in others) + ended
-        running = sum(t.status == "RUNNING" for t in others)
+        done = sum(t.status in TERMINAL_STATUSES for t in others) + ended
+        running = sum(t.status == TrialStatus.RUNNING for t in others)
         print(f"[{done:>{len(str(self._total))}}/{self._total} done, {running} running] "
               f"{trial_key(trial.config)}: {text}", flush=True)

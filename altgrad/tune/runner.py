@@ -11,7 +11,6 @@ trainable resumes each trial from its own newest checkpoint.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import signal
@@ -22,17 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from altgrad.experiment import SWEEP_FILE, TRIALS_FILE
+from altgrad.experiment import SWEEP_FILE, TERMINAL_STATUSES, TRIALS_FILE, SweepStatus, TrialStatus
 from altgrad.provenance import source_commit
+from altgrad.remote import is_remote
 from altgrad.tune.config import DashboardSettings, SweepSettings
 from altgrad.tune.grid import GridPoint
 from altgrad.tune.store import StateStore
-
-
-class Outcome(enum.Enum):
-    FINISHED = "finished"  # every trial TERMINATED
-    ERRORED = "errored"  # every trial ended, some in ERROR (a resume retries them)
-    INTERRUPTED = "interrupted"  # stopped before the end; resumable
 
 
 @dataclass(frozen=True)
@@ -53,13 +47,14 @@ class Experiment:
     def store(self) -> StateStore:
         return StateStore(self.path)
 
-    def outcome(self) -> Outcome:
-        """From the trial index: the newest Ray trial of each grid key counts."""
+    def outcome(self) -> SweepStatus:
+        """How its fit ended (finished, errored or interrupted), from the trial index: the newest
+        Ray trial of each grid key counts."""
         status = {e["key"]: e["status"] for e in (self.store.read(TRIALS_FILE) or {}).values()}
-        ended = [s for s in status.values() if s in ("TERMINATED", "ERROR")]
+        ended = [s for s in status.values() if s in TERMINAL_STATUSES]
         if len(ended) < self.total_trials:
-            return Outcome.INTERRUPTED
-        return Outcome.ERRORED if "ERROR" in ended else Outcome.FINISHED
+            return SweepStatus.INTERRUPTED
+        return SweepStatus.ERRORED if TrialStatus.ERROR in ended else SweepStatus.FINISHED
 
 
 def start_ray(d: DashboardSettings) -> None:
@@ -104,7 +99,7 @@ def dashboard_help(url: str | None, host: str) -> str:
     return "\n".join(lines)
 
 
-def write_sweep_state(exp: Experiment, status: str, resume_command: str) -> None:
+def write_sweep_state(exp: Experiment, status: SweepStatus, resume_command: str) -> None:
     """sweep.json; `started` is kept from the first write: with the path it names this sweep (a
     `--fresh` one at the same path is another)."""
     started = (exp.store.read(SWEEP_FILE) or {}).get("started", time.time())
@@ -122,11 +117,11 @@ def write_sweep_state(exp: Experiment, status: str, resume_command: str) -> None
     })
 
 
-def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple[Outcome, int | None]:
+def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple[SweepStatus, int | None]:
     """Fit the experiment; returns its outcome and the signal that interrupted it, if any."""
     from ray import tune
 
-    write_sweep_state(exp, "running", resume_command)
+    write_sweep_state(exp, SweepStatus.RUNNING, resume_command)
     # Frequent experiment snapshots are what a resume after SIGKILL wants; Ray warns about them.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     # Tune's default console output prints a configuration box and a TensorBoard hint even at
@@ -148,8 +143,8 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
         except KeyboardInterrupt:  # a second Ctrl-C during Ray's own shutdown
             received.append(signal.SIGINT)
     outcome = exp.outcome()
-    write_sweep_state(exp, outcome.value, resume_command)
-    if outcome is Outcome.INTERRUPTED:
+    write_sweep_state(exp, outcome, resume_command)
+    if outcome is SweepStatus.INTERRUPTED:
         return outcome, received[0] if received else signal.SIGINT
     return outcome, None
 
@@ -158,7 +153,7 @@ def _restorable(path: str) -> bool:
     """Ray can restore only once it wrote its first experiment snapshot (not just tuner.pkl)."""
     from pyarrow.fs import FileSelector, FileSystem
 
-    fs, root = FileSystem.from_uri(path if "://" in path else str(Path(path).resolve()))
+    fs, root = FileSystem.from_uri(path if is_remote(path) else str(Path(path).resolve()))
     names = [f.base_name for f in fs.get_file_info(FileSelector(root, allow_not_found=True))]
     return "tuner.pkl" in names and any(n.startswith("experiment_state-") for n in names)
 
@@ -195,15 +190,13 @@ def _new_tuner(exp: Experiment, trainable):
 
     s = exp.settings
     storage_path, name = exp.path.rstrip("/").rsplit("/", 1)
-    remote = "://" in exp.path
+    remote = is_remote(exp.path)
     callbacks: list[Any] = [TrialIndex(exp.store, {k: p.labels for k, p in exp.points.items()}),
                             SweepProgress(exp.store, exp.total_trials), DriverHeartbeat(exp.store),
                             JsonLoggerCallback(), CSVLoggerCallback()]
     stopper = None
     if s.stopper.enabled:
-        stopper = StabilityStopper(exp.store, nan_patience=s.nan_patience,
-                                   stall_reports=s.stopper.stall_reports,
-                                   stall_threshold=s.stopper.stall_threshold)
+        stopper = StabilityStopper(exp.store, {key: p.run_config.stability for key, p in exp.points.items()})
     return tune.Tuner(
         trainable,
         param_space=exp.param_space,

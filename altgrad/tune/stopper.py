@@ -2,6 +2,8 @@
 
 ASHA only compares losses; a trial that keeps producing NaN steps, or whose weights stopped moving
 in their 8-bit format (bit-stall) for many reports in a row, is stopped here whatever its loss.
+Each trial is judged by its own run config's `stability` thresholds (`nan_patience`,
+`stall_stop_reports`; `stall_stop` sets what counts as stalled), the ones its trainer acts on.
 The NaN streak comes from the trainer (`stability/nan_streak`); the stall streak from the trainable
 (`sweep/stall_streak`), both rebuilt exactly on resume, so a restored sweep stops the same trials
 at the same steps. Decisions go to `stopper.json` for the trial table (stop reason `nan` /
@@ -10,22 +12,23 @@ at the same steps. Decisions go to `stopper.json` for the trial table (stop reas
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ray.tune.stopper import Stopper
 
-from altgrad.experiment import STOPPER_FILE
-from altgrad.metrics import NAN_STREAK, STALL_STREAK
+from altgrad.config import StabilityConfig
+from altgrad.experiment import STOPPER_FILE, StopReason
+from altgrad.metrics import NAN_STREAK, STALL_STREAK, STEP
 from altgrad.tune.store import StateStore
 
 
 class StabilityStopper(Stopper):
-    def __init__(self, store: StateStore, *, nan_patience: int, stall_reports: int,
-                 stall_threshold: float):
+    def __init__(self, store: StateStore, stability: Mapping[str, StabilityConfig]):
+        """`stability`: each grid point's thresholds (its run config's `stability`) by grid key,
+        the `key` of a trial's config."""
         self._store = store
-        self.nan_patience = nan_patience
-        self.stall_reports = stall_reports
-        self.stall_threshold = stall_threshold  # recorded with a stop; the streak is counted upstream
+        self.stability = dict(stability)
         self._state: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -39,20 +42,22 @@ class StabilityStopper(Stopper):
         return self._state
 
     def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-        if "step" not in result:
+        if STEP not in result:
             return False
-        step = int(result["step"])
+        step = int(result[STEP])
         stopped = self.state["stopped"].get(trial_id)
         if stopped is not None:  # a resumed trial replaying its way to the recorded stop
-            return step >= stopped["step"]
-        if result.get(NAN_STREAK, 0) >= self.nan_patience:
-            decision = {"reason": "nan", "streak": int(result[NAN_STREAK]), "patience": self.nan_patience}
-        elif result.get(STALL_STREAK, 0) >= self.stall_reports:
-            decision = {"reason": "bit_stall", "streak": int(result[STALL_STREAK]),
-                        "patience": self.stall_reports, "threshold": self.stall_threshold}
+            return step >= stopped[STEP]
+        limits = self.stability[result["config"]["key"]]
+        if result.get(NAN_STREAK, 0) >= limits.nan_patience:
+            decision = {"reason": StopReason.NAN, "streak": int(result[NAN_STREAK]), "patience": limits.nan_patience}
+        elif result.get(STALL_STREAK, 0) >= limits.stall_stop_reports:
+            # the threshold is recorded with the stop; the streak is counted by the trainable
+            decision = {"reason": StopReason.BIT_STALL, "streak": int(result[STALL_STREAK]),
+                        "patience": limits.stall_stop_reports, "threshold": limits.stall_stop}
         else:
             return False
-        self.state["stopped"][trial_id] = {**decision, "step": step}
+        self.state["stopped"][trial_id] = {**decision, STEP: step}
         self._store.write(STOPPER_FILE, self.state)
         return True
 

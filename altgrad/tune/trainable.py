@@ -31,12 +31,20 @@ import ray
 from ray import tune
 
 from altgrad.config import RunConfig
-from altgrad.experiment import METRICS_FILE, RUN_DIR, TRIALS_DIR, WORKER_FILE, read_jsonl
+from altgrad.experiment import (
+    METRICS_FILE,
+    RUN_DIR,
+    TRIAL_LOG_FILE,
+    TRIALS_DIR,
+    WORKER_FILE,
+    read_jsonl,
+)
 from altgrad.metrics import (
     BIT_STALL_RATE,
     LOSS_IS_NAN,
     STABLE_LR,
     STALL_STREAK,
+    STEP,
     TRAIN_LOSS,
     VAL_LOSS,
     VAL_STEP,
@@ -60,13 +68,13 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
     run_dir = trial_dir / RUN_DIR
     limit_resources(config["limits"]["cpus"], config["limits"]["gpu_fraction"])
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # no line per persisted checkpoint
-    with trial_log(trial_dir / "trial.log"):
+    with trial_log(trial_dir / TRIAL_LOG_FILE):
         (trial_dir / WORKER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
              "started": time.time()}))
         history = read_jsonl(run_dir / METRICS_FILE)  # read before the trainer trims it
         with trial_run(wandb, trial_key(config), cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
-            reporter = TuneReporter(SweepSignals(config["stall_threshold"], cfg.optim.lr,
+            reporter = TuneReporter(SweepSignals(cfg.stability.stall_stop, cfg.optim.lr,
                                                  stall_halts_learning(cfg)),
                                     history, attach_checkpoints=not storage_is_local(), wandb_run=run)
             with resume_point(run_dir) as resume:
@@ -153,7 +161,7 @@ def resume_point(run_dir: Path) -> Iterator[Path | None]:
 def stall_halts_learning(run: RunConfig) -> bool:
     """Whether bit-stall means this run stopped learning: only when its weights are stored in
     their format. With fp32 master weights the master keeps accumulating the updates its 8-bit view
-    rounds away, so a stalled view still learns (a trial at 99 % stall may be within 1 % of bf16):
+    rounds away, so a stalled view still learns (docs/design.md, "Bit-stall is not breakage"):
     its loss, judged at ASHA's rungs, says whether it is broken, and the stopper leaves it alone."""
     return not run.quant.is_baseline and run.quant.master_weights == "format"
 
@@ -162,16 +170,17 @@ class SweepSignals:
     """What the sweep's deciders read on top of the trainer's metrics, from the stream of rows.
 
     - `val/loss` as ASHA sees it: +inf while the loss is NaN or the evaluation non-finite;
-    - `sweep/stall_streak`: consecutive reports with bit-stall at or above the threshold, for a
-      run where stall halts learning (`stall_halts_learning`), else always 0;
+    - `sweep/stall_streak`: consecutive reports with bit-stall at or above the run's
+      `stability.stall_stop`, for a run where stall halts learning (`stall_halts_learning`), else
+      always 0;
     - `sweep/stable_lr`: the run's peak learning rate while it learns stably, else 0 (the
       learning-rate search maximizes it).
     Fed the run's history before the first new report on resume, so the values match a run that
     never stopped.
     """
 
-    def __init__(self, stall_threshold: float, lr: float, counts_stall: bool = True):
-        self.stall_threshold = stall_threshold
+    def __init__(self, stall_stop: float, lr: float, counts_stall: bool = True):
+        self.stall_stop = stall_stop
         self.lr = lr
         self.counts_stall = counts_stall
         self.stall_streak = 0
@@ -180,8 +189,8 @@ class SweepSignals:
     def observe(self, row: dict[str, float]) -> dict[str, float]:
         rate = row.get(BIT_STALL_RATE)
         if rate is not None and self.counts_stall:  # rows without diagnostics leave the streak alone
-            self.stall_streak = self.stall_streak + 1 if rate >= self.stall_threshold else 0
-        if self.first_val is None and row.get(VAL_STEP) == row["step"]:
+            self.stall_streak = self.stall_streak + 1 if rate >= self.stall_stop else 0
+        if self.first_val is None and row.get(VAL_STEP) == row[STEP]:
             self.first_val = row[VAL_LOSS]
         val = row[VAL_LOSS]
         broken = row.get(LOSS_IS_NAN, 0) > 0 or not math.isfinite(val)
@@ -204,10 +213,10 @@ class TuneReporter:
         self.attach_checkpoints = attach_checkpoints
 
     def __call__(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
-        step = metrics["step"]
+        step = metrics[STEP]
         if self._history is not None:  # resumed: replay what the run logged before this step
             for row in self._history:
-                if row.get("step", math.inf) < step:
+                if row.get(STEP, math.inf) < step:
                     replayed = self._reported(row)
                     if self.wandb_run is not None:  # rows a killed attempt's W&B run lost
                         self.wandb_run.log(replayed)

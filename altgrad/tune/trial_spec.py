@@ -1,9 +1,9 @@
 """The config Ray hands each trial, and the names derived from it (driver and worker agree here).
 
-A trial config is small: `{"key": <grid point key>, "limits": {"cpus", "gpu_fraction"},
-"stall_threshold": float}`, plus `"lr"` when a searcher samples the learning rate. The grid points'
-run configs reach the trainable separately (`tune.with_parameters`), so Ray's status tables,
-`params.json` and experiment snapshots stay small.
+A trial config is small: `{"key": <grid point key>, "limits": {"cpus", "gpu_fraction"}}`, plus
+`"lr"` when a searcher samples the learning rate. The grid points' run configs (with every
+threshold a trial is judged by, its `stability`) reach the trainable separately
+(`tune.with_parameters`), so Ray's status tables, `params.json` and experiment snapshots stay small.
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ import math
 from typing import Any
 
 from altgrad.config import RunConfig, deep_merge
+from altgrad.metrics import is_diagnostic_step, is_logged_step
 
 SEARCHED = ("lr",)  # hyper-parameters a searcher may sample on top of the grid point
-
 
 
 def sampled(config: dict[str, Any]) -> dict[str, Any]:
     return {k: config[k] for k in SEARCHED if k in config}
 
 
-def trial_limits(cpus: int, gpu_fraction: float, stall_threshold: float) -> dict[str, Any]:
+def trial_limits(cpus: int, gpu_fraction: float) -> dict[str, Any]:
     """The part of every trial config that is the same for all trials of a sweep."""
-    return {"limits": {"cpus": cpus, "gpu_fraction": gpu_fraction}, "stall_threshold": stall_threshold}
+    return {"limits": {"cpus": cpus, "gpu_fraction": gpu_fraction}}
 
 
 def learning(first_val_loss: float | None, val_loss: float) -> bool:
@@ -33,14 +33,9 @@ def learning(first_val_loss: float | None, val_loss: float) -> bool:
 
 def stall_reports_in_run(run: RunConfig) -> int:
     """How many reports of a full run carry `quant/bit_stall_rate`, i.e. how long the stopper's
-    stall streak can get: the trainer measures it on step 1 and every `diag_every`-th step, and
-    reports a step every `log_interval` steps, at checkpoints and at the last step."""
+    stall streak can get: the logged steps that are diagnostic steps."""
     t = run.train
-    if not t.diag_every:
-        return 0
-    return sum(1 for s in range(1, t.max_steps + 1)
-               if (s == 1 or s % t.diag_every == 0)
-               and (s % t.log_interval == 0 or s % t.checkpoint_interval == 0 or s == t.max_steps))
+    return sum(is_diagnostic_step(t, s) and is_logged_step(t, s) for s in range(1, t.max_steps + 1))
 
 
 def trial_key(config: dict[str, Any]) -> str:

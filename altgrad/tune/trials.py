@@ -1,9 +1,10 @@
 """`python -m altgrad trials <experiment> [--csv | --json]`: the trial table of a sweep.
 
-Reads the experiment directory only (`load_experiment`), so it works while the sweep runs, after it
+Reads the experiment directory only (`read_experiment`), so it works while the sweep runs, after it
 was killed, and on a machine without Ray running. One row per trial: where it sits in the grid, its
 status and stop reason, and the numbers that say how it trained. Exit 2 when the path is not an
-experiment, or when some trial's files are corrupt (the table still lists the others).
+experiment or cannot be read, or when some trial's files are corrupt (the table still lists the
+others).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import argparse
 import json
 import sys
 
-from altgrad.experiment import ExperimentError, load_experiment
-from altgrad.remote import readable
+from altgrad.experiment import ExperimentError, read_experiment
 from altgrad.trial_table import render_table, sweep_banner, to_csv, trial_row
 
 
@@ -29,22 +29,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with readable(args.experiment) as exp_dir:
-            records = load_experiment(exp_dir)
-            banner = sweep_banner(args.experiment, exp_dir, records)
+        experiment = read_experiment(args.experiment)
     except ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # remote storage unreachable, or no permission
-        print(f"error: cannot read {args.experiment}: {e}", file=sys.stderr)
-        return 2
+    records = experiment.records
     rows = [trial_row(r) for r in records]
     if args.json:
         print(json.dumps(rows, indent=1))
     elif args.csv:
         print(to_csv(rows), end="")
     else:
-        print(banner)
+        print(sweep_banner(args.experiment, experiment.sweep, records))
         print(render_table(rows))
     unreadable = [r.key for r in records if r.unreadable]
     if unreadable:

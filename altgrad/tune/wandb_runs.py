@@ -30,13 +30,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from altgrad.experiment import WANDB_STATE_FILE, EventKind
+from altgrad.metrics import STEP
+
 log = logging.getLogger(__name__)
 
 ALERT_COOLDOWN_S = 300
-ALERT_LEVELS = {"nan_skip": "WARN", "nan_stop": "ERROR", "format_shift": "WARN", "divergence_warn": "WARN",
-                "bit_stall_warn": "WARN", "overflow_warn": "WARN", "underflow_warn": "WARN",
-                "kurtosis_warn": "INFO"}
-STATE_FILE = "wandb.json"  # in the run directory: the run id and the last step a finished attempt logged
+ALERT_LEVELS = {EventKind.NAN_SKIP: "WARN", EventKind.NAN_STOP: "ERROR", EventKind.FORMAT_SHIFT: "WARN",
+                EventKind.DIVERGENCE_WARN: "WARN", EventKind.BIT_STALL_WARN: "WARN",
+                EventKind.OVERFLOW_WARN: "WARN", EventKind.UNDERFLOW_WARN: "WARN",
+                EventKind.KURTOSIS_WARN: "INFO"}  # the other kinds are bookkeeping, not alerts
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class TrialRun:
         from altgrad.tune.wandb_files import last_logged_step
 
         self.id = run_id(spec.sweep_id, key)
-        self.state_file = run_dir / STATE_FILE
+        self.state_file = run_dir / WANDB_STATE_FILE
         state = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
         self.last_step = max(int(state.get("last_step", 0)), last_logged_step(trial_dir, self.id))
         self.run = wandb.init(project=spec.project, group=spec.group, name=key, id=self.id, resume="allow",
@@ -89,11 +92,11 @@ class TrialRun:
         self.alerted: dict[str, float] = {}
 
     def log(self, row: dict[str, float]) -> None:
-        step = int(row["step"])
+        step = int(row[STEP])
         if step <= self.last_step:  # logged by an earlier attempt
             return
         # committed now, not when the next step arrives: a stopped or killed trial keeps its last row
-        self.run.log({k: v for k, v in row.items() if k != "step"}, step=step, commit=True)
+        self.run.log({k: v for k, v in row.items() if k != STEP}, step=step, commit=True)
         self.last_step = step
 
     def event(self, event: dict[str, Any]) -> None:
@@ -101,11 +104,11 @@ class TrialRun:
         its step was logged by an earlier attempt."""
         level = ALERT_LEVELS.get(event["kind"])
         now = time.monotonic()
-        if level is None or event["step"] <= self.last_step or \
+        if level is None or event[STEP] <= self.last_step or \
                 now - self.alerted.get(event["kind"], -ALERT_COOLDOWN_S) < ALERT_COOLDOWN_S:
             return
         self.alerted[event["kind"]] = now
-        self.run.alert(title=f"{self.run.name}: {event['kind']}", text=f"step {event['step']}: {event['message']}",
+        self.run.alert(title=f"{self.run.name}: {event['kind']}", text=f"step {event[STEP]}: {event['message']}",
                        level=level, wait_duration=ALERT_COOLDOWN_S)
 
     def finish(self, exit_code: int = 0) -> None:

@@ -1,0 +1,38 @@
+"""An experiment directory read without Ray (`altgrad.experiment`): `load_experiment`'s records, cut
+at the sweep's stops, and whether a driver on another host is alive."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from experiment_files import KEYS
+
+from altgrad.experiment import SWEEP_FILE, driver_alive, load_experiment
+from altgrad.tune.heartbeat import DriverHeartbeat
+from altgrad.tune.store import StateStore
+
+
+def test_load_experiment(experiment):
+    records = load_experiment(experiment)
+    assert [r.key for r in records] == KEYS
+    assert [r.status for r in records] == ["TERMINATED", "TERMINATED", "TERMINATED", "RUNNING", "ERROR", "PENDING"]
+    assert [r.stop_reason for r in records] == ["completed", "asha", "nan", None, "error", None]
+    cut = records[1]
+    assert cut.stop_step == 10 and cut.history[-1]["step"] == 10  # cut at the decision, not at 12
+    assert cut.summary["steps"] == 10 and cut.summary["stop_reason"] == "asha"
+    assert cut.summary["best_val_loss"] == pytest.approx(5.6)
+    nan = records[2]
+    assert nan.summary["best_val_loss"] == pytest.approx(6.0) and nan.summary["final_val_loss"] == math.inf
+    assert records[4].error == "RuntimeError: boom"
+
+
+def test_a_driver_on_another_host_is_alive_while_its_heartbeat_is_fresh(tmp_path):
+    """A sweep whose head node was lost can be resumed from a new head once the beat is stale."""
+    store = StateStore(str(tmp_path))
+    store.write(SWEEP_FILE, {"status": "running",
+                             "driver": {"pid": 1, "host": "lost-head", "beat": time.time() - 3600}})
+    assert not driver_alive(store.read(SWEEP_FILE)["driver"])
+    DriverHeartbeat(store).on_step(0, [])
+    assert driver_alive(store.read(SWEEP_FILE)["driver"])

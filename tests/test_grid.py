@@ -1,0 +1,91 @@
+"""The grid of a format ablation (`altgrad.tune.grid`) as `--dry-run` prints it, without Ray running:
+seeds, equivalent formats measured once, bf16 once per optimizer and seed, extra axes, resources."""
+
+from __future__ import annotations
+
+import yaml
+from sweep_helpers import ABLATION, LR_SEARCH, dry_run
+
+from altgrad.optim import OPTIMIZERS
+from altgrad.tune.ablation import FormatAblation
+from altgrad.tune.cli import sweep_main
+from altgrad.tune.lr_search import LrSearch
+
+
+def test_default_grid(capsys, tmp_path):
+    """Seeds by default, e1m6 measured by e0m7's trials, bf16 once per optimizer and seed, and
+    the cpu preset's own (smaller) grid from `per_preset.cpu`."""
+    n_opt = len(OPTIMIZERS)
+    out = dry_run(capsys, "--storage-path", str(tmp_path), "--set", "preset=cpu")
+    assert f"sweep format_ablation: {(7 * n_opt + n_opt) * 2} trials" in out
+    assert f"less {2 * n_opt} equivalent-format points measured once" in out
+    assert "e1m6-adamw-all-s43" in out and "= e0m7-adamw-all-s43 (equivalent format" in out
+    assert "per trial 1 CPU, 0 GPU" in out
+    assert f"experiment dir: {tmp_path}/format_ablation" in out
+    assert out.count("bf16-") == 2 * n_opt and "e7m0-manifold-all-s43" in out
+    assert "estimated wall time" in out and "stored: estimate.step_time_s.cpu" in out
+    assert not (tmp_path / "format_ablation").exists()
+    gpu = dry_run(capsys, "--storage-path", str(tmp_path), "--set", "preset=gpu")
+    assert f"sweep format_ablation: {(7 * n_opt * 4 + n_opt) * 2} trials" in gpu
+    assert "up to 2000 steps of a 6-layer, 384-wide model" in gpu
+    assert "GPU-hours" in gpu and "$" in gpu
+
+
+def test_scaling_none_runs_both_twins(capsys, tmp_path):
+    out = dry_run(capsys, "--smoke", "--set", "grid.formats=[e0m7, e1m6, e4m3]",
+                  "--set", "base.quant.scaling.mode=none")
+    assert "3 trials" in out and "equivalent" not in out
+    out = dry_run(capsys, "--smoke", "--set", "grid.formats=[e0m7, e1m6, e4m3]")
+    assert "2 trials" in out and "= e0m7-adamw-all-s42" in out
+    # an axis over the scaling mode: twins measured once only where amax scaling is on
+    out = dry_run(capsys, "--smoke", "--set", "grid.formats=[e0m7, e1m6]",
+                  "--set", "grid.axes={quant.scaling.mode: [none, delayed]}")
+    assert "3 trials" in out
+    assert "e1m6-adamw-all-mode=delayed-s42" in out and "= e0m7-adamw-all-mode=delayed-s42" in out
+
+
+def test_extra_axes_in_the_grid(capsys, tmp_path):
+    out = dry_run(capsys, "--smoke", "--set", "grid.seeds=[1, 2]",
+                  "--set", "grid.axes={quant.rounding: [nearest, stochastic], optim.lr: [0.001, 0.002]}")
+    # bf16 runs per lr (applies) but not per rounding (quant.* does not apply to it)
+    assert "sweep format_ablation-smoke: 20 trials = 2 formats × 1 optimizer × 1 precision × 2 " \
+           "quant.rounding × 2 optim.lr + bf16 × 1 optimizer × 2 optim.lr, × 2 seeds" in out
+    assert "e4m3-adamw-all-rounding=stochastic-lr=0.002-s2" in out
+    assert "bf16-adamw-all-lr=0.001-s1" in out and "bf16-adamw-all-rounding" not in out
+    assert sweep_main(FormatAblation, ABLATION, "test", ["--dry-run", "--smoke", "--set", "base.optim.lr=0.001",
+                                                         "--set", "grid.axes={optim.lr: [0.001, 0.002]}"]) == 0
+    assert "warning: grid.axes.optim.lr overrides base.optim.lr in every trial" in capsys.readouterr().err
+    from altgrad.tune.config import SweepConfig, load_sweep_config
+    from altgrad.tune.grid import build_grid
+
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["grid.axes={quant.rounding: [nearest, stochastic]}",
+                                                    "preset=cpu"], smoke=True)
+    points = {p.key: p for p in build_grid(cfg)}
+    stochastic = points["e4m3-adamw-all-rounding=stochastic-s42"]
+    assert stochastic.run["quant"]["rounding"] == "stochastic"
+    assert stochastic.axes == {"quant.rounding": "stochastic"}
+    assert stochastic.reference == "bf16-adamw-all-s42"
+    assert points["bf16-adamw-all-s42"].axes == {}
+
+
+def test_smoke_gpu_and_custom_grids(capsys, tmp_path):
+    out = dry_run(capsys, "--smoke", "--storage-path", str(tmp_path))
+    assert "sweep format_ablation-smoke: 3 trials" in out
+
+    out = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "max_concurrent_trials=3")
+    assert "per trial 1 CPU, 0.25 GPU, max 3 at once" in out
+
+    custom = tmp_path / "custom.yaml"
+    data = yaml.safe_load(ABLATION.read_text())
+    data["grid"] = {"formats": ["e4m3", "e5m2"], "optimizers": ["adamw"], "precisions": ["mlp", "heads"],
+                    "seeds": [1, 2],
+                    "policies": {"heads": [{"pattern": "lm_head", "format": "e5m2"},
+                                           {"pattern": "*", "format": "{fmt}"}]}}
+    data["per_preset"] = {}  # else its cpu section's grid.precisions would win
+    custom.write_text(yaml.safe_dump(data))
+    out = dry_run(capsys, "--config", str(custom), "--set", "resources.cpus_per_trial=2", "--set", "preset=cpu")
+    assert "8 trials = 2 formats × 1 optimizer × 2 precisions, × 2 seeds" in out
+    assert "per trial 2 CPU" in out and "e4m3-adamw-heads-s2" in out
+
+    out = dry_run(capsys, "--smoke", kind=LrSearch, config=LR_SEARCH)
+    assert "2 formats × 3 trials = 6 trials" in out

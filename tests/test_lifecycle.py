@@ -1,0 +1,56 @@
+"""What a re-run of an existing experiment does (`altgrad.tune.lifecycle`): continue it, refuse a
+changed config, never clobber a directory, `--fresh` moves it aside."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sweep_helpers import ABLATION, ablation
+
+from altgrad.experiment import STATE_DIR, SWEEP_FILE
+
+
+def existing(tmp_path, status: str, **config_changes) -> Path:
+    """An experiment dir as a finished/interrupted sweep leaves it (its sweep.json)."""
+    from altgrad.tune.config import SweepConfig, load_sweep_config
+
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu"], storage_path=str(tmp_path))
+    doc = cfg.model_dump(mode="json")
+    doc["base"] = {**doc["base"], **config_changes}
+    exp = tmp_path / "format_ablation"
+    (exp / STATE_DIR).mkdir(parents=True)
+    (exp / STATE_DIR / SWEEP_FILE).write_text(json.dumps({"status": status, "config": doc, "points": [],
+                                                          "driver": {"pid": 1, "host": "elsewhere"}}))
+    return exp
+
+
+def test_rerun_with_another_config_is_refused(tmp_path, capsys):
+    existing(tmp_path, "interrupted", train={"max_steps": 30})
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu") == 2
+    err = capsys.readouterr().err
+    assert "already exists with a different config" in err and "base.train" in err
+    assert "--resume" in err and "--fresh" in err
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", "--resume",
+                    "--set", "base.optim.lr=1e-3") == 2  # --resume with an explicit, different config
+    assert "different config" in capsys.readouterr().err
+
+
+def test_resume_needs_an_experiment_and_dirs_are_never_clobbered(tmp_path, capsys):
+    assert ablation("--storage-path", str(tmp_path), "--resume") == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    (tmp_path / "format_ablation").mkdir()
+    (tmp_path / "format_ablation" / "notes.txt").write_text("mine")
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu") == 2
+    assert "is not an AltGrad experiment" in capsys.readouterr().err
+    assert (tmp_path / "format_ablation" / "notes.txt").read_text() == "mine"
+
+
+def test_fresh_moves_the_old_experiment_aside(tmp_path):
+    from altgrad.tune.lifecycle import move_aside
+
+    exp = existing(tmp_path, "finished")
+    moved = move_aside(str(exp))
+    assert not exp.exists() and moved.name.startswith("format_ablation.old-")
+    assert (moved / STATE_DIR / SWEEP_FILE).is_file()
+    assert move_aside(str(exp)) is None

@@ -1,0 +1,77 @@
+"""The sweep config (`altgrad.tune.config`) without Ray running: a malformed config or YAML file
+exits 2 naming the field, before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+from sweep_helpers import LR_SEARCH, ablation
+
+from altgrad.tune.cli import sweep_main
+from altgrad.tune.lr_search import LrSearch
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["grid.formats=[e4m3, e9m9]"], "grid.formats: unknown format 'e9m9'"),
+    (["grid.optimizers=[adamw, sgd]"], "grid.optimizers: unknown optimizer(s) ['sgd']"),
+    (["grid.precisions=[all, embeddings]"], "grid: precisions: unknown ['embeddings']"),
+    (["base.optim.lr=-1"], "base.optim.lr: Input should be greater than 0"),
+    (["base.train.max_stepz=3"], "base.train.max_stepz: unknown field"),
+    (["asha.reduction_factor=1"], "asha.reduction_factor: Input should be greater than 1"),
+    (["resources.gpu_per_trial=-0.5"], "resources.gpu_per_trial: Input should be greater than or equal to 0"),
+    (["wandb.mode=sometimes"], "wandb.mode: Input should be 'offline', 'online' or 'disabled'"),
+    (["name=a/b"], "name: String should match pattern"),
+    (["stoper.nan_patience=3"], "stoper: unknown field"),
+    (["stopper.nan_patience=3"], "stopper: stopper.nan_patience moved to base.stability.nan_patience"),
+    (["stopper.stall_threshold=0.9"], "stopper.stall_threshold moved to base.stability.stall_stop"),
+    (["stopper.stall_reports=8"], "stopper.stall_reports moved to base.stability.stall_stop_reports"),
+    (["base.preset=gpu"], "base: set the sweep's top-level `preset`"),
+    (["per_preset.gpu.base.train.batch_size=0"], "under preset gpu (with per_preset.gpu)"),
+    (["grid.axes={quant.roundin: [nearest]}"], "grid.axes: 'quant.roundin': quant has no field 'roundin'"),
+    (["grid.axes={quant.rounding: [nearest, upward]}"], "grid.axes.quant.rounding: value 'upward' is not valid"),
+    (["grid.axes={quant.format: [e4m3, e5m2]}"], "'quant.format' is a fixed axis of the grid: set it with grid.formats"),
+    (["grid.axes={quant.scaling: [none]}"], "'quant.scaling' is a section"),
+    (["grid.axes={optim.lr: []}"], "optim.lr: give at least one value"),
+    (["base.quant.grad_format=e8m8"], "base.quant.grad_format"),
+    (["base.train.warmup_steps=3000"], "base: train.warmup_steps (3000) must be below train.max_steps"),
+])
+def test_malformed_config_exits_2_naming_the_field(overrides, field, tmp_path, capsys):
+    args = ["--storage-path", str(tmp_path / "store"), "--set", "preset=cpu"]
+    for o in overrides:
+        args += ["--set", o]
+    assert ablation(*args) == 2
+    err = capsys.readouterr().err
+    assert field in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "store").exists()
+
+
+def test_malformed_yaml_files(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ngrid: [unclosed\n")
+    assert ablation("--config", str(bad), "--storage-path", str(tmp_path / "s")) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert ablation("--config", str(tmp_path / "missing.yaml")) == 2
+    assert "config file not found" in capsys.readouterr().err
+    bad.write_text("- a list\n")
+    assert ablation("--config", str(bad)) == 2
+    assert "expected a mapping" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_base_settings_the_sweep_overrides_are_warned_about(capsys):
+    """A `base` setting that no trial (or not every trial) uses is legal but probably not meant:
+    the sweep says so before it runs, and before its dry run."""
+    assert ablation("--dry-run", "--smoke", "--set", "base.quant.format=e5m2", "--set", "base.optim.name=manifold",
+                    "--set", "base.quant.precision=mlp", "--set", "base.train.seed=3",
+                    "--set", "base.quant.master_weights=format") == 0
+    err = capsys.readouterr().err
+    for path, key in (("quant.format", "grid.formats"), ("optim.name", "grid.optimizers"),
+                      ("quant.precision", "grid.precisions"), ("train.seed", "grid.seeds")):
+        assert f"warning: base.{path} is not used: {key} sets it in every trial" in err
+    assert "warning: base.quant.master_weights is format, but bf16 has no 8-bit format" in err
+    # without grid.seeds the base seed is the one that runs; without bf16 nothing is forced
+    assert ablation("--dry-run", "--smoke", "--set", "grid.seeds=null", "--set", "base.train.seed=3",
+                    "--set", "grid.formats=[e4m3]", "--set", "base.quant.master_weights=format") == 0
+    assert "warning" not in capsys.readouterr().err
+    assert sweep_main(LrSearch, LR_SEARCH, "test", ["--dry-run", "--smoke", "--set", "base.optim.lr=0.01"]) == 0
+    assert "warning: base.optim.lr is not used: the search over lr sets it in every trial" in capsys.readouterr().err
