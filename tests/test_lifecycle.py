@@ -54,3 +54,23 @@ def test_fresh_moves_the_old_experiment_aside(tmp_path):
     assert not exp.exists() and moved.name.startswith("format_ablation.old-")
     assert (moved / STATE_DIR / SWEEP_FILE).is_file()
     assert move_aside(str(exp)) is None
+
+
+def test_a_sweep_stored_before_the_stopper_thresholds_moved_still_resumes(tmp_path):
+    """sweep.json of a sweep started when `stopper.nan_patience` etc. were stopper settings: read
+    back, they are the run settings that replaced them, and the config validates."""
+    from altgrad.tune.config import SweepConfig
+    from altgrad.tune.lifecycle import stored_sweep
+
+    exp = existing(tmp_path, "interrupted")
+    path = exp / STATE_DIR / SWEEP_FILE
+    doc = json.loads(path.read_text())
+    doc["config"]["stopper"] = {"enabled": True, "nan_patience": 3, "stall_threshold": 0.95, "stall_reports": 7}
+    path.write_text(json.dumps(doc))
+    upgraded = SweepConfig.validated(stored_sweep(str(exp))["config"])
+    stability = upgraded.base_run.stability
+    assert (stability.nan_patience, stability.stall_stop, stability.stall_stop_reports) == (3, 0.95, 7)
+    doc["config"]["stopper"]["nan_patience"] = None  # "the trainer's own", as it was stored then
+    doc["config"]["base"]["stability"] = {"nan_patience": 11}
+    path.write_text(json.dumps(doc))
+    assert SweepConfig.validated(stored_sweep(str(exp))["config"]).base_run.stability.nan_patience == 11

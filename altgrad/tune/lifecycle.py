@@ -8,6 +8,7 @@ aside (never deletes it).
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from altgrad.config import ConfigError
 from altgrad.experiment import STATE_DIR, SWEEP_FILE
 from altgrad.remote import is_remote
+from altgrad.tune.config import MOVED_STOPPER_KEYS
 from altgrad.tune.store import StateStore
 
 # Settings that may change between a run and its resume: where it is and how it is watched.
@@ -22,8 +24,28 @@ NOT_COMPARED = ("storage_path", "dashboard", "smoke")
 
 
 def stored_sweep(experiment_path: str) -> dict[str, Any] | None:
-    """The `sweep.json` of an experiment, or None when there is none."""
-    return StateStore(experiment_path).read(SWEEP_FILE)
+    """The `sweep.json` of an experiment, or None when there is none; a config stored before a
+    setting moved has it where it is now (`upgraded_config`), so an older sweep still resumes."""
+    doc = StateStore(experiment_path).read(SWEEP_FILE)
+    if doc is not None and isinstance(doc.get("config"), dict):
+        doc["config"] = upgraded_config(doc["config"])
+    return doc
+
+
+def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored sweep config with the stopper's thresholds moved to the run settings that replaced
+    them (`MOVED_STOPPER_KEYS`). A threshold the stopper set was the one that ended its trials, so it
+    wins over the run's own; unset (None), the run's stays. A config file given by the user is not
+    upgraded: it is refused with the new place named."""
+    stopper = config.get("stopper")
+    if not isinstance(stopper, dict) or not set(stopper) & set(MOVED_STOPPER_KEYS):
+        return config
+    base = copy.deepcopy(config.get("base") or {})
+    stability = base.setdefault("stability", {})
+    for key, moved_to in MOVED_STOPPER_KEYS.items():
+        if key in stopper and stopper[key] is not None:
+            stability[moved_to.rsplit(".", 1)[1]] = stopper[key]
+    return {**config, "base": base, "stopper": {k: v for k, v in stopper.items() if k not in MOVED_STOPPER_KEYS}}
 
 
 def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
