@@ -21,7 +21,16 @@ from functools import cache
 import torch
 
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.kernels import MAX, Kernel, Scale, grid_params, round_nearest, scale_tensor, ulp
+from altgrad.quant.kernels import (
+    MAX,
+    Kernel,
+    Scale,
+    constants,
+    grid_params,
+    round_nearest,
+    scale_tensor,
+    ulp,
+)
 
 MOVE_BINS = ("0", "1", "2", "3", "4-7", "8-15", "16+")
 _MOVE_EDGES = (1, 2, 3, 4, 8, 16)  # lower edges of the bins after "0"
@@ -34,13 +43,17 @@ NAN_SIGN = 4          # ... and its sign bit (0x80, or 0 for 'none' formats, whi
 
 
 @cache
-def code_params(fmt: FormatSpec, device: torch.device) -> torch.Tensor:
-    """fmt's code layout as one float32 tensor (entries CODES_PER_BINADE ... NAN_SIGN)."""
+def _code_values(fmt: FormatSpec) -> tuple[float, ...]:
     inf = fmt.inf_code if fmt.specials == "ieee" else fmt.nan_code if fmt.specials == "fn" else -1
     nan, nan_sign = (fmt.nan_code, 0x80) if fmt.nan_code is not None else (0, 0)
     values = {CODES_PER_BINADE: 2.0 ** fmt.mbits, ULP_FIELD: fmt.emin - fmt.mbits + 127, INF_CODE: inf,
               NAN_CODE: nan, NAN_SIGN: nan_sign}
-    return torch.tensor([values[i] for i in range(len(values))], dtype=torch.float32, device=device)
+    return tuple(float(values[i]) for i in range(len(values)))
+
+
+def code_params(fmt: FormatSpec, device: torch.device) -> torch.Tensor:
+    """fmt's code layout as one float32 tensor (entries CODES_PER_BINADE ... NAN_SIGN)."""
+    return constants(_code_values(fmt), torch.float32, device)
 
 
 def _magnitude(a: torch.Tensor, p: torch.Tensor, c: torch.Tensor, ftz: bool) -> torch.Tensor:

@@ -60,20 +60,41 @@ def container_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+Constants = torch.Tensor | tuple[torch.Tensor, ...]  # indexed by the named entries alike
+
+
+def constants(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> Constants:
+    """`values` as a 1-d tensor, made once per values, dtype and device. Traced into a step graph,
+    a tuple of 0-dim `full`s instead: literals that the kernel's compiled code inlines (a tensor made
+    once would be an input of the graph, or a constant it copies, on every call; a stacked one, a
+    buffer each region writes and reads back)."""
+    if torch.compiler.is_compiling():
+        return tuple(torch.full((), v, dtype=dtype, device=device) for v in values)
+    return _constants(values, dtype, device)
+
+
 @cache
-def grid_params(fmt: FormatSpec, saturate: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """fmt's constants as one tensor of the container dtype (entries: CLAMP_LO ... TO_FIELD), made
-    once per format, dtype and device."""
-    mant = MANTISSA_BITS[dtype]
-    shift = mant - fmt.mbits
+def _constants(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+@cache
+def grid_values(fmt: FormatSpec, saturate: bool, mantissa_bits: int) -> tuple[float, ...]:
+    """fmt's constants for a container of `mantissa_bits` (entries: CLAMP_LO ... TO_FIELD)."""
+    shift = mantissa_bits - fmt.mbits
     overflow = fmt.max if saturate or fmt.specials == "none" else (
         math.inf if fmt.specials == "ieee" else math.nan)
     values = {CLAMP_LO: math.ldexp(1.0, fmt.emin + shift),
               CLAMP_HI: math.ldexp(1.0, max(fmt.emax, fmt.emin) + shift),
               TO_MAGIC: math.ldexp(1.0, shift), MAX: fmt.max, OVERFLOW: overflow,
-              MIN_NORMAL: fmt.min_normal, FTZ_MAGIC: math.ldexp(1.0, fmt.emin + mant),
-              TO_FIELD: math.ldexp(1.0, fmt.bias - mant)}
-    return torch.tensor([values[i] for i in range(len(values))], dtype=dtype, device=device)
+              MIN_NORMAL: fmt.min_normal, FTZ_MAGIC: math.ldexp(1.0, fmt.emin + mantissa_bits),
+              TO_FIELD: math.ldexp(1.0, fmt.bias - mantissa_bits)}
+    return tuple(values[i] for i in range(len(values)))
+
+
+def grid_params(fmt: FormatSpec, saturate: bool, dtype: torch.dtype, device: torch.device) -> Constants:
+    """fmt's constants as one tensor of the container dtype (entries: CLAMP_LO ... TO_FIELD)."""
+    return constants(grid_values(fmt, saturate, MANTISSA_BITS[dtype]), dtype, device)
 
 
 def magic(a: torch.Tensor, p: torch.Tensor, ftz: bool) -> torch.Tensor:

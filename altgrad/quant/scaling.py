@@ -15,9 +15,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from altgrad.quant.codes import code_params
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.kernels import Kernel, grid_params
+from altgrad.quant.kernels import Kernel, constants
 
 ScalingMode = Literal["none", "dynamic", "delayed"]
 AmaxAlgo = Literal["max", "most_recent"]
@@ -70,13 +69,16 @@ TARGET, POW2, SCALED, DELAYED, MOST_RECENT = range(5)
 
 
 @cache
+def _scaler_values(fmt: FormatSpec, margin: float, pow2: bool, mode: ScalingMode, algo: AmaxAlgo) -> tuple[float, ...]:
+    flags = {POW2: pow2, SCALED: mode != "none", DELAYED: mode == "delayed", MOST_RECENT: algo == "most_recent"}
+    return (_target(fmt, margin), *(float(flags[i]) for i in range(POW2, MOST_RECENT + 1)))
+
+
 def scaler_params(fmt: FormatSpec, margin: float, pow2: bool, mode: ScalingMode, algo: AmaxAlgo,
-                device: torch.device) -> torch.Tensor:
+                  device: torch.device) -> torch.Tensor:
     """A scaler's settings as one float32 tensor (entries TARGET ... MOST_RECENT), so one compiled
     graph serves every scaler."""
-    flags = {POW2: pow2, SCALED: mode != "none", DELAYED: mode == "delayed", MOST_RECENT: algo == "most_recent"}
-    return torch.tensor([_target(fmt, margin), *(float(flags[i]) for i in range(POW2, MOST_RECENT + 1))],
-                        device=device)
+    return constants(_scaler_values(fmt, margin, pow2, mode, algo), torch.float32, device)
 
 
 def scale_step(history: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor,
@@ -145,28 +147,21 @@ class TensorScaler(AmaxHistory):
         self.mode, self.margin, self.pow2 = mode, margin, pow2
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("amax", torch.zeros(()))
-        self.set_format(get_format(fmt))
+        self.fmt = get_format(fmt)
 
     def set_format(self, fmt: FormatSpec) -> None:
-        """Scale for `fmt` from now on (an emergency format shift keeps the history).
-
-        What a training step's kernel needs to know of the scaler and its format is kept here as
-        buffers (not saved: they follow from the config): its `settings` (`scaler_params`), fmt's
-        float32 `grid` (`kernels.grid_params`, saturating) and `code_layout` (`codes.code_params`).
-        A step graph reads them as inputs; tensors made by a function it traces would be copied in
-        every call."""
+        """Scale for `fmt` from now on (an emergency format shift keeps the history)."""
         self.fmt = fmt
-        device = self.scale.device
-        self.register_buffer("settings", scaler_params(fmt, self.margin, self.pow2, self.mode, self.algo,
-                                                       device).clone(), persistent=False)
-        self.register_buffer("grid", grid_params(fmt, True, torch.float32, device).clone(), persistent=False)
-        self.register_buffer("code_layout", code_params(fmt, device).clone(), persistent=False)
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> torch.Tensor:
         """Record amax(x) and return the 0-dim scale to quantize x with this step."""
         lo, hi = torch.aminmax(x.detach() if x.numel() else x.new_zeros(1))  # empty: amax 0 is recorded
-        return _SCALE_STEP(self.amax_history, lo, hi, self.scale, self.amax, self.settings)
+        return _SCALE_STEP(self.amax_history, lo, hi, self.scale, self.amax, self.step_params())
+
+    def step_params(self) -> torch.Tensor:
+        """This scaler's settings, as the one tensor the compiled scaler step takes."""
+        return scaler_params(self.fmt, self.margin, self.pow2, self.mode, self.algo, self.scale.device)
 
     @torch.no_grad()
     def current(self, x: torch.Tensor) -> torch.Tensor:

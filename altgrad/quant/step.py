@@ -76,18 +76,19 @@ def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, history: torch.Te
     return q, s, quantization_counts(sample(x), sample(q), s, p, c, m0, ftz) if count else None
 
 
-def _step_with_amax(x: torch.Tensor, history: torch.Tensor, scale: torch.Tensor, last_amax: torch.Tensor,
-                    sp: torch.Tensor, p: torch.Tensor, c: torch.Tensor, m0: bool, ftz: bool,
-                    noise: torch.Tensor | None,
-                    count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`_step` with the amax reduction and x's reshapes inside (x of any shape)."""
-    flat = x.reshape(-1)
-    q, s, counts = _step(flat, *torch.aminmax(flat), history, scale, last_amax, sp, p, c, m0, ftz, noise, count)
+def _step_in_graph(x: torch.Tensor, scaler: TensorScaler, noise: torch.Tensor | None,
+                   count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`_step` as a region of a step graph, with everything a quantized tensor needs inside it: the
+    amax, x's reshapes (x of any shape) and the format's constants (`kernels.constants`)."""
+    fmt, flat = scaler.fmt, x.reshape(-1)
+    q, s, counts = _step(flat, *torch.aminmax(flat), scaler.amax_history, scaler.scale, scaler.amax,
+                         scaler.step_params(), grid_params(fmt, True, container_dtype(x.dtype), x.device),
+                         code_params(fmt, x.device), fmt.mbits == 0, not fmt.subnormals, noise, count)
     return q.view(x.shape), s, counts
 
 
 _STEP = Kernel(_step)
-_STEP_WITH_AMAX = Kernel(_step_with_amax)
+_STEP_IN_GRAPH = Kernel(_step_in_graph)
 
 
 @torch.no_grad()
@@ -100,17 +101,17 @@ def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "n
     Traced into a step graph (static shapes) the whole of it, amax included, is one region of the
     graph. Called on its own it is one compiled call after an eager `aminmax`: compiled with dynamic
     shapes, inductor cannot split the reduction (docs/design.md)."""
-    fmt = scaler.fmt
     flat = x.reshape(-1).detach()  # detach last: no `_base` for dynamo to guard on
     if not flat.numel():  # the scaler records amax 0; nothing to quantize or count
         return x.detach().clone(), scaler.update(x)
-    p = scaler.grid if container_dtype(x.dtype) == torch.float32 else grid_params(fmt, True, torch.float64, x.device)
-    state = (scaler.amax_history, scaler.scale, scaler.amax, scaler.settings, p, scaler.code_layout,
-             fmt.mbits == 0, not fmt.subnormals, rounding_noise(flat, rounding), stats is not None)
+    noise, count = rounding_noise(flat, rounding), stats is not None
     if torch.compiler.is_compiling():
-        q, s, counts = _STEP_WITH_AMAX(x.detach(), *state)
+        q, s, counts = _STEP_IN_GRAPH(x.detach(), scaler, noise, count)
     else:
-        q, s, counts = _STEP(flat, *torch.aminmax(flat), *state)
+        fmt = scaler.fmt
+        q, s, counts = _STEP(flat, *torch.aminmax(flat), scaler.amax_history, scaler.scale, scaler.amax,
+                             scaler.step_params(), grid_params(fmt, True, container_dtype(x.dtype), x.device),
+                             code_params(fmt, x.device), fmt.mbits == 0, not fmt.subnormals, noise, count)
         q = q.view(x.shape)
     if stats is not None:
         stats.counted.add_(counts)
