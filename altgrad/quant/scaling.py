@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.kernels import Kernel, constants
+from altgrad.quant.kernels import Constants, Kernel, constants
 
 ScalingMode = Literal["none", "dynamic", "delayed"]
 AmaxAlgo = Literal["max", "most_recent"]
@@ -81,20 +81,17 @@ def scaler_params(fmt: FormatSpec, margin: float, pow2: bool, mode: ScalingMode,
     return constants(_scaler_values(fmt, margin, pow2, mode, algo), torch.float32, device)
 
 
-def scale_step(history: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor,
-                last_amax: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """One training step of a TensorScaler, in place on its buffers: record amax = max(-lo, hi),
-    roll the history, return the new scale. Compiled, this is one small kernel instead of ~25
-    eager launches and 3 device copies per quantized tensor. (lo, hi) come from an eager
-    `aminmax`: fused into the kernel, the reduction ran in one CUDA thread block (41 ms over a
-    154M-element logits gradient)."""
+def scale_step(state: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: Constants) -> torch.Tensor:
+    """One training step of a TensorScaler, in place on its `state` ([history..., scale, amax]):
+    record amax = max(-lo, hi), roll the history, return the new scale. A kernel function, so one
+    compiled call (or a step graph's region) does all of it; (lo, hi) = aminmax(x) come in from
+    outside, where the reduction can use the whole device (docs/design.md)."""
+    history, scale = state[:HISTORY_END], state[SCALE]
     amax = _amax_of(lo, hi)
     past = torch.where(p[MOST_RECENT] > 0, history[-1], history.max())
     for_scale = torch.where((p[DELAYED] > 0) & (past > 0), past, amax)
     s = torch.where(p[SCALED] > 0, scale_for(for_scale, p[TARGET], p[POW2] > 0, scale), 1.0)
-    history.copy_(_roll(history, amax))
-    last_amax.copy_(amax)
-    scale.copy_(s)
+    state.copy_(torch.cat([_roll(history, amax), s.reshape(1), amax.reshape(1)]))
     return s
 
 
@@ -106,15 +103,17 @@ def _roll(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), torch.cat([history[1:], amax.reshape(1)]), history)
 
 
+def estimate(history: torch.Tensor, algo: AmaxAlgo) -> torch.Tensor:
+    """The amax to scale by from an amax history (oldest first): its maximum, or its most recent entry."""
+    return history.max() if algo == "max" else history[-1]
+
+
 class AmaxHistory(nn.Module):
     """A rolling window of per-step amax values, oldest first, kept in a checkpointed buffer."""
 
     def __init__(self, history_len: int = 16, algo: AmaxAlgo = "max"):
         super().__init__()
-        if history_len < 1:
-            raise ValueError(f"history_len must be >= 1, got {history_len}")
-        if algo not in ("max", "most_recent"):
-            raise ValueError(f"algo must be 'max' or 'most_recent', got {algo!r}")
+        _check_history(history_len, algo)
         self.algo = algo
         self.register_buffer("amax_history", torch.zeros(history_len))
 
@@ -123,31 +122,61 @@ class AmaxHistory(nn.Module):
         self.amax_history.copy_(_roll(self.amax_history, amax.detach().to(self.amax_history)))
 
     def estimate(self) -> torch.Tensor:
-        """The amax to scale by: the window's maximum, or its most recent entry."""
-        return self.amax_history.max() if self.algo == "max" else self.amax_history[-1]
+        return estimate(self.amax_history, self.algo)
 
     def extra_repr(self) -> str:
         return f"history_len={self.amax_history.numel()}, algo={self.algo!r}"
 
 
-class TensorScaler(AmaxHistory):
+def _check_history(history_len: int, algo: str) -> None:
+    if history_len < 1:
+        raise ValueError(f"history_len must be >= 1, got {history_len}")
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"algo must be 'max' or 'most_recent', got {algo!r}")
+
+
+# A TensorScaler's `state`: the amax history (oldest first), then the scale, then the last amax.
+HISTORY_END, SCALE, AMAX = -2, -2, -1
+
+
+class TensorScaler(nn.Module):
     """The scale of one tensor role (an input, a weight, a gradient) from step to step.
 
     Modes: 'none' (s = 1, the raw format range), 'dynamic' (from this tensor's amax), 'delayed'
     (from the amax history *before* this tensor, the usual FP8 recipe; while the history holds no
-    positive amax yet, e.g. on the first step, the current amax is used). Buffers: `amax_history`,
-    `scale` (last returned) and `amax` (of the last tensor seen, raw, for diagnostics).
+    positive amax yet, e.g. on the first step, the current amax is used).
+
+    Its state is one checkpointed buffer, `state` = [amax history..., scale, amax] (`amax` of the
+    last tensor seen, raw, for diagnostics), read through the views `amax_history`, `scale` and
+    `amax`: a step graph reads and writes one tensor per scaler, not three.
     """
 
     def __init__(self, fmt: str | FormatSpec, mode: ScalingMode = "delayed", history_len: int = 16,
                  algo: AmaxAlgo = "max", margin: float = 0, pow2: bool = True):
-        super().__init__(history_len, algo)
+        super().__init__()
+        _check_history(history_len, algo)
         if mode not in ("none", "dynamic", "delayed"):
             raise ValueError(f"mode must be 'none', 'dynamic' or 'delayed', got {mode!r}")
-        self.mode, self.margin, self.pow2 = mode, margin, pow2
-        self.register_buffer("scale", torch.ones(()))
-        self.register_buffer("amax", torch.zeros(()))
+        self.mode, self.algo, self.margin, self.pow2 = mode, algo, margin, pow2
+        self.register_buffer("state", torch.cat([torch.zeros(history_len), torch.ones(1), torch.zeros(1)]))
         self.fmt = get_format(fmt)
+
+    @property
+    def amax_history(self) -> torch.Tensor:
+        return self.state[:HISTORY_END]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The scale last returned (0-dim view)."""
+        return self.state[SCALE]
+
+    @property
+    def amax(self) -> torch.Tensor:
+        """The amax of the last tensor seen (0-dim view)."""
+        return self.state[AMAX]
+
+    def estimate(self) -> torch.Tensor:
+        return estimate(self.amax_history, self.algo)
 
     def set_format(self, fmt: FormatSpec) -> None:
         """Scale for `fmt` from now on (an emergency format shift keeps the history)."""
@@ -157,11 +186,11 @@ class TensorScaler(AmaxHistory):
     def update(self, x: torch.Tensor) -> torch.Tensor:
         """Record amax(x) and return the 0-dim scale to quantize x with this step."""
         lo, hi = torch.aminmax(x.detach() if x.numel() else x.new_zeros(1))  # empty: amax 0 is recorded
-        return _SCALE_STEP(self.amax_history, lo, hi, self.scale, self.amax, self.step_params())
+        return _SCALE_STEP(self.state, lo, hi, self.step_params())
 
     def step_params(self) -> torch.Tensor:
         """This scaler's settings, as the one tensor the compiled scaler step takes."""
-        return scaler_params(self.fmt, self.margin, self.pow2, self.mode, self.algo, self.scale.device)
+        return scaler_params(self.fmt, self.margin, self.pow2, self.mode, self.algo, self.state.device)
 
     @torch.no_grad()
     def current(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,5 +201,13 @@ class TensorScaler(AmaxHistory):
         return self.scale
 
     def extra_repr(self) -> str:
-        return (f"fmt={self.fmt.name}, mode={self.mode!r}, {super().extra_repr()}, "
-                f"margin={self.margin}, pow2={self.pow2}")
+        return (f"fmt={self.fmt.name}, mode={self.mode!r}, history_len={self.amax_history.numel()}, "
+                f"algo={self.algo!r}, margin={self.margin}, pow2={self.pow2}")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
+        """A checkpoint written when the state was three buffers loads into the one."""
+        old = [prefix + name for name in ("amax_history", "scale", "amax")]
+        if prefix + "state" not in state_dict and all(k in state_dict for k in old):
+            history, scale, amax = (state_dict.pop(k) for k in old)
+            state_dict[prefix + "state"] = torch.cat([history, scale.reshape(1), amax.reshape(1)])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)

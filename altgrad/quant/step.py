@@ -19,7 +19,14 @@ from torch import nn
 
 from altgrad.quant.codes import COUNTED, code_params, quantization_counts
 from altgrad.quant.formats import FormatSpec
-from altgrad.quant.kernels import Kernel, container_dtype, grid_params, nearest_scaled, stochastic
+from altgrad.quant.kernels import (
+    Constants,
+    Kernel,
+    container_dtype,
+    grid_params,
+    nearest_scaled,
+    stochastic,
+)
 from altgrad.quant.quantize import Rounding, rounding_noise
 from altgrad.quant.scaling import TensorScaler, scale_step
 
@@ -65,13 +72,12 @@ class TensorStats(nn.Module):
 _COUNT = Kernel(quantization_counts)
 
 
-def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, history: torch.Tensor,
-          scale: torch.Tensor, last_amax: torch.Tensor, sp: torch.Tensor, p: torch.Tensor, c: torch.Tensor,
-          m0: bool, ftz: bool, noise: torch.Tensor | None,
+def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, state: torch.Tensor, sp: Constants,
+          p: Constants, c: Constants, m0: bool, ftz: bool, noise: torch.Tensor | None,
           count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """scaler.update(x), then quantize(x, scale), then (if `count`) `quantization_counts` of the
     sample, as one graph (x flat; lo, hi = aminmax(x))."""
-    s = scale_step(history, lo, hi, scale, last_amax, sp)
+    s = scale_step(state, lo, hi, sp)
     q = nearest_scaled(x, s, p, m0, ftz) if noise is None else stochastic(x, s, p, ftz, noise)
     return q, s, quantization_counts(sample(x), sample(q), s, p, c, m0, ftz) if count else None
 
@@ -81,7 +87,7 @@ def _step_in_graph(x: torch.Tensor, scaler: TensorScaler, noise: torch.Tensor | 
     """`_step` as a region of a step graph, with everything a quantized tensor needs inside it: the
     amax, x's reshapes (x of any shape) and the format's constants (`kernels.constants`)."""
     fmt, flat = scaler.fmt, x.reshape(-1)
-    q, s, counts = _step(flat, *torch.aminmax(flat), scaler.amax_history, scaler.scale, scaler.amax,
+    q, s, counts = _step(flat, *torch.aminmax(flat), scaler.state,
                          scaler.step_params(), grid_params(fmt, True, container_dtype(x.dtype), x.device),
                          code_params(fmt, x.device), fmt.mbits == 0, not fmt.subnormals, noise, count)
     return q.view(x.shape), s, counts
@@ -109,7 +115,7 @@ def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "n
         q, s, counts = _STEP_IN_GRAPH(x.detach(), scaler, noise, count)
     else:
         fmt = scaler.fmt
-        q, s, counts = _STEP(flat, *torch.aminmax(flat), scaler.amax_history, scaler.scale, scaler.amax,
+        q, s, counts = _STEP(flat, *torch.aminmax(flat), scaler.state,
                              scaler.step_params(), grid_params(fmt, True, container_dtype(x.dtype), x.device),
                              code_params(fmt, x.device), fmt.mbits == 0, not fmt.subnormals, noise, count)
         q = q.view(x.shape)

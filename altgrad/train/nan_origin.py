@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from altgrad.quant.linear import QuantizedLinear
+from altgrad.quant.scaling import AMAX
 
 
 class NanOrigin:
@@ -51,24 +52,36 @@ class NanOrigin:
         for name in names:
             if name in self.shared:
                 self._add("weight_grad", name, (name, names[0]) if name != names[0] else (name,))
+        # Where each probe's value is found in one vector made per step, [loss, every scaler's
+        # amax, every weight's gradient norm]: a few ops a step, not one per probe.
+        self._scalers = [(layer, kind) for layer in names for kind in ("input", "grad_output")]
+        self._states = [layers[n].scalers[kind].state for n, kind in self._scalers]  # updated in place
+        self._weights = [layer.weight for layer in layers.values()]
+        self._order: torch.Tensor | None = None
 
     def _add(self, kind: str, layer: str, blame: tuple[str, ...]) -> None:
         self.probes.append((kind, layer))
         self.blames.append(blame)
 
+    def _probe_order(self, device: torch.device) -> torch.Tensor:
+        if self._order is None:
+            names = list(self.layers)
+            at = {("loss", ""): 0}
+            at.update({(kind, n): 1 + i for i, (n, kind) in enumerate(self._scalers)})
+            at.update({("weight_grad", n): 1 + len(self._scalers) + i for i, n in enumerate(names)})
+            self._order = torch.tensor([at[probe] for probe in self.probes], device=device)
+        return self._order
+
     @torch.no_grad()
     def first_bad(self, loss: torch.Tensor, grad_norms: dict[nn.Parameter, torch.Tensor]) -> torch.Tensor:
         """0-dim float: the index of the first non-finite probe, -1 when all are finite."""
-        values = []
-        for kind, name in self.probes:
-            if kind == "loss":
-                values.append(loss.detach().float().reshape(()))
-            elif kind == "weight_grad":
-                norm = grad_norms.get(self.layers[name].weight)
-                values.append(torch.zeros_like(loss, dtype=torch.float32) if norm is None else norm.float())
-            else:
-                values.append(self.layers[name].scalers[kind].amax)
-        return first_nonfinite(torch.stack(values))
+        if not self.layers:
+            return first_nonfinite(loss.detach().float().reshape(1))
+        amax = torch.stack(self._states)[:, AMAX]
+        zero = torch.zeros((), device=loss.device)
+        norms = torch.stack([grad_norms.get(w, zero) for w in self._weights]).float()
+        values = torch.cat([loss.detach().float().reshape(1), amax, norms])
+        return first_nonfinite(values[self._probe_order(values.device)])
 
     def blame(self, index: int) -> list[str]:
         """The layers blamed for the probe `index` (empty: not localized or nothing bad)."""
