@@ -34,6 +34,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RAY = str(Path(sys.executable).parent / "ray")
 # The head declares a node dead after 3 missed health checks 0.5 s apart (Ray's default: ~15 s).
 FAST_HEALTH_CHECK = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3"}
+# Long enough that the worker node's trial is still running when the test sees it past its first
+# checkpoint: at the sweep tests' STEPS an eager tiny trial ends within a second of that point.
+RUN_STEPS = 6 * STEPS
 
 
 def free_port() -> int:
@@ -67,6 +70,7 @@ def cluster(monkeypatch):
 def test_lost_worker_node_trial_resumes_on_the_survivor(cluster, sweep_args, tmp_path):
     address, worker = cluster
     args = [*sweep_args, "--set", "grid.formats=[bf16, e4m3]", "--set", "max_concurrent_trials=2",
+            "--set", f"base.train.max_steps={RUN_STEPS}", "--set", "asha.enabled=false",
             "--name", "spot", "--storage-path", str(tmp_path)]
     exp = tmp_path / "spot"
     proc = start_driver(args, address)
@@ -101,13 +105,13 @@ def test_lost_worker_node_trial_resumes_on_the_survivor(cluster, sweep_args, tmp
     with pytest.raises(ProcessLookupError):
         os.kill(lost["pid"], 0)
     records = {r.key: r for r in load_experiment(exp)}
-    assert all((r.status, r.stop_reason, r.summary["steps"]) == ("TERMINATED", "completed", STEPS)
+    assert all((r.status, r.stop_reason, r.summary["steps"]) == ("TERMINATED", "completed", RUN_STEPS)
                for r in records.values())
     retried = json.loads((exp / TRIALS_DIR / key / WORKER_FILE).read_text())
     assert retried["node"] != lost["node"]  # the survivor ran the retry
     (resumed_from,) = [e["step"] for e in records[key].events if e["kind"] == "resume"]
     assert resumed_from > 0 and killed_at - resumed_from <= CHECKPOINT  # at most one interval redone
     steps = [row["step"] for row in records[key].history]
-    assert steps == list(range(1, STEPS + 1))  # nothing lost, nothing logged twice
+    assert steps == list(range(1, RUN_STEPS + 1))  # nothing lost, nothing logged twice
     (entry,) = [e for e in json.loads((exp / STATE_DIR / TRIALS_FILE).read_text()).values() if e["key"] == key]
     assert entry["failures"] == 1

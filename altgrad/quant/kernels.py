@@ -244,9 +244,14 @@ class Compiled:
                       RuntimeWarning, stacklevel=4)
 
 
-# Set by the first StepGraph: the fx annotation that makes a kernel an inductor region of the step
-# graph. Built outside any trace (reading inductor's config inside one breaks the graph).
-_INDUCTOR_REGION: dict[str, Any] | None = None
+# A region's intermediate that takes more ops than this is stored, not recomputed in each loop that
+# reads it. In a step graph a format's constants are literals, not loads, so nothing else bounds
+# how much inductor inlines: at its CPU default (50) one diagnostic region compiled for minutes.
+REGION_REALIZE_OPS = 8
+
+# Set by the first StepGraph: the inductor options of a kernel's region in a step graph. Read
+# outside any trace (reading inductor's config inside one breaks the graph).
+_REGION_OPTIONS: dict[str, Any] | None = None
 
 
 class Kernel(Compiled):
@@ -260,7 +265,8 @@ class Kernel(Compiled):
     def __call__(self, x: torch.Tensor | list[torch.Tensor], *args) -> torch.Tensor:
         first = x[0] if isinstance(x, list) else x
         if torch.compiler.is_compiling():
-            region = fx_traceback.annotate(_INDUCTOR_REGION) if _INDUCTOR_REGION else contextlib.nullcontext()
+            region = contextlib.nullcontext() if _REGION_OPTIONS is None else fx_traceback.annotate(
+                {"compile_with_inductor": {"inductor_configs": _REGION_OPTIONS}})
             with region, _no_autocast(first):
                 return self.fn(x, *args)
         # 0/1-element tensors would each specialise a new graph; they are not worth compiling.
@@ -308,8 +314,8 @@ class StepGraph(Compiled):
         from torch._dynamo.backends.common import aot_autograd
         from torch.fx.passes.regional_inductor import regional_inductor
 
-        global _INDUCTOR_REGION
-        _INDUCTOR_REGION = {"compile_with_inductor": {"inductor_configs": compile_options()}}
+        global _REGION_OPTIONS
+        _REGION_OPTIONS = {**compile_options(), "realize_opcount_threshold": REGION_REALIZE_OPS}
         allow_recompiles(GRAPHS_PER_STEP)
         # The cached functions a step calls (`grid_params`, `scaler_params`) turn a format's fields
         # into a small tensor; traced, they build the same constants in the graph, so dynamo's
