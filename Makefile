@@ -40,6 +40,7 @@ bench: venv
 	$(PY) benchmarks/train_step.py --preset host --steps 40 --record
 	$(PY) benchmarks/optimizer_step.py --preset cpu --record
 	$(PY) benchmarks/sweep_overhead.py --record
+	$(PY) benchmarks/warm_trial.py --record
 	$(PY) benchmarks/record.py
 
 lint: venv

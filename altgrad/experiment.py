@@ -132,6 +132,7 @@ WANDB_STATE_FILE = "wandb.json"  # the trial's W&B run id and the last step a fi
 # A trial directory's files, next to its run directory.
 WORKER_FILE = "worker.json"  # the process running it (pid, host, Ray node, start)
 TRIAL_LOG_FILE = "trial.log"  # the trial's log lines across every attempt
+COMPILE_CACHE_DIR = "compile_cache"  # what the trials compiled (altgrad.tune.compile_cache)
 # An experiment's results, next to its trials.
 REPORT_DIR, REPORT_FILE = "report", "report.md"
 LR_SEARCH_FILE = "lr_search.json"  # a learning-rate search's table

@@ -32,6 +32,7 @@ from ray import tune
 
 from altgrad.config import RunConfig
 from altgrad.experiment import (
+    COMPILE_CACHE_DIR,
     METRICS_FILE,
     RUN_DIR,
     TRIAL_LOG_FILE,
@@ -50,8 +51,10 @@ from altgrad.metrics import (
     VAL_STEP,
     model_wide,
 )
+from altgrad.quant.kernels import compiling_disabled
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
+from altgrad.tune import compile_cache
 from altgrad.tune.trial_spec import learning, trial_key, trial_run_config
 from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
 
@@ -68,10 +71,15 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
     run_dir = trial_dir / RUN_DIR
     limit_resources(config["limits"]["cpus"], config["limits"]["gpu_fraction"])
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # no line per persisted checkpoint
+    storage = tune.get_context().get_storage()
+    cache = f"{storage.experiment_fs_path}/{COMPILE_CACHE_DIR}"
     with trial_log(trial_dir / TRIAL_LOG_FILE):
         (trial_dir / WORKER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
              "started": time.time()}))
+        if not compiling_disabled():
+            log.info("trial %s: compile cache: %d artifact files loaded", trial_key(config),
+                     compile_cache.load(storage.storage_filesystem, cache))
         history = read_jsonl(run_dir / METRICS_FILE)  # read before the trainer trims it
         with trial_run(wandb, trial_key(config), cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
             reporter = TuneReporter(SweepSignals(cfg.stability.stall_stop, cfg.optim.lr,
@@ -82,6 +90,8 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
                 summary = Trainer(cfg, run_dir).fit(report=reporter, resume=resume,
                                                     on_event=None if run is None else run.event)
             reporter.report_if_silent()
+        if not compiling_disabled() and compile_cache.save(storage.storage_filesystem, cache, trial_key(config)):
+            log.info("trial %s: saved what it compiled to the compile cache", trial_key(config))
         log.info("trial %s: %s after %s steps, best val loss %.4f", trial_key(config),
                  summary["stop_reason"], summary["steps"], summary["best_val_loss"])
 
@@ -211,9 +221,13 @@ class TuneReporter:
         self._history: list[dict[str, Any]] | None = history
         self._last = history[-1] if history else None
         self.attach_checkpoints = attach_checkpoints
+        self._created = time.monotonic()  # until the first report: building, compiling, one step
 
     def __call__(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
         step = metrics[STEP]
+        if self._created is not None:
+            log.info("first report (step %d) after %.1f s", step, time.monotonic() - self._created)
+            self._created = None
         if self._history is not None:  # resumed: replay what the run logged before this step
             for row in self._history:
                 if row.get(STEP, math.inf) < step:
