@@ -229,13 +229,19 @@ def loss_and_grads(model: nn.Module, params: list[nn.Parameter]) -> tuple[torch.
     return logits.detach(), [p.grad.clone() for p in params]
 
 
+def template(**settings) -> LinearQuantPolicy:
+    """The settings every quantized layer shares; input and weight formats come from the rules."""
+    e5m2 = get_format("e5m2")
+    return LinearQuantPolicy(e5m2, e5m2, e5m2, **settings)
+
+
 def same_run(a, b) -> bool:
     return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
 
 
 def test_all_roles_off_is_bit_identical_to_the_unconverted_model(eager_kernels):
     plain, converted = tiny_gpt(), tiny_gpt()
-    convert_to_quantized(converted, LayerPolicy.build("all", "e4m3", quantized=()))
+    convert_to_quantized(converted, LayerPolicy.build("all", "e4m3", template(quantized=())))
     for layer in quantized_layers(converted).values():
         layer.collect_stats = True
     want = loss_and_grads(plain, list(plain.parameters()))
@@ -256,8 +262,8 @@ def test_grad_output_off_leaves_the_gradient_of_the_quantized_forward(eager_kern
     fmt = get_format("e4m3")
     dynamic = ScalingPolicy(mode="dynamic")  # the scale depends on the tensor alone, as in `ste`
     forward_only = tiny_gpt()
-    convert_to_quantized(forward_only, LayerPolicy.build("all", "e4m3", scaling=dynamic,
-                                                         quantized=("input", "weight")))
+    convert_to_quantized(forward_only, LayerPolicy.build("all", "e4m3", template(scaling=dynamic,
+                                                                  quantized=("input", "weight"))))
     reference = tiny_gpt()
     for name in linear_layers(reference):
         parent, _, child = name.rpartition(".")
@@ -269,7 +275,7 @@ def test_grad_output_off_leaves_the_gradient_of_the_quantized_forward(eager_kern
     assert all(layer.scalers["grad_output"].amax == 0 for layer in layers)
     assert all(layer.scalers["input"].amax > 0 for layer in layers)
     full = tiny_gpt()
-    convert_to_quantized(full, LayerPolicy.build("all", "e4m3", scaling=dynamic))
+    convert_to_quantized(full, LayerPolicy.build("all", "e4m3", template(scaling=dynamic)))
     logits, grads = loss_and_grads(full, list(full.parameters()))
     assert torch.equal(logits, got[0]) and not all(map(torch.equal, grads, got[1]))
 

@@ -32,7 +32,7 @@ from altgrad.quant.linear import QuantizedLinear, by_weight_format
 
 
 class ManifoldAdamW(torch.optim.Optimizer):
-    _step_supports_amp_scaling = True
+    _step_supports_amp_scaling = True  # torch's flag: step(found_inf=...) skips a non-finite step
 
     def __init__(self, params, layers: dict[nn.Parameter, QuantizedLinear], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,

@@ -26,6 +26,7 @@ from altgrad.quant.kernels import (
     Kernel,
     Scale,
     constants,
+    family,
     grid_params,
     round_nearest,
     scale_tensor,
@@ -144,8 +145,7 @@ def encode(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None) -> torch
     p = grid_params(fmt, True, torch.float32, x.device)
     s = scale_tensor(scale, torch.float32, x.device)
     with torch.no_grad():
-        codes = _ENCODE(x.reshape(-1).detach(), s, p, code_params(fmt, x.device), fmt.mbits == 0,
-                        not fmt.subnormals)
+        codes = _ENCODE(x.reshape(-1).detach(), s, p, code_params(fmt, x.device), *family(fmt))
     return codes.view(x.shape)
 
 
@@ -187,6 +187,6 @@ def code_moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], fmt: 
     s = [scale_tensor(scale, torch.float32, device) for scale in scales]
     with torch.no_grad():
         counts = _MOVES([w.detach() for w in w_olds], [w.detach() for w in w_news], s, p,
-                        code_params(fmt, device), fmt.mbits == 0, not fmt.subnormals)
+                        code_params(fmt, device), *family(fmt))
     at_least = torch.cat([counts[:, :1], counts[:, 3:], counts.new_zeros(len(w_olds), 1)], dim=1)
     return {"changed": counts[:, 1], "stalled": counts[:, 2], "histogram": at_least[:, :-1] - at_least[:, 1:]}

@@ -8,53 +8,35 @@ touched.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
 from torch import nn
 
 from altgrad.precision import BASELINE, policy_rules
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear
 
 
 @dataclass(frozen=True)
 class LayerPolicy:
-    """Which layers get which format, plus the settings every quantized layer shares (see
-    `LinearQuantPolicy`: `quantized` names the roles that are quantized, `grad_scaling` scales the
-    gradient apart from the rest)."""
+    """Which layers get which format (`rules`), and what every quantized layer shares: `template`,
+    a layer's `LinearQuantPolicy` but for its input and weight formats, which each layer's rule
+    sets (grad_output keeps the template's format: gradients have their own)."""
 
     rules: tuple[tuple[str, FormatSpec | None], ...]  # (pattern, format); None: high precision
-    grad_format: FormatSpec = field(default_factory=lambda: get_format("e5m2"))
-    scaling: ScalingPolicy = ScalingPolicy()
-    grad_scaling: ScalingPolicy | None = None
-    rounding: str = "nearest"
-    clip_ste: bool = False
-    quantized: tuple[str, ...] = ROLES
+    template: LinearQuantPolicy = field(default_factory=lambda: LinearQuantPolicy(*[get_format("e5m2")] * 3))
 
     @classmethod
-    def build(
-        cls,
-        precision: str | Sequence[tuple[str, str]],
-        fmt: str,
-        **settings,
-    ) -> LayerPolicy:
+    def build(cls, precision: str | Sequence[tuple[str, str]], fmt: str,
+              template: LinearQuantPolicy | None = None) -> LayerPolicy:
         """From a preset name (`altgrad.precision.PRECISION_PRESETS`) or `(pattern, format)` pairs."""
         rules = tuple((pattern, None if f.lower() == BASELINE else get_format(f))
                       for pattern, f in policy_rules(precision, fmt))
-        return cls(rules=rules, **settings)
+        return cls(rules) if template is None else cls(rules, template)
 
     def layer_policy(self, fmt: FormatSpec) -> LinearQuantPolicy:
-        return LinearQuantPolicy(
-            input=fmt,
-            weight=fmt,
-            grad_output=self.grad_format,
-            scaling=self.scaling,
-            grad_scaling=self.grad_scaling,
-            rounding=self.rounding,
-            clip_ste=self.clip_ste,
-            quantized=self.quantized,
-        )
+        return replace(self.template, input=fmt, weight=fmt)
 
     def assign(self, names: Sequence[str]) -> dict[str, FormatSpec]:
         """Layer name -> format for every layer that gets quantized; unmatched rules are errors."""

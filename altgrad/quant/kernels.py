@@ -92,6 +92,13 @@ def grid_values(fmt: FormatSpec, saturate: bool, mantissa_bits: int) -> tuple[fl
     return tuple(values[i] for i in range(len(values)))
 
 
+def family(fmt: FormatSpec) -> tuple[bool, bool]:
+    """(m0, ftz): the two traits of a format the kernels' code branches on (E?M0's tie fix-up, a
+    flush-to-zero grid); every other trait is a value in `grid_params`. One compiled graph serves
+    a family."""
+    return fmt.mbits == 0, not fmt.subnormals
+
+
 def grid_params(fmt: FormatSpec, saturate: bool, dtype: torch.dtype, device: torch.device) -> Constants:
     """fmt's constants as one tensor of the container dtype (entries: CLAMP_LO ... TO_FIELD)."""
     return constants(grid_values(fmt, saturate, MANTISSA_BITS[dtype]), dtype, device)

@@ -20,6 +20,7 @@ from altgrad.quant.kernels import (
     Kernel,
     Scale,
     container_dtype,
+    family,
     grid_params,
     nearest,
     nearest_scaled,
@@ -60,15 +61,15 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None,
                         f"{getattr(x, 'dtype', type(x).__name__)}")
     dtype = container_dtype(x.dtype)
     p = grid_params(fmt, bool(saturate), dtype, x.device)
-    flat, ftz = x.reshape(-1).detach(), not fmt.subnormals  # detach last: no `_base` for dynamo to guard on
+    (m0, ftz), flat = family(fmt), x.reshape(-1).detach()  # detach last: no `_base` for dynamo to guard on
     noise = rounding_noise(flat, rounding, generator)
     with torch.no_grad():
         if noise is not None:
             out = _STOCHASTIC(flat, scale_tensor(scale, dtype, x.device), p, ftz, noise)
         elif scale is None:
-            out = _NEAREST(flat, p, fmt.mbits == 0, ftz)
+            out = _NEAREST(flat, p, m0, ftz)
         else:
-            out = _NEAREST_SCALED(flat, scale_tensor(scale, dtype, x.device), p, fmt.mbits == 0, ftz)
+            out = _NEAREST_SCALED(flat, scale_tensor(scale, dtype, x.device), p, m0, ftz)
     return out.view(x.shape)
 
 

@@ -23,6 +23,7 @@ from altgrad.quant.kernels import (
     Constants,
     Kernel,
     container_dtype,
+    family,
     grid_params,
     nearest_scaled,
     stochastic,
@@ -59,7 +60,7 @@ class TensorStats(nn.Module):
         """Count x and q = quantize(x, fmt, scale), sampled."""
         p = grid_params(fmt, True, torch.float32, x.device)
         self.counted.add_(_COUNT(sample(x), sample(q), scale.detach().float(), p, code_params(fmt, x.device),
-                                 fmt.mbits == 0, not fmt.subnormals))
+                                 *family(fmt)))
 
     def reset(self) -> None:
         self.counted.zero_()
@@ -86,11 +87,16 @@ def _step_in_graph(x: torch.Tensor, scaler: TensorScaler, noise: torch.Tensor | 
                    count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`_step` as a region of a step graph, with everything a quantized tensor needs inside it: the
     amax, x's reshapes (x of any shape) and the format's constants (`kernels.constants`)."""
-    fmt, flat = scaler.fmt, x.reshape(-1)
-    q, s, counts = _step(flat, *torch.aminmax(flat), scaler.state,
-                         scaler.step_params(), grid_params(fmt, True, container_dtype(x.dtype), x.device),
-                         code_params(fmt, x.device), fmt.mbits == 0, not fmt.subnormals, noise, count)
+    flat = x.reshape(-1)
+    q, s, counts = _step(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, count)
     return q.view(x.shape), s, counts
+
+
+def _step_args(x: torch.Tensor, scaler: TensorScaler) -> tuple:
+    """What `_step` takes from the scaler and its format, for x: state, constants and family."""
+    fmt = scaler.fmt
+    return (scaler.state, scaler.step_params(), grid_params(fmt, True, container_dtype(x.dtype), x.device),
+            code_params(fmt, x.device), *family(fmt))
 
 
 _STEP = Kernel(_step)
@@ -114,10 +120,7 @@ def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "n
     if torch.compiler.is_compiling():
         q, s, counts = _STEP_IN_GRAPH(x.detach(), scaler, noise, count)
     else:
-        fmt = scaler.fmt
-        q, s, counts = _STEP(flat, *torch.aminmax(flat), scaler.state,
-                             scaler.step_params(), grid_params(fmt, True, container_dtype(x.dtype), x.device),
-                             code_params(fmt, x.device), fmt.mbits == 0, not fmt.subnormals, noise, count)
+        q, s, counts = _STEP(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, count)
         q = q.view(x.shape)
     if stats is not None:
         stats.counted.add_(counts)

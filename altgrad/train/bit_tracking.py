@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from altgrad.experiment import BIT_POSITIONS_FILE
+from altgrad.metrics import STEP
 from altgrad.quant.codes import MOVE_BINS, encode
 from altgrad.quant.linear import QuantizedLinear, by_weight_format
 from altgrad.train.run_files import RunFiles
@@ -50,7 +51,7 @@ class BitTracker:
     def rows(self, step: int, values: list[float]) -> dict:
         """The jsonl row of one step from `observe`'s values, as read in the host sync."""
         width = len(MOVE_BINS) + len(next(iter(self.samples.values())))
-        out = {"step": step, "bins": list(MOVE_BINS), "layers": {}}
+        out = {STEP: step, "bins": list(MOVE_BINS), "layers": {}}
         for i, name in enumerate(self.layers):
             row = [int(v) for v in values[i * width:(i + 1) * width]]
             out["layers"][name] = {"moved": row[:len(MOVE_BINS)], "sample_codes": row[len(MOVE_BINS):]}

@@ -27,7 +27,7 @@ from altgrad.metrics import (
 from altgrad.quant.codes import code_moves_all
 from altgrad.quant.convert import linear_layers
 from altgrad.quant.formats import FormatSpec
-from altgrad.quant.kernels import MAX, Kernel, grid_params, nearest_scaled
+from altgrad.quant.kernels import MAX, Kernel, family, grid_params, nearest_scaled
 from altgrad.quant.linear import ROLES, QuantizedLinear, by_weight_format
 from altgrad.quant.scaling import abs_max, scale_for
 
@@ -85,12 +85,11 @@ def gradient_stats(grads: list[torch.Tensor], fmt: FormatSpec) -> torch.Tensor:
     snr is the SQNR (dB) of g under `fmt` with per-tensor amax scaling: how much the format would
     lose.
 
-    One compiled call for all of them, two passes over each (five passes and ~20 eager ops per
-    gradient before; one call per gradient cost ~0.1 ms of host time each).
+    One compiled call for all of them, two passes over each: a compiled call's host time, not the
+    passes, is what a gradient costs (docs/design.md).
     """
     grads = [g.detach() for g in grads]
-    return _GRADIENT_STATS(grads, grid_params(fmt, True, torch.float32, grads[0].device), fmt.mbits == 0,
-                           not fmt.subnormals)
+    return _GRADIENT_STATS(grads, grid_params(fmt, True, torch.float32, grads[0].device), *family(fmt))
 
 
 @cache

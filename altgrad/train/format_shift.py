@@ -9,6 +9,7 @@ restored before the state dict so a resumed run keeps the shifted formats.
 
 from __future__ import annotations
 
+from altgrad.experiment import EventKind
 from altgrad.quant.formats import get_format
 from altgrad.quant.linear import QuantizedLinear
 from altgrad.quant.scaling import compute_scale
@@ -31,7 +32,7 @@ def shift_layers(layers: dict[str, QuantizedLinear], names: list[str], reason: s
             scaler = layer.scalers[role]
             if scaler.mode != "none":
                 scaler.scale.copy_(compute_scale(scaler.estimate(), new, scaler.margin, scaler.pow2, scaler.scale))
-        events.append(Event("format_shift", f"{name}: {old.name} -> {new.name} ({reason})",
+        events.append(Event(EventKind.FORMAT_SHIFT, f"{name}: {old.name} -> {new.name} ({reason})",
                             {"layer": name, "from": old.name, "to": new.name, "reason": reason}))
     return events
 

@@ -50,7 +50,7 @@ from altgrad.optim import build_optimizer
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, quantized_layers
 from altgrad.quant.formats import get_format
 from altgrad.quant.kernels import StepGraph
-from altgrad.quant.linear import ScalingPolicy
+from altgrad.quant.linear import LinearQuantPolicy, ScalingPolicy
 from altgrad.quant.quantize import quantize
 from altgrad.train.bit_tracking import BitPositionsFile, BitTracker
 from altgrad.train.checkpoint import (
@@ -117,16 +117,16 @@ def build_model(cfg: RunConfig) -> GPT:
     q = cfg.quant
     if not q.is_baseline:
         precision = q.precision if isinstance(q.precision, str) else [(r.pattern, r.format) for r in q.precision]
-        policy = LayerPolicy.build(
-            precision,
-            q.format,
-            grad_format=get_format(q.grad_format),
+        grad_format = get_format(q.grad_format)
+        template = LinearQuantPolicy(
+            input=grad_format, weight=grad_format, grad_output=grad_format,  # input, weight: per rule
             scaling=ScalingPolicy(**q.scaling.model_dump()),
             grad_scaling=ScalingPolicy(**q.grad_scaling.model_dump()),
             rounding=q.rounding,
             clip_ste=q.clip_ste,
             quantized=q.roles.enabled,
         )
+        policy = LayerPolicy.build(precision, q.format, template)
         convert_to_quantized(model, policy)
     return model
 
