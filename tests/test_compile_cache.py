@@ -1,68 +1,58 @@
 """The experiment's compile cache (altgrad.tune.compile_cache): what one trial process compiled, a
-trial process with an empty inductor cache (another node, a replaced spot instance) loads instead
-of compiling."""
+later trial process does not compile again -- on the same machine from the experiment's directory,
+and on another node (its own empty temp dir) from a real S3-compatible bucket."""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from pyarrow.fs import LocalFileSystem
-
-from altgrad.tune import compile_cache
-
-# A trial process in miniature: load the experiment's cache (or not), compile a quantizer kernel,
-# save what it compiled; print the inductor cache counters and what load / save returned.
+# A trial process in miniature: use the experiment's compile cache at URI, compile a quantizer
+# kernel, publish; print how many files the cache held, the inductor cache counters and whether
+# it published.
 TRIAL = """
 import json, sys, torch
-from pyarrow.fs import LocalFileSystem
+from pyarrow.fs import FileSystem
 from torch._dynamo.utils import counters
 from altgrad.quant import quantize
 from altgrad.tune import compile_cache
-fs, cache, load = LocalFileSystem(), sys.argv[1], sys.argv[2] == "load"
-loaded = compile_cache.load(fs, cache) if load else 0
+fs, path = FileSystem.from_uri(sys.argv[1])
+held = compile_cache.use(fs, path)
 quantize(torch.linspace(-3, 3, 1000), "e4m3")
-saved = sys.argv[3] != "-" and compile_cache.save(fs, cache, sys.argv[3])
-print(json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"],
+print(json.dumps({"held": held, "published": compile_cache.publish(fs, path),
+                  "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"]}))
 """
 
 
-def trial(tmp_path: Path, inductor: str, load: bool, name: str) -> dict:
-    """The trial in a fresh process with its own inductor cache; it saves as `name` ('-': not)."""
-    env = {**{k: v for k, v in os.environ.items() if k != "ALTGRAD_NO_COMPILE"},
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / inductor)}
-    out = subprocess.run([sys.executable, "-c", TRIAL, str(tmp_path / "compile_cache"),
-                          "load" if load else "no", name],
-                         env=env, check=True, capture_output=True, text=True).stdout
+def trial(uri: str, node: Path) -> dict:
+    """The trial in a fresh process on `node` (its temp dir; no inductor cache of its own)."""
+    node.mkdir(parents=True, exist_ok=True)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("ALTGRAD_NO_COMPILE", "TORCHINDUCTOR_CACHE_DIR")},
+           "TMPDIR": str(node)}
+    out = subprocess.run([sys.executable, "-c", TRIAL, uri], env=env, check=True, capture_output=True,
+                         text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_a_trial_on_an_empty_inductor_cache_loads_what_an_earlier_trial_compiled(tmp_path):
-    first = trial(tmp_path, "node-a", load=False, name="first")
-    assert first["misses"] > 0 and first["saved"]
-    assert (tmp_path / "compile_cache" / "first.bin").is_file()
-    assert not list((tmp_path / "compile_cache").glob("*.partial"))
-
-    # Another node: its inductor cache is empty; without the experiment's cache it compiles ...
-    assert trial(tmp_path, "node-b", load=False, name="-")["misses"] > 0
-    # ... with it, it compiles nothing and so saves nothing.
-    warm = trial(tmp_path, "node-c", load=True, name="warm")
-    assert (warm["loaded"], warm["misses"], warm["saved"]) == (1, 0, False)
-    assert warm["hits"] > 0
-    assert not (tmp_path / "compile_cache" / "warm.bin").exists()
+def test_local_storage_a_later_trial_compiles_nothing_again(tmp_path):
+    cache = tmp_path / "experiment" / "compile_cache"
+    first = trial(cache.as_uri(), tmp_path / "node")
+    assert (first["held"], first["published"]) == (0, False) and first["misses"] > 0  # written in place
+    assert any(f.is_file() for f in cache.rglob("*"))
+    later = trial(cache.as_uri(), tmp_path / "node")
+    assert later["held"] > 0 and later["hits"] > 0 and later["misses"] == 0
+    # the comparison can fail: the same trial with an empty cache compiles
+    assert trial((tmp_path / "other" / "compile_cache").as_uri(), tmp_path / "node")["misses"] > 0
 
 
-def test_an_unreadable_artifact_file_is_skipped_with_a_warning(tmp_path, caplog):
-    cache = tmp_path / "compile_cache"
-    cache.mkdir()
-    (cache / "partial-upload.bin").write_bytes(b"not a cache artifact")
-    (cache / "notes.txt").write_text("not an artifact file at all")
-    with caplog.at_level(logging.WARNING, logger="altgrad.tune.trial"):
-        assert compile_cache.load(LocalFileSystem(), str(cache)) == 0
-    assert "partial-upload.bin" in caplog.text and "notes.txt" not in caplog.text
-    assert compile_cache.load(LocalFileSystem(), str(tmp_path / "never-made")) == 0
+def test_remote_storage_a_trial_on_another_node_fetches_what_one_published(s3_bucket, tmp_path):
+    uri = f"{s3_bucket}/cache-test/experiment/compile_cache"
+    first = trial(uri, tmp_path / "node-a")
+    assert (first["held"], first["published"]) == (0, True) and first["misses"] > 0
+    other = trial(uri, tmp_path / "node-b")  # another node: nothing in its temp dir
+    assert other["held"] > 0 and other["hits"] > 0 and other["misses"] == 0
+    assert not other["published"]  # it compiled nothing new, so it uploads nothing

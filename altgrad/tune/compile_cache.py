@@ -1,68 +1,62 @@
-"""A sweep's compile cache: the step graphs and kernels its trials compiled, kept with the experiment.
+"""A sweep's compile cache: inductor's cache directory, kept with the experiment.
 
-Every trial is a fresh process that compiles its step graph and kernels before its first step. On
-one machine inductor's on-disk cache (under /tmp by default) spares a later trial the code
-generation, but not a trial on another node, nor any trial on the machine that replaces a killed
-spot instance. So a trial that compiled something its caches did not hold saves torch's portable
-cache artifacts (`torch.compiler.save_cache_artifacts`) as `<experiment>/compile_cache/<key>.bin`
-on the experiment's storage, and every trial loads all of them before it builds its model: a
-trial whose graphs an earlier trial compiled (same format family, model and shapes) skips their
-code generation wherever it runs. What that saves is measured by `benchmarks/warm_trial.py`.
+Every trial is a fresh process that compiles its step graph and kernels before its first step.
+Inductor keeps what it compiled in a cache directory (TORCHINDUCTOR_CACHE_DIR; by default under
+/tmp, per machine), so a later trial on the same machine skips the code generation -- but a trial
+on another node does not, nor any trial on the machine that replaces a killed spot instance. So
+the experiment keeps the directory, `<experiment>/compile_cache/`: on local (or mounted, shared)
+storage every trial uses it in place; on remote storage a trial fetches it into a directory of its
+node before it compiles and copies it back if it compiled anything the cache lacked. (torch's
+portable cache artifacts, `torch.compiler.save_cache_artifacts`, do not hold the regions of a
+step graph: they come back empty.) What it saves: `benchmarks/warm_trial.py`.
 """
 
 from __future__ import annotations
 
-import logging
+import hashlib
+import os
+import tempfile
+from pathlib import Path
 
-import torch
-from pyarrow.fs import FileSelector, FileSystem, FileType
+from pyarrow.fs import FileSystem, FileType, LocalFileSystem, copy_files
 
-log = logging.getLogger("altgrad.tune.trial")
-
-SUFFIX = ".bin"
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def compiled_anything_new() -> bool:
-    """Whether this process generated code its caches did not hold (an inductor cache miss)."""
+    """Whether this process compiled a graph its cache did not hold (a kernel: inductor's FX graph
+    cache; a step graph's region: AOTAutograd's cache)."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_miss"] > 0
+    return counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"] > 0
 
 
-def load(fs: FileSystem, directory: str) -> int:
-    """Load every artifact file in `directory` into this process's compile caches; how many it
-    loaded. A file that cannot be read or loaded (a partial upload, another torch version) is
-    skipped with a warning: a cache can only save time, never fail a trial."""
-    loaded = 0
-    for info in fs.get_file_info(FileSelector(directory, allow_not_found=True)):
-        if info.type != FileType.File or not info.path.endswith(SUFFIX):
-            continue
-        try:
-            with fs.open_input_stream(info.path) as f:
-                # None: torch found the bytes corrupt (it logs why) and loaded nothing
-                loaded_now = torch.compiler.load_cache_artifacts(f.read()) is not None
-            why = "not cache artifacts of this torch"
-        except Exception as err:  # noqa: BLE001 - any failure means: compile as without a cache
-            loaded_now, why = False, f"{type(err).__name__}: {err}"
-        if loaded_now:
-            loaded += 1
-        else:
-            log.warning("compile cache: skipped %s (%s)", info.path, why)
-    return loaded
+def node_directory(fs: FileSystem, directory: str) -> str:
+    """Where this process keeps the cache of `directory` on `fs`: the directory itself on local
+    storage, else one directory per experiment under this node's temp dir."""
+    if fs.type_name == "local":
+        return directory
+    digest = hashlib.sha256(f"{fs.type_name}:{directory}".encode()).hexdigest()[:16]
+    return str(Path(tempfile.gettempdir()) / "altgrad-compile-cache" / digest)
 
 
-def save(fs: FileSystem, directory: str, name: str) -> bool:
-    """Save this process's cache artifacts as `directory/name.bin` if it compiled anything new;
-    whether it saved. Written under a temporary name and moved into place, so a reader never loads
-    a partial file."""
-    if not compiled_anything_new():
-        return False
-    artifacts = torch.compiler.save_cache_artifacts()
-    if artifacts is None:
+def use(fs: FileSystem, directory: str) -> int:
+    """Make `directory` on `fs` this process's inductor cache (before anything compiles): fetched to
+    `node_directory` when remote. Returns how many cached files it then holds."""
+    local = node_directory(fs, directory)
+    Path(local).mkdir(parents=True, exist_ok=True)
+    if local != directory and fs.get_file_info(directory).type == FileType.Directory:
+        copy_files(directory, local, source_filesystem=fs, destination_filesystem=LocalFileSystem())
+    os.environ[CACHE_ENV] = local
+    return sum(len(files) for _, _, files in os.walk(local))
+
+
+def publish(fs: FileSystem, directory: str) -> bool:
+    """Copy this process's cache back to `directory` on remote storage if it compiled anything the
+    cache lacked; whether it copied. (On local storage the trial wrote there already.)"""
+    local = node_directory(fs, directory)
+    if local == directory or not compiled_anything_new():
         return False
     fs.create_dir(directory, recursive=True)
-    partial = f"{directory}/{name}{SUFFIX}.partial"
-    with fs.open_output_stream(partial) as f:
-        f.write(artifacts[0])
-    fs.move(partial, f"{directory}/{name}{SUFFIX}")
+    copy_files(local, directory, source_filesystem=LocalFileSystem(), destination_filesystem=fs)
     return True

@@ -2,9 +2,10 @@
 
 Per trial it builds the RunConfig from the trial config, holds torch to its share of the machine
 (threads = its CPUs, GPU memory = its GPU fraction), keeps `trial.log` and `worker.json` next to
-the run directory in the trial directory, and resumes from the newest checkpoint it can find: its
-own run directory first (after a driver kill that is at most one checkpoint interval old), else
-Tune's checkpoint (a retry on another node). Every trainer report goes to `tune.report`, plus
+the run directory in the trial directory, compiles into the experiment's compile cache
+(`compile_cache`: a trial on a new node need not compile what another trial did), and resumes
+from the newest checkpoint it can find: its own run directory first (after a driver kill that is
+at most one checkpoint interval old), else Tune's checkpoint (a retry on another node). Every trainer report goes to `tune.report`, plus
 what the sweep's deciders need (`SweepSignals`).
 
 Checkpoints are attached to the reports only on remote storage, where a node's trial directory
@@ -78,8 +79,8 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
             {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
              "started": time.time()}))
         if not compiling_disabled():
-            log.info("trial %s: compile cache: %d artifact files loaded", trial_key(config),
-                     compile_cache.load(storage.storage_filesystem, cache))
+            log.info("trial %s: compile cache %s: %d files", trial_key(config), cache,
+                     compile_cache.use(storage.storage_filesystem, cache))
         history = read_jsonl(run_dir / METRICS_FILE)  # read before the trainer trims it
         with trial_run(wandb, trial_key(config), cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
             reporter = TuneReporter(SweepSignals(cfg.stability.stall_stop, cfg.optim.lr,
@@ -90,8 +91,8 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
                 summary = Trainer(cfg, run_dir).fit(report=reporter, resume=resume,
                                                     on_event=None if run is None else run.event)
             reporter.report_if_silent()
-        if not compiling_disabled() and compile_cache.save(storage.storage_filesystem, cache, trial_key(config)):
-            log.info("trial %s: saved what it compiled to the compile cache", trial_key(config))
+        if not compiling_disabled() and compile_cache.publish(storage.storage_filesystem, cache):
+            log.info("trial %s: copied what it compiled to the compile cache", trial_key(config))
         log.info("trial %s: %s after %s steps, best val loss %.4f", trial_key(config),
                  summary["stop_reason"], summary["steps"], summary["best_val_loss"])
 
