@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from altgrad.precision import BASELINE, FORMAT_PLACEHOLDER, PRECISION_PRESETS
+from altgrad.scaling_policy import AmaxAlgo, ScalingMode, ScalingPolicy
 
 
 class ConfigError(ValueError):
@@ -91,13 +92,17 @@ class DataConfig(StrictModel):
 
 
 class ScalingConfig(StrictModel):
-    """Per-tensor scaling of a quantized tensor (SPEC §2): `none` is the format's raw range."""
+    """Per-tensor scaling of a quantized tensor (SPEC §2): `none` is the format's raw range. The
+    YAML form of `ScalingPolicy`, whose allowed values and defaults it takes."""
 
-    mode: Literal["none", "dynamic", "delayed"] = "delayed"
-    history_len: int = Field(16, ge=1)
-    algo: Literal["max", "most_recent"] = "max"
-    margin: int = 0
-    pow2: bool = True
+    mode: ScalingMode = ScalingPolicy.mode
+    history_len: int = Field(ScalingPolicy.history_len, ge=1)
+    algo: AmaxAlgo = ScalingPolicy.algo
+    margin: int = ScalingPolicy.margin
+    pow2: bool = ScalingPolicy.pow2
+
+    def policy(self) -> ScalingPolicy:
+        return ScalingPolicy(**self.model_dump())
 
 
 class LayerRule(StrictModel):

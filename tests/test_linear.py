@@ -12,10 +12,11 @@ from torch import nn
 from altgrad.model import GPT, GPTConfig
 from altgrad.quant import encode, get_format
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, linear_layers, quantized_layers
-from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear
 from altgrad.quant.quantize import quantize, straight_through
 from altgrad.quant.scaling import TensorScaler, abs_max, compute_scale
 from altgrad.quant.step import STATS_SAMPLE, TensorStats, quantize_step
+from altgrad.scaling_policy import ScalingPolicy
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 

@@ -15,9 +15,10 @@ from altgrad.optim import build_optimizer
 from altgrad.optim.manifold import ManifoldAdamW
 from altgrad.quant.codes import decode, encode
 from altgrad.quant.formats import FORMATS, FormatSpec
-from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear, ScalingPolicy
+from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear
 from altgrad.quant.quantize import quantize
 from altgrad.quant.stall import bit_stall_mask, stiffness
+from altgrad.scaling_policy import ScalingPolicy
 from altgrad.train import Trainer
 
 

@@ -26,18 +26,10 @@ from altgrad.quant.formats import FormatSpec
 from altgrad.quant.quantize import quantize, straight_through
 from altgrad.quant.scaling import TensorScaler
 from altgrad.quant.step import TensorStats, quantize_step
+from altgrad.scaling_policy import ScalingPolicy
 
 ROLES = ("input", "weight", "grad_output")
 K = TypeVar("K")
-
-
-@dataclass(frozen=True)
-class ScalingPolicy:
-    mode: str = "delayed"
-    history_len: int = 16
-    algo: str = "max"
-    margin: int = 0
-    pow2: bool = True
 
 
 @dataclass(frozen=True)
@@ -73,10 +65,6 @@ class LinearQuantPolicy:
         return role in self.quantized
 
 
-def _scaler(fmt: FormatSpec, s: ScalingPolicy) -> TensorScaler:
-    return TensorScaler(fmt, s.mode, s.history_len, s.algo, s.margin, s.pow2)
-
-
 class _QuantizeGradOutput(torch.autograd.Function):
     """Identity forward; quantizes the incoming gradient in backward (the 'hybrid' recipe), counted
     when the forward was."""
@@ -108,7 +96,7 @@ class QuantizedLinear(nn.Linear):
     def _setup(self, policy: LinearQuantPolicy, device: torch.device) -> None:
         self.policy = policy
         self.collect_stats = False
-        self.scalers = nn.ModuleDict({role: _scaler(policy.format_of(role), policy.scaling_of(role))
+        self.scalers = nn.ModuleDict({role: TensorScaler.from_policy(policy.format_of(role), policy.scaling_of(role))
                                       for role in ROLES}).to(device)
         self.stats = nn.ModuleDict({role: TensorStats() for role in ROLES}).to(device)
 

@@ -10,16 +10,13 @@ bad step cannot poison the history.
 from __future__ import annotations
 
 from functools import cache
-from typing import Literal
 
 import torch
 from torch import nn
 
 from altgrad.quant.formats import FormatSpec, get_format
 from altgrad.quant.kernels import Constants, Kernel, constants
-
-ScalingMode = Literal["none", "dynamic", "delayed"]
-AmaxAlgo = Literal["max", "most_recent"]
+from altgrad.scaling_policy import AmaxAlgo, ScalingMode, ScalingPolicy
 
 
 def abs_max(x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +110,7 @@ class AmaxHistory(nn.Module):
 
     def __init__(self, history_len: int = 16, algo: AmaxAlgo = "max"):
         super().__init__()
-        _check_history(history_len, algo)
+        ScalingPolicy(history_len=history_len, algo=algo)  # validates them
         self.algo = algo
         self.register_buffer("amax_history", torch.zeros(history_len))
 
@@ -126,13 +123,6 @@ class AmaxHistory(nn.Module):
 
     def extra_repr(self) -> str:
         return f"history_len={self.amax_history.numel()}, algo={self.algo!r}"
-
-
-def _check_history(history_len: int, algo: str) -> None:
-    if history_len < 1:
-        raise ValueError(f"history_len must be >= 1, got {history_len}")
-    if algo not in ("max", "most_recent"):
-        raise ValueError(f"algo must be 'max' or 'most_recent', got {algo!r}")
 
 
 # A TensorScaler's `state`: the amax history (oldest first), then the scale, then the last amax.
@@ -154,12 +144,14 @@ class TensorScaler(nn.Module):
     def __init__(self, fmt: str | FormatSpec, mode: ScalingMode = "delayed", history_len: int = 16,
                  algo: AmaxAlgo = "max", margin: float = 0, pow2: bool = True):
         super().__init__()
-        _check_history(history_len, algo)
-        if mode not in ("none", "dynamic", "delayed"):
-            raise ValueError(f"mode must be 'none', 'dynamic' or 'delayed', got {mode!r}")
+        ScalingPolicy(mode, history_len, algo, margin, pow2)  # validates them
         self.mode, self.algo, self.margin, self.pow2 = mode, algo, margin, pow2
         self.register_buffer("state", torch.cat([torch.zeros(history_len), torch.ones(1), torch.zeros(1)]))
         self.fmt = get_format(fmt)
+
+    @classmethod
+    def from_policy(cls, fmt: str | FormatSpec, policy: ScalingPolicy) -> TensorScaler:
+        return cls(fmt, policy.mode, policy.history_len, policy.algo, policy.margin, policy.pow2)
 
     @property
     def amax_history(self) -> torch.Tensor:

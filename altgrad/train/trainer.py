@@ -50,7 +50,7 @@ from altgrad.optim import build_optimizer
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, quantized_layers
 from altgrad.quant.formats import get_format
 from altgrad.quant.kernels import StepGraph
-from altgrad.quant.linear import LinearQuantPolicy, ScalingPolicy
+from altgrad.quant.linear import LinearQuantPolicy
 from altgrad.quant.quantize import quantize
 from altgrad.train.bit_tracking import BitPositionsFile, BitTracker
 from altgrad.train.checkpoint import (
@@ -120,8 +120,8 @@ def build_model(cfg: RunConfig) -> GPT:
         grad_format = get_format(q.grad_format)
         template = LinearQuantPolicy(
             input=grad_format, weight=grad_format, grad_output=grad_format,  # input, weight: per rule
-            scaling=ScalingPolicy(**q.scaling.model_dump()),
-            grad_scaling=ScalingPolicy(**q.grad_scaling.model_dump()),
+            scaling=q.scaling.policy(),
+            grad_scaling=q.grad_scaling.policy(),
             rounding=q.rounding,
             clip_ste=q.clip_ste,
             quantized=q.roles.enabled,
