@@ -2,7 +2,7 @@
 
 Plain data, like `altgrad.precision`: the run config validates YAML into it (`ScalingConfig`
 takes its allowed values and defaults from here) and the quantized layers build their scalers from
-it (`TensorScaler.from_policy`), so neither needs the other and reading a config needs no torch.
+it (`TensorScaler(fmt, policy)`), so neither needs the other and reading a config needs no torch.
 """
 
 from __future__ import annotations

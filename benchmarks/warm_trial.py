@@ -49,16 +49,16 @@ def first_step(workdir: Path, cache: str, remote: bool) -> float:
     using the cache to the end of the first step."""
     from train_step import BENCH_PRESETS, build
 
-    from altgrad.tune import compile_cache
+    from altgrad.tune.compile_cache import CompileCache
 
-    fs = OtherNode("/", LocalFileSystem()) if remote else LocalFileSystem()
+    compile_cache = CompileCache(OtherNode("/", LocalFileSystem()) if remote else LocalFileSystem(), cache)
     start = time.perf_counter()
-    compile_cache.use(fs, cache)
+    compile_cache.use()
     preset, bundle = BENCH_PRESETS["host"]
     trainer = build([f"preset={preset}", *bundle, *OVERRIDES], 10, workdir)
     trainer.train_step(2)  # step 1 would evaluate
     seconds = time.perf_counter() - start
-    compile_cache.publish(fs, cache)
+    compile_cache.publish()
     return seconds
 
 

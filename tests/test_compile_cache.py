@@ -18,11 +18,13 @@ import json, sys, torch
 from pyarrow.fs import FileSystem
 from torch._dynamo.utils import counters
 from altgrad.quant import quantize
-from altgrad.tune import compile_cache
-fs, path = FileSystem.from_uri(sys.argv[1])
-held = compile_cache.use(fs, path)
+from altgrad.tune.compile_cache import CompileCache
+cache = CompileCache(*FileSystem.from_uri(sys.argv[1]))
+held = cache.use()
 quantize(torch.linspace(-3, 3, 1000), "e4m3")
-print(json.dumps({"held": held, "published": compile_cache.publish(fs, path),
+published = cache.publish()
+quantize(torch.linspace(-3, 3, 1000), "e5m2")  # the same graph: nothing new to publish
+print(json.dumps({"held": held, "published": published, "again": cache.publish(),
                   "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"]}))
 """
@@ -52,7 +54,7 @@ def test_local_storage_a_later_trial_compiles_nothing_again(tmp_path):
 def test_remote_storage_a_trial_on_another_node_fetches_what_one_published(s3_bucket, tmp_path):
     uri = f"{s3_bucket}/cache-test/experiment/compile_cache"
     first = trial(uri, tmp_path / "node-a")
-    assert (first["held"], first["published"]) == (0, True) and first["misses"] > 0
+    assert (first["held"], first["published"], first["again"]) == (0, True, False) and first["misses"] > 0
     other = trial(uri, tmp_path / "node-b")  # another node: nothing in its temp dir
     assert other["held"] > 0 and other["hits"] > 0 and other["misses"] == 0
     assert not other["published"]  # it compiled nothing new, so it uploads nothing

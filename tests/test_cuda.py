@@ -14,6 +14,7 @@ from altgrad.experiment import read_jsonl
 from altgrad.quant import FORMATS, code_moves, compile_status, decode, encode, quantize
 from altgrad.quant.scaling import TensorScaler
 from altgrad.quant.step import TensorStats
+from altgrad.scaling_policy import ScalingPolicy
 from altgrad.train import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -97,7 +98,7 @@ def test_cuda_scaler_steps_match_cpu(mode, monkeypatch):
           torch.randn(4096, generator=g).bfloat16()]
 
     def run(device: torch.device) -> list[torch.Tensor]:
-        scaler = TensorScaler("e4m3", mode, history_len=4, margin=1).to(device)
+        scaler = TensorScaler("e4m3", ScalingPolicy(mode, history_len=4, margin=1)).to(device)
         return [torch.cat([scaler.update(x.to(device)).reshape(1), scaler.amax.reshape(1),
                            scaler.amax_history]).cpu() for x in xs]
 

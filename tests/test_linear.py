@@ -184,7 +184,7 @@ def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
     xs = [torch.randn(64, 48, generator=gen) * 3, torch.randn(64, 48, generator=gen) * 1e4,
           torch.zeros(64, 48), torch.full((64, 48), float("nan")),
           torch.randn(300, 300, generator=gen) * 1e-3]
-    fused, separate = (TensorScaler(f, mode, history_len=3) for _ in range(2))
+    fused, separate = (TensorScaler(f, ScalingPolicy(mode, history_len=3)) for _ in range(2))
     fused_stats, separate_stats = TensorStats(), TensorStats()
     for i, x in enumerate(xs):
         torch.manual_seed(i)
@@ -312,7 +312,7 @@ def test_grad_scaling_none_quantizes_the_gradient_in_the_raw_format(eager_kernel
 
     both = dict(input=fmt, weight=fmt, grad_output=fmt, scaling=delayed)
     raw, layer = input_grad(LinearQuantPolicy(**both, grad_scaling=ScalingPolicy(mode="none")), g)
-    assert layer.scalers["grad_output"].mode == "none" and layer.scalers["input"].mode == "delayed"
+    assert layer.scalers["grad_output"].policy.mode == "none" and layer.scalers["input"].policy.mode == "delayed"
     unquantized_grad = LinearQuantPolicy(**both, quantized=("input", "weight"))
     assert torch.equal(raw, input_grad(unquantized_grad, quantize(g, fmt))[0])  # the raw quantizer
     scaled, _ = input_grad(LinearQuantPolicy(**both), g)  # grad_scaling None: `scaling`, delayed

@@ -6,8 +6,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from altgrad.quant import FORMATS, quantize
+from altgrad.quant import FORMATS, get_format, quantize
 from altgrad.quant.scaling import AmaxHistory, TensorScaler, compute_scale
+from altgrad.scaling_policy import ScalingPolicy
 
 pytestmark = pytest.mark.usefixtures("eager_kernels")
 
@@ -58,7 +59,7 @@ def test_non_power_of_two_scale_is_one_correctly_rounded_division(mode, monkeypa
         f = FORMATS[name]
         want = (torch.tensor(f.max, dtype=torch.float64) / amax.double()).float()  # correctly rounded
         assert torch.equal(compute_scale(amax, f, pow2=False), want)
-        scaler = TensorScaler(f, "dynamic", pow2=False)
+        scaler = TensorScaler(f, ScalingPolicy("dynamic", pow2=False))
         for a in amax[:20]:
             assert scaler.update(torch.stack([a, -a / 2])) == want[amax == a][0]
 
@@ -110,20 +111,20 @@ def test_amax_history_rejects_bad_settings(kwargs):
 
 def test_bad_mode_is_rejected():
     with pytest.raises(ValueError, match="mode"):
-        TensorScaler("e4m3", mode="static")
+        TensorScaler("e4m3", ScalingPolicy(mode="static"))
     with pytest.raises(ValueError, match="valid"):
         TensorScaler("fp8")
 
 
 def test_mode_none_always_uses_the_raw_range():
-    sc = TensorScaler("e4m3", mode="none")
+    sc = TensorScaler("e4m3", ScalingPolicy(mode="none"))
     for x in (torch.ones(4) * 1000, torch.ones(4) * 1e-3):
         assert sc.update(x).item() == 1.0
     assert sc.amax.item() == pytest.approx(1e-3) and sc.amax_history[-2].item() == 1000
 
 
 def test_dynamic_mode_scales_by_the_current_tensor():
-    sc = TensorScaler("e4m3", mode="dynamic")
+    sc = TensorScaler("e4m3", ScalingPolicy(mode="dynamic"))
     assert sc.update(torch.tensor([0.5, -3.0])).item() == 128
     assert sc.update(torch.tensor([1000.0])).item() == 0.25
     assert sc.update(torch.full((3,), math.nan)).item() == 0.25  # NaN tensor: keep
@@ -133,7 +134,7 @@ def test_dynamic_mode_scales_by_the_current_tensor():
 
 @pytest.mark.parametrize("mode", ["none", "dynamic", "delayed"])
 def test_current_reads_the_scale_without_advancing_the_state(mode):
-    sc = TensorScaler("e4m3", mode=mode, history_len=3)
+    sc = TensorScaler("e4m3", ScalingPolicy(mode=mode, history_len=3))
     for v in (3.0, 100.0):
         sc.update(torch.tensor([v]))
     state = {k: v.clone() for k, v in sc.state_dict().items()}
@@ -144,7 +145,7 @@ def test_current_reads_the_scale_without_advancing_the_state(mode):
 
 
 def test_delayed_mode_scales_by_the_history_before_the_tensor():
-    sc = TensorScaler("e4m3", mode="delayed", history_len=2, algo="max")
+    sc = TensorScaler("e4m3", ScalingPolicy(mode="delayed", history_len=2, algo="max"))
     assert sc.update(torch.tensor([3.0])).item() == 128  # empty history: bootstrap from x
     assert sc.update(torch.tensor([100.0])).item() == 128  # history [3]: x's 100 is not seen yet
     assert sc.update(torch.tensor([1.0])).item() == 4  # history [3, 100]
@@ -155,21 +156,21 @@ def test_delayed_mode_scales_by_the_history_before_the_tensor():
 
 
 def test_delayed_most_recent_follows_the_last_step():
-    sc = TensorScaler("e5m2", mode="delayed", algo="most_recent")
+    sc = TensorScaler("e5m2", ScalingPolicy(mode="delayed", algo="most_recent"))
     sc.update(torch.tensor([1.0]))
     sc.update(torch.tensor([1024.0]))
     assert sc.update(torch.tensor([1.0])).item() == 32  # 57344 / 1024 -> 56 -> 32
 
 
 def test_returned_scale_is_not_the_live_buffer():
-    sc = TensorScaler("e4m3", mode="dynamic")
+    sc = TensorScaler("e4m3", ScalingPolicy(mode="dynamic"))
     s = sc.update(torch.tensor([1.0]))
     sc.update(torch.tensor([100.0]))
     assert s.item() == 256 and sc.scale.item() == 4
 
 
 def test_state_dict_round_trip_resumes_identically():
-    a = TensorScaler("e4m3", mode="delayed", history_len=4)
+    a = TensorScaler("e4m3", ScalingPolicy(mode="delayed", history_len=4))
     xs = [torch.randn(100) * 10**k for k in (0, 2, 1, -1, 0)]
     for x in xs[:3]:
         a.update(x)
@@ -178,7 +179,7 @@ def test_state_dict_round_trip_resumes_identically():
     # a checkpoint from when they were three buffers loads the same state
     three = {"amax_history": a.amax_history.clone(), "scale": a.scale.clone(), "amax": a.amax.clone()}
     for old in (False, True):
-        b = TensorScaler("e4m3", mode="delayed", history_len=4)
+        b = TensorScaler("e4m3", ScalingPolicy(mode="delayed", history_len=4))
         b.load_state_dict(dict(three) if old else state)
         assert torch.equal(b.state, a.state)
     for x in xs[3:]:
@@ -188,7 +189,7 @@ def test_state_dict_round_trip_resumes_identically():
 
 @pytest.mark.parametrize("mode", ["none", "dynamic", "delayed"])
 def test_update_never_syncs_with_the_host(mode, monkeypatch):
-    sc = TensorScaler("e4m3", mode=mode)
+    sc = TensorScaler("e4m3", ScalingPolicy(mode=mode))
     xs = [torch.randn(64), torch.full((4,), math.nan), torch.zeros(4), torch.randn(8) * 1e3]
     with no_host_sync(monkeypatch):
         for x in xs:
@@ -198,8 +199,24 @@ def test_update_never_syncs_with_the_host(mode, monkeypatch):
 
 def test_scaled_quantization_uses_the_format_range():
     x = torch.randn(10_000) * 1e-4
-    sc = TensorScaler("e4m3", mode="dynamic")
+    sc = TensorScaler("e4m3", ScalingPolicy(mode="dynamic"))
     s = sc.update(x)
     q = quantize(x, "e4m3", scale=s)
     assert q.abs().max() * s <= 448 and (q != 0).float().mean() > 0.99
     assert (quantize(x, "e4m3") != 0).float().mean() < 0.1  # unscaled: mostly flushed
+
+
+@pytest.mark.parametrize("mode", ["delayed", "dynamic", "none"])
+def test_set_format_rederives_the_scale_for_the_new_range_and_keeps_the_history(mode):
+    """The emergency shift: e4m3 (max 448) to e3m4 (max 15.5) scales the same amax history into
+    the narrower range at once; without scaling the scale stays 1."""
+    sc = TensorScaler("e4m3", ScalingPolicy(mode=mode, history_len=3))
+    sc.update(torch.full((4,), 3.0))
+    history, before = sc.amax_history.clone(), sc.scale.clone()
+    new = get_format("e3m4")
+    sc.set_format(new)
+    assert sc.fmt == new and torch.equal(sc.amax_history, history)
+    if mode == "none":
+        assert sc.scale == before == 1
+    else:
+        assert sc.scale == 2.0 ** math.floor(math.log2(new.max / 3.0)) != before  # 4, from 128

@@ -77,7 +77,7 @@ def test_roles_and_grad_scaling_reach_every_quantized_layer(make_config):
     cfg = make_config("quant.format=e4m3", "quant.roles.grad_output=false", "quant.grad_scaling.mode=none")
     layers = quantized_layers(build_model(cfg)).values()
     assert layers and all(layer.policy.quantized == ("input", "weight") for layer in layers)
-    assert all(layer.scalers["grad_output"].mode == "none" and layer.scalers["weight"].mode == "delayed"
+    assert all(layer.scalers["grad_output"].policy.mode == "none" and layer.scalers["weight"].policy.mode == "delayed"
                for layer in layers)
 
 

@@ -13,8 +13,10 @@ becomes inf/NaN, and the sign is copied back, so -0 stays -0 and NaN propagates.
 rounding uses the same ULP: floor(|y| / ULP + U) * ULP.
 
 A format enters a kernel as `grid_params`, one small tensor, not as constants, so one compiled graph
-serves every format of a family (E?M0 and flush-to-zero formats, input dtypes and the rounding mode
-add graphs). Its entries are named by the index constants below (`p[MAX]`, not `p[3]`).
+serves every format of a `family` (E?M0 and flush-to-zero formats, input dtypes and the rounding
+mode add graphs). Its entries are named by the index constants below (`p[MAX]`, not `p[3]`). Inside
+a step graph, whose regions are compiled per layer anyway, the same entries are literals instead
+(`constants`).
 
 `Kernel` compiles a function lazily with `torch.compile(dynamic=True)`: one compiled call per
 quantized tensor. `StepGraph` compiles a whole model forward (and, through AOTAutograd, its

@@ -96,7 +96,7 @@ class QuantizedLinear(nn.Linear):
     def _setup(self, policy: LinearQuantPolicy, device: torch.device) -> None:
         self.policy = policy
         self.collect_stats = False
-        self.scalers = nn.ModuleDict({role: TensorScaler.from_policy(policy.format_of(role), policy.scaling_of(role))
+        self.scalers = nn.ModuleDict({role: TensorScaler(policy.format_of(role), policy.scaling_of(role))
                                       for role in ROLES}).to(device)
         self.stats = nn.ModuleDict({role: TensorStats() for role in ROLES}).to(device)
 

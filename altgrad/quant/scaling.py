@@ -16,7 +16,7 @@ from torch import nn
 
 from altgrad.quant.formats import FormatSpec, get_format
 from altgrad.quant.kernels import Constants, Kernel, constants
-from altgrad.scaling_policy import AmaxAlgo, ScalingMode, ScalingPolicy
+from altgrad.scaling_policy import AmaxAlgo, ScalingPolicy
 
 
 def abs_max(x: torch.Tensor) -> torch.Tensor:
@@ -66,16 +66,16 @@ TARGET, POW2, SCALED, DELAYED, MOST_RECENT = range(5)
 
 
 @cache
-def _scaler_values(fmt: FormatSpec, margin: float, pow2: bool, mode: ScalingMode, algo: AmaxAlgo) -> tuple[float, ...]:
-    flags = {POW2: pow2, SCALED: mode != "none", DELAYED: mode == "delayed", MOST_RECENT: algo == "most_recent"}
-    return (_target(fmt, margin), *(float(flags[i]) for i in range(POW2, MOST_RECENT + 1)))
+def _scaler_values(fmt: FormatSpec, policy: ScalingPolicy) -> tuple[float, ...]:
+    flags = {POW2: policy.pow2, SCALED: policy.mode != "none", DELAYED: policy.mode == "delayed",
+             MOST_RECENT: policy.algo == "most_recent"}
+    return (_target(fmt, policy.margin), *(float(flags[i]) for i in range(POW2, MOST_RECENT + 1)))
 
 
-def scaler_params(fmt: FormatSpec, margin: float, pow2: bool, mode: ScalingMode, algo: AmaxAlgo,
-                  device: torch.device) -> torch.Tensor:
+def scaler_params(fmt: FormatSpec, policy: ScalingPolicy, device: torch.device) -> Constants:
     """A scaler's settings as one float32 tensor (entries TARGET ... MOST_RECENT), so one compiled
     graph serves every scaler."""
-    return constants(_scaler_values(fmt, margin, pow2, mode, algo), torch.float32, device)
+    return constants(_scaler_values(fmt, policy), torch.float32, device)
 
 
 def scale_step(state: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: Constants) -> torch.Tensor:
@@ -110,7 +110,7 @@ class AmaxHistory(nn.Module):
 
     def __init__(self, history_len: int = 16, algo: AmaxAlgo = "max"):
         super().__init__()
-        ScalingPolicy(history_len=history_len, algo=algo)  # validates them
+        ScalingPolicy(history_len=history_len, algo=algo)  # the one place these are validated
         self.algo = algo
         self.register_buffer("amax_history", torch.zeros(history_len))
 
@@ -141,17 +141,11 @@ class TensorScaler(nn.Module):
     `amax`: a step graph reads and writes one tensor per scaler, not three.
     """
 
-    def __init__(self, fmt: str | FormatSpec, mode: ScalingMode = "delayed", history_len: int = 16,
-                 algo: AmaxAlgo = "max", margin: float = 0, pow2: bool = True):
+    def __init__(self, fmt: str | FormatSpec, policy: ScalingPolicy | None = None):
         super().__init__()
-        ScalingPolicy(mode, history_len, algo, margin, pow2)  # validates them
-        self.mode, self.algo, self.margin, self.pow2 = mode, algo, margin, pow2
-        self.register_buffer("state", torch.cat([torch.zeros(history_len), torch.ones(1), torch.zeros(1)]))
+        self.policy = policy = policy or ScalingPolicy()
+        self.register_buffer("state", torch.cat([torch.zeros(policy.history_len), torch.ones(1), torch.zeros(1)]))
         self.fmt = get_format(fmt)
-
-    @classmethod
-    def from_policy(cls, fmt: str | FormatSpec, policy: ScalingPolicy) -> TensorScaler:
-        return cls(fmt, policy.mode, policy.history_len, policy.algo, policy.margin, policy.pow2)
 
     @property
     def amax_history(self) -> torch.Tensor:
@@ -168,11 +162,16 @@ class TensorScaler(nn.Module):
         return self.state[AMAX]
 
     def estimate(self) -> torch.Tensor:
-        return estimate(self.amax_history, self.algo)
+        return estimate(self.amax_history, self.policy.algo)
 
+    @torch.no_grad()
     def set_format(self, fmt: FormatSpec) -> None:
-        """Scale for `fmt` from now on (an emergency format shift keeps the history)."""
+        """Scale for `fmt` from now on (an emergency format shift): the amax history is kept and
+        the scale re-derived from it for fmt's range. (A resumed run sets the format before it
+        loads the state, which then restores the scale.)"""
         self.fmt = fmt
+        if self.policy.mode != "none":
+            self.scale.copy_(compute_scale(self.estimate(), fmt, self.policy.margin, self.policy.pow2, self.scale))
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,19 +181,18 @@ class TensorScaler(nn.Module):
 
     def step_params(self) -> torch.Tensor:
         """This scaler's settings, as the one tensor the compiled scaler step takes."""
-        return scaler_params(self.fmt, self.margin, self.pow2, self.mode, self.algo, self.state.device)
+        return scaler_params(self.fmt, self.policy, self.state.device)
 
     @torch.no_grad()
     def current(self, x: torch.Tensor) -> torch.Tensor:
         """The scale to quantize x with, leaving the state alone (evaluation): the stored scale,
         or for 'dynamic' the one from x's own amax."""
-        if self.mode == "dynamic":
-            return compute_scale(abs_max(x), self.fmt, self.margin, self.pow2, self.scale)
+        if self.policy.mode == "dynamic":
+            return compute_scale(abs_max(x), self.fmt, self.policy.margin, self.policy.pow2, self.scale)
         return self.scale
 
     def extra_repr(self) -> str:
-        return (f"fmt={self.fmt.name}, mode={self.mode!r}, history_len={self.amax_history.numel()}, "
-                f"algo={self.algo!r}, margin={self.margin}, pow2={self.pow2}")
+        return f"fmt={self.fmt.name}, {self.policy}"
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
         """A checkpoint written when the state was three buffers loads into the one."""

@@ -3,8 +3,9 @@
 glibc serves every allocation above its mmap threshold (at most 32 MB by default) with a fresh
 `mmap`, and gives it back with `munmap` when freed. A step on the cpu preset allocates and frees
 several ~100 MB tensors (the logits over the 50k vocabulary, their softmax and gradient), so every
-step faults in and zeroes hundreds of MB of new pages (what that cost: docs/design.md). Raising the mmap and trim thresholds makes those blocks come from, and return to, the
-heap, where the next step reuses them. The cost is that the process keeps its peak memory.
+step faults in and zeroes hundreds of MB of new pages (what that cost: docs/design.md). Raising the
+mmap and trim thresholds makes those blocks come from, and return to, the heap, where the next step
+reuses them. The cost is that the process keeps its peak memory.
 """
 
 from __future__ import annotations

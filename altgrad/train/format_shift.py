@@ -12,7 +12,6 @@ from __future__ import annotations
 from altgrad.experiment import EventKind
 from altgrad.quant.formats import get_format
 from altgrad.quant.linear import QuantizedLinear
-from altgrad.quant.scaling import compute_scale
 from altgrad.train.stability import Event
 
 SHIFTED_ROLES = ("input", "weight")
@@ -28,10 +27,7 @@ def shift_layers(layers: dict[str, QuantizedLinear], names: list[str], reason: s
         if new is None:
             continue
         for role in SHIFTED_ROLES:
-            layer.set_format(role, new)
-            scaler = layer.scalers[role]
-            if scaler.mode != "none":
-                scaler.scale.copy_(compute_scale(scaler.estimate(), new, scaler.margin, scaler.pow2, scaler.scale))
+            layer.set_format(role, new)  # its scaler re-derives the scale for the new range
         events.append(Event(EventKind.FORMAT_SHIFT, f"{name}: {old.name} -> {new.name} ({reason})",
                             {"layer": name, "from": old.name, "to": new.name, "reason": reason}))
     return events

@@ -23,16 +23,16 @@ from pyarrow.fs import FileSystem, FileType, LocalFileSystem, copy_files
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
-def compiled_anything_new() -> bool:
-    """Whether this process compiled a graph its cache did not hold (a kernel: inductor's FX graph
+def compile_misses() -> int:
+    """Graphs this process compiled that its cache did not hold (a kernel: inductor's FX graph
     cache; a step graph's region: AOTAutograd's cache)."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"] > 0
+    return counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
 
 
 def node_directory(fs: FileSystem, directory: str) -> str:
-    """Where this process keeps the cache of `directory` on `fs`: the directory itself on local
+    """Where a process keeps the cache of `directory` on `fs`: the directory itself on local
     storage, else one directory per experiment under this node's temp dir."""
     if fs.type_name == "local":
         return directory
@@ -40,23 +40,32 @@ def node_directory(fs: FileSystem, directory: str) -> str:
     return str(Path(tempfile.gettempdir()) / "altgrad-compile-cache" / digest)
 
 
-def use(fs: FileSystem, directory: str) -> int:
-    """Make `directory` on `fs` this process's inductor cache (before anything compiles): fetched to
-    `node_directory` when remote. Returns how many cached files it then holds."""
-    local = node_directory(fs, directory)
-    Path(local).mkdir(parents=True, exist_ok=True)
-    if local != directory and fs.get_file_info(directory).type == FileType.Directory:
-        copy_files(directory, local, source_filesystem=fs, destination_filesystem=LocalFileSystem())
-    os.environ[CACHE_ENV] = local
-    return sum(len(files) for _, _, files in os.walk(local))
+class CompileCache:
+    """The experiment's compile cache `directory` on `fs`, as one trial process uses it."""
 
+    def __init__(self, fs: FileSystem, directory: str):
+        self.fs, self.directory = fs, directory
+        self.local = node_directory(fs, directory)
+        self._published = 0  # compile misses already copied back
 
-def publish(fs: FileSystem, directory: str) -> bool:
-    """Copy this process's cache back to `directory` on remote storage if it compiled anything the
-    cache lacked; whether it copied. (On local storage the trial wrote there already.)"""
-    local = node_directory(fs, directory)
-    if local == directory or not compiled_anything_new():
-        return False
-    fs.create_dir(directory, recursive=True)
-    copy_files(local, directory, source_filesystem=LocalFileSystem(), destination_filesystem=fs)
-    return True
+    def use(self) -> int:
+        """Make the cache this process's inductor cache (before anything compiles), fetched to the
+        node first when remote. Returns how many cached files it then holds."""
+        Path(self.local).mkdir(parents=True, exist_ok=True)
+        if self.local != self.directory and self.fs.get_file_info(self.directory).type == FileType.Directory:
+            copy_files(self.directory, self.local, source_filesystem=self.fs,
+                       destination_filesystem=LocalFileSystem())
+        os.environ[CACHE_ENV] = self.local
+        return sum(len(files) for _, _, files in os.walk(self.local))
+
+    def publish(self) -> bool:
+        """Copy the node's cache back to remote storage if this process compiled anything since it
+        last did; whether it copied. (On local storage the process wrote there already.) A trial
+        publishes at its first report, before Tune may stop it, and again at its end."""
+        misses = compile_misses()
+        if self.local == self.directory or misses == self._published:
+            return False
+        self.fs.create_dir(self.directory, recursive=True)
+        copy_files(self.local, self.directory, source_filesystem=LocalFileSystem(), destination_filesystem=self.fs)
+        self._published = misses
+        return True

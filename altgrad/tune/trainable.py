@@ -5,8 +5,8 @@ Per trial it builds the RunConfig from the trial config, holds torch to its shar
 the run directory in the trial directory, compiles into the experiment's compile cache
 (`compile_cache`: a trial on a new node need not compile what another trial did), and resumes
 from the newest checkpoint it can find: its own run directory first (after a driver kill that is
-at most one checkpoint interval old), else Tune's checkpoint (a retry on another node). Every trainer report goes to `tune.report`, plus
-what the sweep's deciders need (`SweepSignals`).
+at most one checkpoint interval old), else Tune's checkpoint (a retry on another node). Every
+trainer report goes to `tune.report`, plus what the sweep's deciders need (`SweepSignals`).
 
 Checkpoints are attached to the reports only on remote storage, where a node's trial directory
 dies with the node. On local storage the run directory is itself durable, and a Tune checkpoint
@@ -55,7 +55,7 @@ from altgrad.metrics import (
 from altgrad.quant.kernels import compiling_disabled
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
-from altgrad.tune import compile_cache
+from altgrad.tune.compile_cache import CompileCache
 from altgrad.tune.trial_spec import learning, trial_key, trial_run_config
 from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
 
@@ -73,25 +73,26 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
     limit_resources(config["limits"]["cpus"], config["limits"]["gpu_fraction"])
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # no line per persisted checkpoint
     storage = tune.get_context().get_storage()
-    cache = f"{storage.experiment_fs_path}/{COMPILE_CACHE_DIR}"
+    cache = None if compiling_disabled() else CompileCache(
+        storage.storage_filesystem, f"{storage.experiment_fs_path}/{COMPILE_CACHE_DIR}")
     with trial_log(trial_dir / TRIAL_LOG_FILE):
         (trial_dir / WORKER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
              "started": time.time()}))
-        if not compiling_disabled():
-            log.info("trial %s: compile cache %s: %d files", trial_key(config), cache,
-                     compile_cache.use(storage.storage_filesystem, cache))
+        if cache is not None:
+            log.info("trial %s: compile cache %s: %d files", trial_key(config), cache.directory, cache.use())
         history = read_jsonl(run_dir / METRICS_FILE)  # read before the trainer trims it
         with trial_run(wandb, trial_key(config), cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
             reporter = TuneReporter(SweepSignals(cfg.stability.stall_stop, cfg.optim.lr,
                                                  stall_halts_learning(cfg)),
-                                    history, attach_checkpoints=not storage_is_local(), wandb_run=run)
+                                    history, attach_checkpoints=not storage_is_local(), wandb_run=run,
+                                    compile_cache=cache)
             with resume_point(run_dir) as resume:
                 log.info("trial %s: %s", trial_key(config), f"resuming from {resume}" if resume else "starting")
                 summary = Trainer(cfg, run_dir).fit(report=reporter, resume=resume,
                                                     on_event=None if run is None else run.event)
             reporter.report_if_silent()
-        if not compiling_disabled() and compile_cache.publish(storage.storage_filesystem, cache):
+        if cache is not None and cache.publish():  # graphs compiled after the first report
             log.info("trial %s: copied what it compiled to the compile cache", trial_key(config))
         log.info("trial %s: %s after %s steps, best val loss %.4f", trial_key(config),
                  summary["stop_reason"], summary["steps"], summary["best_val_loss"])
@@ -216,8 +217,9 @@ class TuneReporter:
     """The `report` callback of `Trainer.fit`: forwards to `tune.report` with `SweepSignals`."""
 
     def __init__(self, signals: SweepSignals, history: list[dict[str, Any]], attach_checkpoints: bool,
-                 wandb_run: TrialRun | None = None):
+                 wandb_run: TrialRun | None = None, compile_cache: CompileCache | None = None):
         self.signals = signals
+        self.compile_cache = compile_cache
         self.wandb_run = wandb_run
         self._history: list[dict[str, Any]] | None = history
         self._last = history[-1] if history else None
@@ -229,6 +231,8 @@ class TuneReporter:
         if self._created is not None:
             log.info("first report (step %d) after %.1f s", step, time.monotonic() - self._created)
             self._created = None
+            if self.compile_cache is not None and self.compile_cache.publish():  # before Tune may stop it
+                log.info("copied what the first step compiled to the compile cache")
         if self._history is not None:  # resumed: replay what the run logged before this step
             for row in self._history:
                 if row.get(STEP, math.inf) < step:
