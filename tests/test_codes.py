@@ -8,7 +8,8 @@ import torch
 from bitwise import edge_values, ordinal, random_values
 
 from altgrad.quant import FORMATS, FormatSpec, bit_stall_mask, code_moves, encode, quantize
-from altgrad.quant.codes import MOVE_BINS, code_moves_all
+from altgrad.quant.codes import BINCOUNT_MIN_CODES, CODE_COUNT, MOVE_BINS, code_moves_all
+from altgrad.quant.step import TensorStats
 
 ALL = sorted(FORMATS)
 ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "e3m4": ml_dtypes.float8_e3m4}
@@ -49,6 +50,24 @@ def test_encode_with_a_scale_is_encode_of_the_scaled_values(name, path):
     x = random_values(f, n=1 << 14, seed=4)
     s = torch.tensor(2.0**-3)
     assert torch.equal(encode(x, f, s), encode(x * s, f))
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e7m0", "e2m5"])
+@pytest.mark.parametrize("n", [BINCOUNT_MIN_CODES // 4, 4 * BINCOUNT_MIN_CODES])  # scatter, bincount
+def test_the_code_histogram_counts_each_code(name, n, path):
+    """The counters' 256-code histogram, on either side of the size where it changes method, is
+    the count of gfloat's codes of quantize(x * s), with overflow and underflow counted too."""
+    f = FORMATS[name]
+    x = torch.cat([torch.tensor([f.max * 4, 0.0]), random_values(f, n=n, seed=5)])
+    x = x[x.isfinite()][:n]
+    s = torch.tensor(2.0**-2)
+    stats = TensorStats()
+    stats.observe(x, quantize(x, f, s), f, s)
+    (overflow, underflow, elements), histogram = (t.tolist() for t in stats.counts())
+    want = torch.bincount(gfloat_codes(f, x * s).long(), minlength=CODE_COUNT)
+    assert histogram == want.tolist() and elements == n
+    assert overflow == int(((x * s).abs() > f.max).sum()) > 0
+    assert underflow == int(((x != 0) & (quantize(x, f, s) == 0)).sum())
 
 
 def reference_moves(w_old: torch.Tensor, w_new: torch.Tensor, f: FormatSpec, s: torch.Tensor):

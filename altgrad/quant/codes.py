@@ -3,14 +3,16 @@
 The diagnostics ask two questions of every quantized weight on every diagnostic step -- which code
 does it sit on, and how many codes did the optimizer step move it -- so these run over the whole
 model (3.2M elements for the tied GPT-2 head alone). Both reuse the quantizer's exact rounding and
-read a code's magnitude off its ULP instead of assembling bit fields:
+read a code's magnitude off the rounded value's float32 bits, with no division and no second
+rounding. A normal grid value |q| = 2^e * (1 + m / 2^mbits) has the bits (e + 127) * 2^23 +
+m * 2^(23 - mbits), and its code is (e + bias) * 2^mbits + m, so
 
-    ordinal(|q|) = |q| / ulp(q) + k * 2^mbits,   ulp(q) = 2^(max(e, emin) - mbits),
-    k = log2(ulp(q) / ulp_min)  (the binade above the subnormals; its exponent bits, no log2)
+    ordinal(|q|) = bits(|q|) * 2^(mbits - 23) - (127 - bias) * 2^mbits    (|q| >= 2^emin)
+    ordinal(|q|) = |q| / 2^(emin - mbits)                                   (subnormals, zero)
 
-which is the code of |q| for every finite grid value (subnormals: k = 0 and |q| / ulp = m;
-normals: (field - 1) * 2^mbits + 2^mbits + m). Signed ordinals are monotone in value, so the code
-distance between two weights is a subtraction, and Q(w_new) == Q(w_old) is distance zero.
+both exact in float32: an on-grid value's bits have at most 8 + mbits significant bits. Signed
+ordinals are monotone in value, so the code distance between two weights is a subtraction, and
+Q(w_new) == Q(w_old) is distance zero.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from altgrad.quant.formats import FormatSpec, get_format
 from altgrad.quant.kernels import (
     MAX,
+    MIN_NORMAL,
     Kernel,
     Scale,
     constants,
@@ -30,38 +33,38 @@ from altgrad.quant.kernels import (
     grid_params,
     round_nearest,
     scale_tensor,
-    ulp,
 )
 
 MOVE_BINS = ("0", "1", "2", "3", "4-7", "8-15", "16+")
 _MOVE_EDGES = (1, 2, 3, 4, 8, 16)  # lower edges of the bins after "0"
 # The entries of `code_params`.
-CODES_PER_BINADE = 0  # 2^mbits
-ULP_FIELD = 1         # float32 exponent field of the smallest ULP 2^(emin - mbits)
-INF_CODE = 2          # the code of +inf (-1 where inf saturates to max like any overflow)
-NAN_CODE = 3          # the NaN code ...
-NAN_SIGN = 4          # ... and its sign bit (0x80, or 0 for 'none' formats, which encode NaN as +0)
+BITS_TO_CODE = 0      # 2^(mbits - 23): a normal value's float32 bits, scaled to code units ...
+CODE_OFFSET = 1       # ... less (127 - bias) * 2^mbits, are its code
+SUBNORMAL_TO_CODE = 2  # 2^(mbits - emin): a subnormal (or zero) times this is its code
+INF_CODE = 3          # the code of +inf (-1 where inf saturates to max like any overflow)
+NAN_CODE = 4          # the NaN code ...
+NAN_SIGN = 5          # ... and its sign bit (0x80, or 0 for 'none' formats, which encode NaN as +0)
 
 
 @cache
 def _code_values(fmt: FormatSpec) -> tuple[float, ...]:
     inf = fmt.inf_code if fmt.specials == "ieee" else fmt.nan_code if fmt.specials == "fn" else -1
     nan, nan_sign = (fmt.nan_code, 0x80) if fmt.nan_code is not None else (0, 0)
-    values = {CODES_PER_BINADE: 2.0 ** fmt.mbits, ULP_FIELD: fmt.emin - fmt.mbits + 127, INF_CODE: inf,
-              NAN_CODE: nan, NAN_SIGN: nan_sign}
+    values = {BITS_TO_CODE: 2.0 ** (fmt.mbits - 23), CODE_OFFSET: (127 - fmt.bias) * 2.0 ** fmt.mbits,
+              SUBNORMAL_TO_CODE: 2.0 ** (fmt.mbits - fmt.emin), INF_CODE: inf, NAN_CODE: nan, NAN_SIGN: nan_sign}
     return tuple(float(values[i]) for i in range(len(values)))
 
 
 def code_params(fmt: FormatSpec, device: torch.device) -> torch.Tensor:
-    """fmt's code layout as one float32 tensor (entries CODES_PER_BINADE ... NAN_SIGN)."""
+    """fmt's code layout as one float32 tensor (entries BITS_TO_CODE ... NAN_SIGN)."""
     return constants(_code_values(fmt), torch.float32, device)
 
 
-def _magnitude(a: torch.Tensor, p: torch.Tensor, c: torch.Tensor, ftz: bool) -> torch.Tensor:
-    """Code of the non-negative grid value `a`, as an exact float32 integer."""
-    step = ulp(a, p, ftz)
-    k = (step.view(torch.int32) >> 23).to(torch.float32) - c[ULP_FIELD]
-    return torch.where(a == 0, 0.0, a / step + k * c[CODES_PER_BINADE])
+def _magnitude(a: torch.Tensor, p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Code of the non-negative float32 grid value `a`, as an exact float32 integer (NaN stays NaN).
+    Below min_normal a flush-to-zero grid holds only 0, and an E0 grid lies there whole."""
+    normal = a.view(torch.int32).to(torch.float32) * c[BITS_TO_CODE] - c[CODE_OFFSET]
+    return torch.where(a >= p[MIN_NORMAL], normal, a * c[SUBNORMAL_TO_CODE])
 
 
 def _negative(y: torch.Tensor) -> torch.Tensor:
@@ -73,7 +76,7 @@ def _encode(x: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tens
             ftz: bool) -> torch.Tensor:
     y = x.to(torch.float32) * scale
     q = round_nearest(y, p, m0, ftz)
-    code = _magnitude(q.abs(), p, c, ftz) + torch.where(_negative(q), 128.0, 0.0)
+    code = _magnitude(q.abs(), p, c) + torch.where(_negative(q), 128.0, 0.0)
     sign = torch.where(_negative(y), 128.0, 0.0)
     # isinf / isnan as comparisons: inductor's CPU code does not vectorize them (1.5x on encode)
     code = torch.where((y.abs() == math.inf) & (c[INF_CODE] >= 0), c[INF_CODE] + sign, code)
@@ -84,7 +87,7 @@ def _encode(x: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tens
 def _ordinal(w: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, c: torch.Tensor, m0: bool,
              ftz: bool) -> torch.Tensor:
     q = round_nearest(w.to(torch.float32) * scale, p, m0, ftz)
-    return torch.copysign(_magnitude(q.abs(), p, c, ftz), q)
+    return torch.copysign(_magnitude(q.abs(), p, c), q)
 
 
 def _count(mask: torch.Tensor) -> torch.Tensor:
@@ -113,6 +116,37 @@ CODE_COUNT = 256
 COUNTED = 3 + CODE_COUNT  # what `quantization_counts` returns: overflow, underflow, elements, histogram
 
 
+# A sample of more codes than this is histogrammed by `bincount` when on the CPU; fewer, by a
+# scatter inside the compiled kernel (docs/design.md, "The code histogram").
+BINCOUNT_MIN_CODES = 8192
+
+
+def code_histogram(codes: torch.Tensor) -> torch.Tensor:
+    """int32 [CODE_COUNT]: how many of the uint8 `codes` sit on each code.
+
+    Compiled, the scatter is an atomic add per element; on the CPU the threads contend for the 256
+    bins, so a large sample goes to `cpu_bincount` instead, an operator the kernel calls. That call
+    costs more than a small sample's scatter, and on a GPU atomics are cheap (and `bincount` there
+    reads its output size back to the host: a sync)."""
+    if codes.device.type == "cpu" and codes.numel() > BINCOUNT_MIN_CODES:
+        return cpu_bincount(codes)
+    codes = codes.to(torch.int64)
+    return torch.zeros(CODE_COUNT, dtype=torch.int32, device=codes.device).index_add_(
+        0, codes, torch.ones_like(codes, dtype=torch.int32))
+
+
+@torch.library.custom_op("altgrad::cpu_bincount", mutates_args=(), device_types="cpu")
+def cpu_bincount(codes: torch.Tensor) -> torch.Tensor:
+    """`bincount` of uint8 codes as int32 [CODE_COUNT]: an operator of its own, so that a compiled
+    kernel calls it (its output size is fixed here; `bincount`'s own depends on the values)."""
+    return torch.bincount(codes, minlength=CODE_COUNT).to(torch.int32)
+
+
+@cpu_bincount.register_fake
+def _cpu_bincount_shape(codes: torch.Tensor) -> torch.Tensor:
+    return codes.new_empty(CODE_COUNT, dtype=torch.int32)
+
+
 def quantization_counts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p: torch.Tensor,
                         c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
     """int32 [COUNTED]: overflow (|x * s| > max, inf included), underflow (x != 0 that became 0),
@@ -122,9 +156,7 @@ def quantization_counts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p
     x, q = x.reshape(-1), q.reshape(-1)
     overflow = _count((x.to(torch.float32) * scale).abs() > p[MAX])
     underflow = _count((x != 0) & (q == 0))
-    codes = _encode(q, scale, p, c, m0, ftz).to(torch.int64)
-    histogram = torch.zeros(CODE_COUNT, dtype=torch.int32, device=x.device).index_add_(
-        0, codes, torch.ones_like(codes, dtype=torch.int32))
+    histogram = code_histogram(_encode(q, scale, p, c, m0, ftz))
     return torch.cat([torch.stack([overflow, underflow, torch.full_like(overflow, x.numel())]), histogram])
 
 
