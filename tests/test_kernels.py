@@ -4,9 +4,13 @@ resuming exactly."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
+import torch.fx.passes.regional_inductor
 from torch._dynamo.utils import counters
+from torch.fx.passes.regional_inductor import regional_inductor
 
 from altgrad.quant import compile_status
 from altgrad.train import Trainer
@@ -63,13 +67,35 @@ STOCHASTIC = ("quant.format=e3m4", "quant.rounding=stochastic", "quant.master_we
               "quant.precision=[{pattern: '*.mlp.c_proj', format: '{fmt}'}]")
 
 
+def region_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The calls of compiled inductor regions in a graph that `regional_inductor` returned."""
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and type(getattr(n.target, "__wrapped__", None)).__name__ == "AOTCompiledArtifact"]
+
+
+def fed_by_region(node: torch.fx.Node, regions: set[torch.fx.Node]) -> bool:
+    """Whether an input of `node` is an output of one of `regions` (a getitem of its result)."""
+    return any(arg in regions or (arg.target is operator.getitem and arg.args[0] in regions)
+               for arg in node.all_input_nodes)
+
+
 @pytest.mark.parametrize("quant", [MIXED, STOCHASTIC, ("quant.format=bf16",)], ids=["mixed", "stochastic", "bf16"])
 def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch, quant):
     """`train.compile: false` is the eager model calling each (compiled) kernel on its own; the
-    kernels are bit-identical to their eager functions (test_quantize). Then the recompile guard:
-    20 more steps, each with its own lr, compile nothing new, and an emergency format shift at
-    most one more graph."""
+    kernels are bit-identical to their eager functions (test_quantize). Each quantized layer's
+    quantizers (and its input's kurtosis) are one region per graph, fed by no other region: an
+    earlier layer's state update is not deferred into a later layer's region. Then the recompile
+    guard: 20 more steps, each with its own lr, compile nothing new, and an emergency format shift
+    at most one more graph."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        out = regional_inductor(gm, example_inputs)
+        graphs.append(gm)
+        return out
+
+    monkeypatch.setattr(torch.fx.passes.regional_inductor, "regional_inductor", recording)
     eager, compiled = (Trainer(make_config(*TINY, *quant, "train.max_steps=100", f"train.compile={on}"),
                                tmp_path / name)
                        for name, on in (("eager", False), ("compiled", True)))
@@ -81,6 +107,10 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
 
     step_graphs, all_graphs = compiled.forward.graphs, counters["stats"]["unique_graphs"]
     assert step_graphs == 1  # training with diagnostics (evaluation runs the eager model)
+    forward, backward = (region_calls(gm) for gm in graphs)
+    grad_quantized = [n for n, layer in compiled.layers.items() if layer.policy.quantizes("grad_output")]
+    assert (len(forward), len(backward)) == (len(compiled.diagnostics.linears), len(grad_quantized))
+    assert not any(fed_by_region(n, set(calls)) for calls in (forward, backward) for n in calls)
     lrs = {compiled.train_step(step).metrics["train/lr"] for step in range(11, 31)}
     assert len(lrs) == 20
     assert compiled.forward.graphs == step_graphs and counters["stats"]["unique_graphs"] == all_graphs

@@ -263,20 +263,32 @@ REGION_REALIZE_OPS = 8
 _REGION_OPTIONS: dict[str, Any] | None = None
 
 
+def _region(name: str | None) -> contextlib.AbstractContextManager:
+    """Marks what is traced inside as an inductor region of the step graph (`regional_inductor`),
+    named `name` if given. Outside a step graph (no `_REGION_OPTIONS`): nothing to mark."""
+    if _REGION_OPTIONS is None:
+        return contextlib.nullcontext()
+    marking: dict[str, Any] = {"inductor_configs": _REGION_OPTIONS}
+    if name is not None:
+        marking["inductor_region"] = name
+    return fx_traceback.annotate({"compile_with_inductor": marking})
+
+
 class Kernel(Compiled):
     """A kernel function, compiled on first use; eager when compiling is off or has failed.
 
     `Kernel(fn)(x, *args)` is `fn(x, *args)`. x (a tensor, or a non-empty list of them for one call
     over many) decides whether to compile (tensors of 0/1 elements are not) and which device's
     autocast to leave. Traced inside a `StepGraph`, the kernel is not a call of its own but a region
-    of the step's graph, compiled by inductor with the same options."""
+    of the step's graph, compiled by inductor with the same options. Calls under one `region` name
+    (a layer's, for its quantizers) make one region of their own; unnamed calls share one pool, from
+    which the partitioner may gather one layer's state updates into a later layer's region, each
+    intermediate they need becoming an output of the region it was computed in (docs/design.md)."""
 
-    def __call__(self, x: torch.Tensor | list[torch.Tensor], *args) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | list[torch.Tensor], *args, region: str | None = None) -> torch.Tensor:
         first = x[0] if isinstance(x, list) else x
         if torch.compiler.is_compiling():
-            region = contextlib.nullcontext() if _REGION_OPTIONS is None else fx_traceback.annotate(
-                {"compile_with_inductor": {"inductor_configs": _REGION_OPTIONS}})
-            with region, _no_autocast(first):
+            with _region(region), _no_autocast(first):
                 return self.fn(x, *args)
         # 0/1-element tensors would each specialise a new graph; they are not worth compiling.
         if self.error is None and (first is not x or x.numel() > 1) and not compiling_disabled():

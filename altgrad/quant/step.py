@@ -105,20 +105,20 @@ _STEP_IN_GRAPH = Kernel(_step_in_graph)
 
 @torch.no_grad()
 def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "nearest",
-                  stats: TensorStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  stats: TensorStats | None = None, region: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A training step's quantization of x: advance `scaler` on x and quantize x to the scaler's
     format with the scale it returns; count it into `stats` if given. Returns (q, scale), as
     `scaler.update`, `quantize` and `stats.observe` would one after the other.
 
-    Traced into a step graph (static shapes) the whole of it, amax included, is one region of the
-    graph. Called on its own it is one compiled call after an eager `aminmax`: compiled with dynamic
-    shapes, inductor cannot split the reduction (docs/design.md)."""
+    Traced into a step graph (static shapes) the whole of it, amax included, is part of the region
+    named `region` (`kernels.Kernel`). Called on its own it is one compiled call after an eager
+    `aminmax`: compiled with dynamic shapes, inductor cannot split the reduction (docs/design.md)."""
     flat = x.reshape(-1).detach()  # detach last: no `_base` for dynamo to guard on
     if not flat.numel():  # the scaler records amax 0; nothing to quantize or count
         return x.detach().clone(), scaler.update(x)
     noise, count = rounding_noise(flat, rounding), stats is not None
     if torch.compiler.is_compiling():
-        q, s, counts = _STEP_IN_GRAPH(x.detach(), scaler, noise, count)
+        q, s, counts = _STEP_IN_GRAPH(x.detach(), scaler, noise, count, region=region)
     else:
         q, s, counts = _STEP(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, count)
         q = q.view(x.shape)
