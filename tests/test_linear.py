@@ -201,6 +201,19 @@ def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
 
 
 
+def test_a_float64_tensor_is_counted_like_its_float32_values(path):
+    """The counters encode in float32 whatever the tensor's dtype: a float64 tensor holding float32
+    values counts what the float32 tensor does (its grid constants are float64's, not the codes')."""
+    f = get_format("e4m3")
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 100
+    counted = []
+    for t in (x, x.double()):
+        stats = TensorStats()
+        quantize_step(t, TensorScaler(f, ScalingPolicy("dynamic")), "nearest", stats)
+        counted.append(stats.counted)
+    assert torch.equal(*counted) and int((counted[0][3:] > 0).sum()) > 100
+
+
 # --- roles switched off, and the gradient's own scaling ---------------------------------------
 
 

@@ -74,13 +74,14 @@ _COUNT = Kernel(quantization_counts)
 
 
 def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, state: torch.Tensor, sp: Constants,
-          p: Constants, c: Constants, m0: bool, ftz: bool, noise: torch.Tensor | None,
+          p: Constants, p32: Constants, c: Constants, m0: bool, ftz: bool, noise: torch.Tensor | None,
           count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """scaler.update(x), then quantize(x, scale), then (if `count`) `quantization_counts` of the
-    sample, as one graph (x flat; lo, hi = aminmax(x))."""
+    sample, as one graph (x flat; lo, hi = aminmax(x)). p is the grid in x's container dtype, p32 in
+    float32, which the counters encode in."""
     s = scale_step(state, lo, hi, sp)
     q = nearest_scaled(x, s, p, m0, ftz) if noise is None else stochastic(x, s, p, ftz, noise)
-    return q, s, quantization_counts(sample(x), sample(q), s, p, c, m0, ftz) if count else None
+    return q, s, quantization_counts(sample(x), sample(q), s, p32, c, m0, ftz) if count else None
 
 
 def _step_in_graph(x: torch.Tensor, scaler: TensorScaler, noise: torch.Tensor | None,
@@ -96,7 +97,7 @@ def _step_args(x: torch.Tensor, scaler: TensorScaler) -> tuple:
     """What `_step` takes from the scaler and its format, for x: state, constants and family."""
     fmt = scaler.fmt
     return (scaler.state, scaler.step_params(), grid_params(fmt, True, container_dtype(x.dtype), x.device),
-            code_params(fmt, x.device), *family(fmt))
+            grid_params(fmt, True, torch.float32, x.device), code_params(fmt, x.device), *family(fmt))
 
 
 _STEP = Kernel(_step)
