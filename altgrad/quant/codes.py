@@ -117,7 +117,7 @@ COUNTED = 3 + CODE_COUNT  # what `quantization_counts` returns: overflow, underf
 
 
 # A sample of more codes than this is histogrammed by `bincount` when on the CPU; fewer, by a
-# scatter inside the compiled kernel (docs/design.md, "The code histogram").
+# scatter inside the compiled kernel (docs/design.md, on the quantizer counters).
 BINCOUNT_MIN_CODES = 8192
 
 
