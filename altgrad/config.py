@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from altgrad.precision import BASELINE, FORMAT_PLACEHOLDER, PRECISION_PRESETS
+from altgrad.precision import BASELINE, FORMAT_PLACEHOLDER, GRAD_FORMAT, PRECISION_PRESETS
 from altgrad.scaling_policy import AmaxAlgo, ScalingMode, ScalingPolicy
 
 
@@ -96,10 +96,15 @@ class ScalingConfig(StrictModel):
     YAML form of `ScalingPolicy`, whose allowed values and defaults it takes."""
 
     mode: ScalingMode = ScalingPolicy.mode
-    history_len: int = Field(ScalingPolicy.history_len, ge=1)
+    history_len: int = ScalingPolicy.history_len
     algo: AmaxAlgo = ScalingPolicy.algo
     margin: int = ScalingPolicy.margin
     pow2: bool = ScalingPolicy.pow2
+
+    @model_validator(mode="after")
+    def _valid_policy(self) -> ScalingConfig:
+        self.policy()  # ScalingPolicy's own checks (history_len >= 1), as a config error
+        return self
 
     def policy(self) -> ScalingPolicy:
         return ScalingPolicy(**self.model_dump())
@@ -145,7 +150,7 @@ class RolesConfig(StrictModel):
 class QuantConfig(StrictModel):
     format: str = "e4m3"
     precision: Annotated[str, AfterValidator(precision_name)] | list[LayerRule] = "all"
-    grad_format: str = "e5m2"
+    grad_format: str = GRAD_FORMAT
     roles: RolesConfig = Field(default_factory=RolesConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     grad_scaling: ScalingConfig = Field(

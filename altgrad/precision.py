@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 BASELINE = "bf16"  # the unquantized run, and in a rule: this layer stays in high precision
 FORMAT_PLACEHOLDER = "{fmt}"  # in a rule: the run's format
+GRAD_FORMAT = "e5m2"  # grad_output's format unless a run names one: gradients span a wide range
 
 PRECISION_PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
     "all": (("*", FORMAT_PLACEHOLDER),),

@@ -28,7 +28,13 @@ class ScalingPolicy:
     def __post_init__(self) -> None:
         if self.mode not in get_args(ScalingMode):
             raise ValueError(f"scaling mode must be one of {list(get_args(ScalingMode))}, got {self.mode!r}")
-        if self.algo not in get_args(AmaxAlgo):
-            raise ValueError(f"amax algo must be one of {list(get_args(AmaxAlgo))}, got {self.algo!r}")
-        if self.history_len < 1:
-            raise ValueError(f"history_len must be >= 1, got {self.history_len}")
+        check_history(self.history_len, self.algo)
+
+
+def check_history(history_len: int, algo: str) -> None:
+    """ValueError unless an amax history of `history_len` read by `algo` is valid (also used by
+    the histories that belong to no policy)."""
+    if algo not in get_args(AmaxAlgo):
+        raise ValueError(f"amax algo must be one of {list(get_args(AmaxAlgo))}, got {algo!r}")
+    if history_len < 1:
+        raise ValueError(f"history_len must be >= 1, got {history_len}")

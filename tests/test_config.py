@@ -55,6 +55,7 @@ def test_dump_round_trips(tmp_path):
         ("quant.roles={input: false, weight: false, grad_output: false}", "quant", "at least one"),
         ("quant.roles.weight=false", "quant", "roles.weight"),  # with master_weights=format
         ("quant.grad_scaling.mode=off", "quant.grad_scaling.mode", "'delayed'"),
+        ("quant.scaling.history_len=0", "quant.scaling", "history_len must be >= 1"),  # ScalingPolicy's rule
         ("train.eval_iters=0", "train.eval_iters", "greater than or equal to 1"),
     ],
 )

@@ -3,6 +3,8 @@ roles switched off and the gradient's own scaling."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,9 +246,9 @@ def loss_and_grads(model: nn.Module, params: list[nn.Parameter]) -> tuple[torch.
 
 
 def template(**settings) -> LinearQuantPolicy:
-    """The settings every quantized layer shares; input and weight formats come from the rules."""
-    e5m2 = get_format("e5m2")
-    return LinearQuantPolicy(e5m2, e5m2, e5m2, **settings)
+    """The settings every quantized layer shares (LayerPolicy's default, changed by `settings`);
+    input and weight formats come from the rules."""
+    return replace(LayerPolicy(rules=()).template, **settings)
 
 
 def same_run(a, b) -> bool:

@@ -13,7 +13,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from altgrad.precision import BASELINE, policy_rules
+from altgrad.precision import BASELINE, GRAD_FORMAT, policy_rules
 from altgrad.quant.formats import FormatSpec, get_format
 from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear
 
@@ -25,7 +25,7 @@ class LayerPolicy:
     sets (grad_output keeps the template's format: gradients have their own)."""
 
     rules: tuple[tuple[str, FormatSpec | None], ...]  # (pattern, format); None: high precision
-    template: LinearQuantPolicy = field(default_factory=lambda: LinearQuantPolicy(*[get_format("e5m2")] * 3))
+    template: LinearQuantPolicy = field(default_factory=lambda: LinearQuantPolicy(*[get_format(GRAD_FORMAT)] * 3))
 
     @classmethod
     def build(cls, precision: str | Sequence[tuple[str, str]], fmt: str,

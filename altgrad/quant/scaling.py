@@ -16,7 +16,7 @@ from torch import nn
 
 from altgrad.quant.formats import FormatSpec, get_format
 from altgrad.quant.kernels import Constants, Kernel, constants
-from altgrad.scaling_policy import AmaxAlgo, ScalingPolicy
+from altgrad.scaling_policy import AmaxAlgo, ScalingPolicy, check_history
 
 
 def abs_max(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ class AmaxHistory(nn.Module):
 
     def __init__(self, history_len: int = 16, algo: AmaxAlgo = "max"):
         super().__init__()
-        ScalingPolicy(history_len=history_len, algo=algo)  # the one place these are validated
+        check_history(history_len, algo)
         self.algo = algo
         self.register_buffer("amax_history", torch.zeros(history_len))
 
