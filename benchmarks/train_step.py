@@ -19,20 +19,13 @@ GPU. Like the gpu preset it compiles the step graph (`train.compile`), for every
 bf16 step does the same number of layers, so the ratios say what quantization and diagnostics cost
 per call. `--set train.compile=false` measures the per-tensor compiled calls instead.
 
-On this 2-core VM a process can run a variant at a speed of its own for its whole life (the host
-proxy's bf16 step at ~8 or ~10.7 ms), so `--processes N` runs it all in N fresh processes and
-takes each ratio as the median of theirs, which the record lists.
-
-    python benchmarks/train_step.py [--preset cpu|gpu|host] [--steps N] [--processes N] [--smoke] [--record [DIR]]
+    python benchmarks/train_step.py [--preset cpu|gpu|host] [--steps N] [--smoke] [--record [DIR]]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -86,41 +79,6 @@ def timed_step(trainer: Trainer, step: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(args: argparse.Namespace) -> tuple[str, dict[str, float], dict[str, float]]:
-    """One process's run of every variant, interleaved: the preset's label, each variant's median
-    step and its first step (compiling: a warm compile cache shortens it), in seconds."""
-    steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
-    with tempfile.TemporaryDirectory() as tmp:
-        preset, bundle = BENCH_PRESETS.get(args.preset, (args.preset, []))
-        trainers = {name: build([f"preset={preset}", *bundle, *args.overrides, *overrides], steps + warmup,
-                                Path(tmp) / name)
-                    for name, overrides in VARIANTS.items()}
-        names = list(trainers)
-        times: dict[str, list[float]] = {name: [] for name in names}
-        first: dict[str, float] = {}
-        for step in range(2, warmup + steps + 2):  # step 1 would evaluate
-            order = names[step % len(names):] + names[:step % len(names)]
-            for name in order:
-                t = timed_step(trainers[name], step)
-                first.setdefault(name, t)
-                if step > warmup + 1:
-                    times[name].append(t)
-    label = trainers["bf16"].cfg.preset if args.preset == "auto" else args.preset
-    return label, {name: statistics.median(ts) for name, ts in times.items()}, first
-
-
-def in_processes(args: argparse.Namespace) -> list[tuple[str, dict[str, float], dict[str, float]]]:
-    """`measure` in `args.processes` fresh processes, one after another: a process can run a
-    variant at a speed of its own for its whole life (docs/design.md), which its steps cannot show."""
-    child = ["--preset", args.preset, "--steps", str(args.steps), "--warmup", str(args.warmup), "--json",
-             *(["--smoke"] if args.smoke else []), *[a for o in args.overrides for a in ("--set", o)]]
-    runs = []
-    for _ in range(args.processes):
-        out = subprocess.run([sys.executable, __file__, *child], check=True, capture_output=True, text=True).stdout
-        runs.append(tuple(json.loads(out.strip().splitlines()[-1])))
-    return runs
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="auto",
@@ -129,33 +87,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
     parser.add_argument("--smoke", action="store_true", help="3 timed steps, to check the script runs")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="run in this many fresh processes; a ratio is the median of theirs")
-    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a child process
     add_record_argument(parser)
     args = parser.parse_args(argv)
-    if args.json:
-        print(json.dumps(measure(args)))
-        return
-    runs = in_processes(args) if args.processes > 1 else [measure(args)]
-    label, medians, first = runs[0][0], [run[1] for run in runs], runs[0][2]  # first: the compiling process
-    median = {name: statistics.median(m[name] for m in medians) for name in medians[0]}
-    steps = 3 if args.smoke else args.steps
+    steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        preset, bundle = BENCH_PRESETS.get(args.preset, (args.preset, []))
+        trainers = {name: build([f"preset={preset}", *bundle, *args.overrides, *overrides], steps + warmup,
+                                Path(tmp) / name)
+                    for name, overrides in VARIANTS.items()}
+        names = list(trainers)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        first: dict[str, float] = {}  # the first step: compiling (a warm compile cache shortens it)
+        for step in range(2, warmup + steps + 2):  # step 1 would evaluate
+            order = names[step % len(names):] + names[:step % len(names)]
+            for name in order:
+                t = timed_step(trainers[name], step)
+                first.setdefault(name, t)
+                if step > warmup + 1:
+                    times[name].append(t)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    label = trainers["bf16"].cfg.preset if args.preset == "auto" else args.preset
+    targets = TARGETS[label]
 
     print(f"{'variant':<18} {'median step':>12} {'vs bf16':>8} {'first step':>11}")
-    for name, t in median.items():
-        print(f"{name:<18} {1000 * t:>10.1f}ms {t / median['bf16']:>7.2f}x {first[name]:>10.1f}s")
-    claims = []
-    for name, ref, limit in TARGETS[label]:
-        ratios = sorted(m[name] / m[ref] for m in medians)
-        ratio = statistics.median(ratios)
-        print(f"{name} / {ref}: {ratio:.2f}x (target <= {limit}x: {'ok' if ratio <= limit else 'MISSED'})"
-              + (f"; per process {', '.join(f'{r:.2f}x' for r in ratios)}" if len(runs) > 1 else ""))
-        detail = f"{1000 * median[name]:.1f} vs {1000 * median[ref]:.1f} ms, median of {steps} steps"
-        if len(runs) > 1:
-            detail += f"; median of {len(runs)} processes: {', '.join(f'{r:.2f}x' for r in ratios)}"
-        claims.append(Claim(name, ratio, ref, limit, detail))
+    for name, t in medians.items():
+        print(f"{name:<18} {1000 * t:>10.1f}ms {t / medians['bf16']:>7.2f}x {first[name]:>10.1f}s")
+    for name, ref, limit in targets:
+        ratio = medians[name] / medians[ref]
+        print(f"{name} / {ref}: {ratio:.2f}x (target <= {limit}x: {'ok' if ratio <= limit else 'MISSED'})")
     if args.record:
+        claims = [Claim(name, medians[name] / medians[ref], ref, limit,
+                        f"{1000 * medians[name]:.1f} vs {1000 * medians[ref]:.1f} ms, median of {steps} steps")
+                  for name, ref, limit in targets]
         print(f"recorded in {write(f'train_step-{label}', claims, args.record)}")
 
 
