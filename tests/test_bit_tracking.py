@@ -12,7 +12,7 @@ from altgrad.train import Trainer
 pytestmark = pytest.mark.usefixtures("eager_kernels")
 
 
-def test_bit_tracker_sample_codes_are_each_layers_own():
+def test_bit_tracker_sample_codes_are_each_layers_own(path):
     """One encode call per format over all layers' samples: each layer still gets the codes of its
     own sampled weights, in its own format and scale (three layers, two formats, three scales)."""
     from torch import nn

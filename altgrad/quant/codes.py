@@ -160,7 +160,15 @@ def quantization_counts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p
     return torch.cat([torch.stack([overflow, underflow, torch.full_like(overflow, x.numel())]), histogram])
 
 
+def _encode_samples(xs: list[torch.Tensor], samples: list[torch.Tensor], scales: list[torch.Tensor],
+                    p: torch.Tensor, c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
+    # float32 x * s is the product that encode(x, fmt, s) rounds
+    scaled = torch.cat([x.reshape(-1)[i].to(torch.float32) * s for x, i, s in zip(xs, samples, scales, strict=True)])
+    return _encode(scaled, scaled.new_ones(()), p, c, m0, ftz)
+
+
 _ENCODE = Kernel(_encode)
+_ENCODE_SAMPLES = Kernel(_encode_samples)
 _MOVES = Kernel(_moves_all)
 
 
@@ -179,6 +187,19 @@ def encode(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None) -> torch
     with torch.no_grad():
         codes = _ENCODE(x.reshape(-1).detach(), s, p, code_params(fmt, x.device), *family(fmt))
     return codes.view(x.shape)
+
+
+def encode_samples(xs: list[torch.Tensor], samples: list[torch.Tensor], fmt: str | FormatSpec,
+                   scales: list[Scale]) -> list[torch.Tensor]:
+    """`encode(x.flatten()[i], fmt, s)` for each tensor x, its int64 indices i and its scale s, in
+    one compiled call: the per-tensor gathers and products would be a few small ops each."""
+    fmt = get_format(fmt)
+    device = xs[0].device
+    s = [scale_tensor(scale, torch.float32, device) for scale in scales]
+    with torch.no_grad():
+        codes = _ENCODE_SAMPLES([x.detach() for x in xs], samples, s,
+                                grid_params(fmt, True, torch.float32, device), code_params(fmt, device), *family(fmt))
+    return list(codes.split([len(i) for i in samples]))
 
 
 def decode(codes: torch.Tensor, fmt: str | FormatSpec) -> torch.Tensor:

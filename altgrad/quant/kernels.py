@@ -257,6 +257,10 @@ class Compiled:
 # reads it. In a step graph a format's constants are literals, not loads, so nothing else bounds
 # how much inductor inlines: at its CPU default (50) one diagnostic region compiled for minutes.
 REGION_REALIZE_OPS = 8
+# A region's loop runs on several threads only when each gets at least this many elements. At
+# inductor's CPU default (512) the quantizers of a small layer's tensors fork the OpenMP team for
+# each of their loops, which costs more than the loop itself (docs/design.md).
+REGION_MIN_CHUNK = 4096
 
 # Set by the first StepGraph: the inductor options of a kernel's region in a step graph. Read
 # outside any trace (reading inductor's config inside one breaks the graph).
@@ -336,7 +340,8 @@ class StepGraph(Compiled):
         from torch.fx.passes.regional_inductor import regional_inductor
 
         global _REGION_OPTIONS
-        _REGION_OPTIONS = {**compile_options(), "realize_opcount_threshold": REGION_REALIZE_OPS}
+        _REGION_OPTIONS = {**compile_options(), "realize_opcount_threshold": REGION_REALIZE_OPS,
+                           "cpp.min_chunk_size": REGION_MIN_CHUNK}
         allow_recompiles(GRAPHS_PER_STEP)
         # The cached functions a step calls (`grid_params`, `scaler_params`) turn a format's fields
         # into a small tensor; traced, they build the same constants in the graph, so dynamo's

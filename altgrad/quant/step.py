@@ -75,22 +75,25 @@ _COUNT = Kernel(quantization_counts)
 
 def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, state: torch.Tensor, sp: Constants,
           p: Constants, p32: Constants, c: Constants, m0: bool, ftz: bool, noise: torch.Tensor | None,
-          count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """scaler.update(x), then quantize(x, scale), then (if `count`) `quantization_counts` of the
-    sample, as one graph (x flat; lo, hi = aminmax(x)). p is the grid in x's container dtype, p32 in
-    float32, which the counters encode in."""
+          counted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """scaler.update(x), then quantize(x, scale), then (given the `counted` so far) `counted` plus
+    `quantization_counts` of the sample, as one graph (x flat; lo, hi = aminmax(x)). p is the grid
+    in x's container dtype, p32 in float32, which the counters encode in. The sum is made here, not
+    by the caller: in a step graph it is then part of the region, not an op of its own per tensor."""
     s = scale_step(state, lo, hi, sp)
     q = nearest_scaled(x, s, p, m0, ftz) if noise is None else stochastic(x, s, p, ftz, noise)
-    return q, s, quantization_counts(sample(x), sample(q), s, p32, c, m0, ftz) if count else None
+    if counted is None:
+        return q, s, None
+    return q, s, counted + quantization_counts(sample(x), sample(q), s, p32, c, m0, ftz)
 
 
 def _step_in_graph(x: torch.Tensor, scaler: TensorScaler, noise: torch.Tensor | None,
-                   count: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   counted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`_step` as a region of a step graph, with everything a quantized tensor needs inside it: the
     amax, x's reshapes (x of any shape) and the format's constants (`kernels.constants`)."""
     flat = x.reshape(-1)
-    q, s, counts = _step(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, count)
-    return q.view(x.shape), s, counts
+    q, s, counted = _step(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, counted)
+    return q.view(x.shape), s, counted
 
 
 def _step_args(x: torch.Tensor, scaler: TensorScaler) -> tuple:
@@ -117,12 +120,12 @@ def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "n
     flat = x.reshape(-1).detach()  # detach last: no `_base` for dynamo to guard on
     if not flat.numel():  # the scaler records amax 0; nothing to quantize or count
         return x.detach().clone(), scaler.update(x)
-    noise, count = rounding_noise(flat, rounding), stats is not None
+    noise, counted = rounding_noise(flat, rounding), None if stats is None else stats.counted
     if torch.compiler.is_compiling():
-        q, s, counts = _STEP_IN_GRAPH(x.detach(), scaler, noise, count, region=region)
+        q, s, counted = _STEP_IN_GRAPH(x.detach(), scaler, noise, counted, region=region)
     else:
-        q, s, counts = _STEP(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, count)
+        q, s, counted = _STEP(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, counted)
         q = q.view(x.shape)
     if stats is not None:
-        stats.counted.add_(counts)
+        stats.counted.copy_(counted)
     return q, s

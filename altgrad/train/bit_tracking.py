@@ -17,7 +17,7 @@ import torch
 
 from altgrad.experiment import BIT_POSITIONS_FILE
 from altgrad.metrics import STEP
-from altgrad.quant.codes import MOVE_BINS, encode
+from altgrad.quant.codes import MOVE_BINS, encode_samples
 from altgrad.quant.linear import QuantizedLinear, by_weight_format
 from altgrad.train.run_files import RunFiles
 
@@ -35,16 +35,16 @@ class BitTracker:
     def observe(self, histograms: dict[str, torch.Tensor]) -> torch.Tensor:
         """[layers, bins + sample] float tensor: each layer's move histogram, then the sample's codes."""
         codes = self._sample_codes()
-        return torch.stack([torch.cat([histograms[n].float(), codes[n].float()]) for n in self.layers])
+        return torch.cat([torch.stack([histograms[n] for n in self.layers]).float(),
+                          torch.stack([codes[n] for n in self.layers]).float()], dim=1)
 
     def _sample_codes(self) -> dict[str, torch.Tensor]:
-        """Each layer's sample codes, as one `encode` call per weight format: the samples are
-        scaled first (float32 w * s is the product encode(w, fmt, s) rounds) and concatenated."""
+        """Each layer's sample codes, in its weight format and scale: one call per weight format."""
         out: dict[str, torch.Tensor] = {}
         for fmt, names in by_weight_format(self.layers).items():
-            scaled = [self.layers[n].weight.detach().flatten()[self.samples[n]].float()
-                      * self.layers[n].weight_scale for n in names]
-            codes = encode(torch.cat(scaled), fmt).split([len(x) for x in scaled])
+            layers = [self.layers[n] for n in names]
+            codes = encode_samples([m.weight for m in layers], [self.samples[n] for n in names], fmt,
+                                   [m.weight_scale for m in layers])
             out.update(zip(names, codes, strict=True))
         return out
 
