@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.fx.passes.regional_inductor
 from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.regional_inductor import regional_inductor
 
 from altgrad.quant import compile_status
+from altgrad.quant.kernels import drop_identity_ops
 from altgrad.train import Trainer
 from altgrad.train.format_shift import shift_layers
 
@@ -111,6 +113,10 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
     grad_quantized = [n for n, layer in compiled.layers.items() if layer.policy.quantizes("grad_output")]
     assert (len(forward), len(backward)) == (len(compiled.diagnostics.linears), len(grad_quantized))
     assert not any(fed_by_region(n, set(calls)) for calls in (forward, backward) for n in calls)
+    # every detach and buffer-update copy was dropped (`drop_identity_ops`), but the graph's outputs
+    renames = [n for gm in graphs for n in gm.graph.nodes
+               if n.target in RENAMING_OPS and gm.graph.output_node() not in n.users]
+    assert not renames
     lrs = {compiled.train_step(step).metrics["train/lr"] for step in range(11, 31)}
     assert len(lrs) == 20
     assert compiled.forward.graphs == step_graphs and counters["stats"]["unique_graphs"] == all_graphs
@@ -118,6 +124,29 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
         assert shift_layers(compiled.layers, [next(iter(compiled.layers))], "test")
         compiled.train_step(31)
         assert compiled.forward.graphs == step_graphs + 1  # a layer's format is part of the graph
+
+
+RENAMING_OPS = (torch.ops.aten.detach.default, torch.ops.aten.copy.default)
+
+
+def test_drop_identity_ops_keeps_what_would_alias():
+    """A detach that is an output, and a copy from a view (or any source it may not hand out as
+    the graph's own tensor), stay; the rest go, and the graph computes the same values."""
+    def step(buffer, x):
+        returned = torch.ops.aten.detach.default(buffer)
+        doubled = torch.ops.aten.detach.default(x) * 2
+        from_view = torch.ops.aten.copy.default(buffer, x.view(4))
+        update = torch.ops.aten.copy.default(buffer, doubled)
+        return returned, from_view, update
+
+    buffer, x = torch.zeros(4), torch.arange(4.0)
+    gm = make_fx(step)(buffer, x)
+    before = [n.target for n in gm.graph.nodes]
+    drop_identity_ops(gm)
+    after = [n.target for n in gm.graph.nodes]
+    assert [before.count(op) - after.count(op) for op in RENAMING_OPS] == [1, 1]
+    for got, want in zip(gm(buffer, x), step(buffer, x), strict=True):
+        assert torch.equal(got, want)
 
 
 class Interrupt(Exception):

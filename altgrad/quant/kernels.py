@@ -349,6 +349,7 @@ class StepGraph(Compiled):
         warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
 
         def regions(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            drop_identity_ops(gm)
             compiled = regional_inductor(gm, example_inputs)  # boxed (takes a list) only if it found regions
             return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
 
@@ -360,6 +361,44 @@ class StepGraph(Compiled):
 
         # Static shapes: a step's shapes never change, and inductor fails on symbolic ones here.
         return torch.compile(self.fn, backend=counted, dynamic=False)
+
+
+def drop_identity_ops(gm: torch.fx.GraphModule) -> None:
+    """Remove the ops of an AOTAutograd graph that only rename a value: `detach` (the graph runs
+    without autograd) and `copy(dst, src)` of a fresh tensor src shaped like dst, which is how a
+    buffer's in-place update is written functionally (the runtime then copies the graph's output
+    into the buffer). Outside the regions every node is an eager op of its own, one dispatch each:
+    a diagnostics step's graphs had ~160 detaches and 75 copies (one per quantizer counter)."""
+    graph = gm.graph
+    output = graph.output_node()
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not node.args:
+            continue
+        source = node.args[-1] if node.target is torch.ops.aten.copy.default else node.args[0]
+        if node.target is torch.ops.aten.detach.default:
+            keep = output in node.users  # an output must not become its input
+        elif node.target is torch.ops.aten.copy.default and len(node.args) == 2 and not node.kwargs:
+            keep = not _same_layout(node.args[0], source) or not _fresh(source) or len(source.users) != 1
+        else:
+            continue
+        if not keep:
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _fresh(node: Any) -> bool:
+    """node is computed in the graph by an op that returns a new tensor (not an input, not a view)."""
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload) and not node.target.is_view)
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Both nodes' tensors have the same shape, strides, dtype and device (from tracing)."""
+    va, vb = (getattr(n, "meta", {}).get("val") for n in (a, b))
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.stride() == vb.stride() and va.dtype == vb.dtype and va.device == vb.device)
 
 
 def compile_status() -> str:
