@@ -365,23 +365,22 @@ class StepGraph(Compiled):
 
 def drop_identity_ops(gm: torch.fx.GraphModule) -> None:
     """Remove the ops of an AOTAutograd graph that only rename a value: `detach` (the graph runs
-    without autograd) and `copy(dst, src)` of a fresh tensor src shaped like dst, which is how a
-    buffer's in-place update is written functionally (the runtime then copies the graph's output
-    into the buffer). Outside the regions every node is an eager op of its own, one dispatch each:
-    a diagnostics step's graphs had ~160 detaches and 75 copies (one per quantizer counter)."""
+    without autograd) and `copy(dst, src)` of a fresh tensor src laid out like dst, which is how a
+    buffer's in-place update is written functionally (the runtime copies the graph's output into
+    the buffer anyway). Outside the regions each such node is an eager op of its own, a dispatch
+    from Python; a diagnostics step has one buffer update per quantizer counter. A detach that is a
+    graph output stays: an output must not become the graph's input (docs/design.md)."""
     graph = gm.graph
     output = graph.output_node()
     for node in list(graph.nodes):
-        if node.op != "call_function" or not node.args:
-            continue
-        source = node.args[-1] if node.target is torch.ops.aten.copy.default else node.args[0]
         if node.target is torch.ops.aten.detach.default:
-            keep = output in node.users  # an output must not become its input
+            source, drop = node.args[0], output not in node.users
         elif node.target is torch.ops.aten.copy.default and len(node.args) == 2 and not node.kwargs:
-            keep = not _same_layout(node.args[0], source) or not _fresh(source) or len(source.users) != 1
+            target, source = node.args
+            drop = _fresh(source) and len(source.users) == 1 and _same_layout(target, source)
         else:
             continue
-        if not keep:
+        if drop:
             node.replace_all_uses_with(source)
             graph.erase_node(node)
     graph.lint()
