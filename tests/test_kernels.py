@@ -69,6 +69,10 @@ STOCHASTIC = ("quant.format=e3m4", "quant.rounding=stochastic", "quant.master_we
               "quant.precision=[{pattern: '*.mlp.c_proj', format: '{fmt}'}]")
 
 
+# What `drop_identity_ops` removes from a step graph, but where it would alias or convert.
+RENAMING_OPS = (torch.ops.aten.detach.default, torch.ops.aten.copy.default)
+
+
 def region_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The calls of compiled inductor regions in a graph that `regional_inductor` returned."""
     return [n for n in gm.graph.nodes
@@ -126,27 +130,29 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
         assert compiled.forward.graphs == step_graphs + 1  # a layer's format is part of the graph
 
 
-RENAMING_OPS = (torch.ops.aten.detach.default, torch.ops.aten.copy.default)
-
-
-def test_drop_identity_ops_keeps_what_would_alias():
-    """A detach that is an output, and a copy from a view (or any source it may not hand out as
-    the graph's own tensor), stay; the rest go, and the graph computes the same values."""
-    def step(buffer, x):
+def test_drop_identity_ops_keeps_what_would_alias_or_convert():
+    """Only a detach that is not an output, and a copy of a fresh single-use tensor laid out like
+    its buffer, go. A detach that is an output stays, and so does a copy from a view (it would hand
+    out the input), from a tensor used elsewhere too, or into another dtype (a conversion). The
+    graph computes the same values, dtypes included."""
+    def step(buffer, counts, x):
         returned = torch.ops.aten.detach.default(buffer)
         doubled = torch.ops.aten.detach.default(x) * 2
         from_view = torch.ops.aten.copy.default(buffer, x.view(4))
         update = torch.ops.aten.copy.default(buffer, doubled)
-        return returned, from_view, update
+        shared = x + 1
+        from_shared = torch.ops.aten.copy.default(buffer, shared)
+        converted = torch.ops.aten.copy.default(counts, x * 3)
+        return returned, from_view, update, shared, from_shared, converted
 
-    buffer, x = torch.zeros(4), torch.arange(4.0)
-    gm = make_fx(step)(buffer, x)
+    args = torch.zeros(4), torch.zeros(4, dtype=torch.int32), torch.arange(4.0)
+    gm = make_fx(step)(*args)
     before = [n.target for n in gm.graph.nodes]
     drop_identity_ops(gm)
     after = [n.target for n in gm.graph.nodes]
     assert [before.count(op) - after.count(op) for op in RENAMING_OPS] == [1, 1]
-    for got, want in zip(gm(buffer, x), step(buffer, x), strict=True):
-        assert torch.equal(got, want)
+    for got, want in zip(gm(*args), step(*args), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 class Interrupt(Exception):
