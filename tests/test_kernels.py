@@ -71,6 +71,7 @@ STOCHASTIC = ("quant.format=e3m4", "quant.rounding=stochastic", "quant.master_we
 
 # What `drop_identity_ops` removes from a step graph, but where it would alias or convert.
 RENAMING_OPS = (torch.ops.aten.detach.default, torch.ops.aten.copy.default)
+RESHAPES_AND_CLONES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default)
 
 
 def region_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -117,10 +118,16 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
     grad_quantized = [n for n, layer in compiled.layers.items() if layer.policy.quantizes("grad_output")]
     assert (len(forward), len(backward)) == (len(compiled.diagnostics.linears), len(grad_quantized))
     assert not any(fed_by_region(n, set(calls)) for calls in (forward, backward) for n in calls)
-    # every detach and buffer-update copy was dropped (`drop_identity_ops`), but the graph's outputs
+    # every detach and buffer-update copy was dropped (`drop_identity_ops`), and so was every reshape
+    # to its input's own shape and every clone of a computed tensor, but the graph's outputs
+    outside = [(n, n.args[0].meta["val"].shape) for gm in graphs for n in gm.graph.nodes
+               if n.target in RESHAPES_AND_CLONES and gm.graph.output_node() not in n.users]
+    assert len(outside) > 10  # (reshapes of the regions' results, which all have their shapes)
     renames = [n for gm in graphs for n in gm.graph.nodes
                if n.target in RENAMING_OPS and gm.graph.output_node() not in n.users]
-    assert not renames
+    no_ops = [n for n, shape in outside if n.meta["val"].shape == shape and n.target != torch.ops.aten.clone.default]
+    clones = [n for n, _ in outside if n.target == torch.ops.aten.clone.default and n.args[0].op != "placeholder"]
+    assert not renames and not no_ops and not clones
     lrs = {compiled.train_step(step).metrics["train/lr"] for step in range(11, 31)}
     assert len(lrs) == 20
     assert compiled.forward.graphs == step_graphs and counters["stats"]["unique_graphs"] == all_graphs
@@ -153,6 +160,42 @@ def test_drop_identity_ops_keeps_what_would_alias_or_convert():
     assert [before.count(op) - after.count(op) for op in RENAMING_OPS] == [1, 1]
     for got, want in zip(gm(*args), step(*args), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_drop_identity_ops_drops_no_op_reshapes_and_clones_and_shortens_reshape_chains():
+    """A reshape to its input's own shape goes, a reshape of a reshape of a contiguous tensor reads
+    that tensor, and a clone of a computed tensor (or of a view of one) goes. A clone of an input
+    stays (it would alias the input, which a buffer update may overwrite), a no-op reshape or clone
+    whose result is an output stays, and so does a reshape chain over a non-contiguous tensor. The
+    graph computes the same values with the same strides."""
+    aten = torch.ops.aten
+
+    def step(x, m):
+        y = x * 2
+        same = aten.view.default(y, [4, 3])  # no-op
+        flat = aten.view.default(same, [12])
+        pair = aten._unsafe_view.default(flat, [2, 6])  # of a reshape of y
+        of_computed = aten.clone.default(pair + 1)
+        of_view = aten.clone.default(aten.view.default(y * 3, [3, 4]))
+        of_input = aten.clone.default(x)
+        split = aten.view.default(aten.t.default(m), [2, 2, 3])
+        merged = aten.view.default(split, [4, 3])  # of a reshape of a transposed m
+        out_same = aten.view.default(y * 4, [4, 3])
+        out_clone = aten.clone.default(y * 5)
+        no_op = aten.view.default(y * 6, [4, 3])
+        return of_computed * 1, of_view * 1, of_input * 1, merged * 1, out_same, out_clone, no_op * 1
+
+    args = torch.arange(12.0).view(4, 3), torch.arange(12.0).view(3, 4)
+    gm = make_fx(step)(*args)
+    drop_identity_ops(gm)
+    kept = {n.name: [a.name for a in n.all_input_nodes] for n in gm.graph.nodes
+            if n.target in (aten.view.default, aten._unsafe_view.default, aten.clone.default)}
+    assert kept == {"_unsafe_view": ["mul"],  # pair, read from y itself
+                    "view_2": ["mul_1"],  # the view of y * 3 (its clone went)
+                    "clone_2": ["x_1"], "view_3": ["t"], "view_4": ["view_3"],
+                    "view_5": ["mul_2"], "clone_3": ["mul_3"]}
+    for got, want in zip(gm(*args), step(*args), strict=True):
+        assert torch.equal(got, want) and got.stride() == want.stride()
 
 
 class Interrupt(Exception):

@@ -363,21 +363,47 @@ class StepGraph(Compiled):
         return torch.compile(self.fn, backend=counted, dynamic=False)
 
 
+RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
 def drop_identity_ops(gm: torch.fx.GraphModule) -> None:
-    """Remove the ops of an AOTAutograd graph that only rename a value: `detach` (the graph runs
-    without autograd) and `copy(dst, src)` of a fresh tensor src laid out like dst, which is how a
-    buffer's in-place update is written functionally (the runtime copies the graph's output into
-    the buffer anyway). Outside the regions each such node is an eager op of its own, a dispatch
-    from Python; a diagnostics step has one buffer update per quantizer counter. A detach that is a
-    graph output stays: an output must not become the graph's input (docs/design.md)."""
+    """Remove the ops of an AOTAutograd graph that only rename a value, and shorten reshape chains.
+
+    Outside the regions each node is an eager op of its own, a dispatch from Python, and tracing
+    leaves many that compute nothing (docs/design.md):
+    - `detach`: the graph runs without autograd;
+    - `copy(dst, src)` of a fresh tensor src laid out like dst: how a buffer's in-place update is
+      written functionally (the runtime copies the graph's output into the buffer anyway);
+    - `clone` of a fresh tensor or of a view of one, laid out alike (dropout at p=0);
+    - a reshape (`view`, `_unsafe_view`) to its input's own shape, such as each kernel's result
+      reshaped back to the shape it already has.
+    A reshape of a reshape of a contiguous tensor that is not a no-op reshapes that tensor directly
+    (the same view of the same storage, so also where it is a graph output). A buffer update's copy
+    is usually a graph output, and its fresh source takes its place there; every other op whose
+    result is a graph output stays, since an output must not become the graph's input, nor change
+    what it aliases."""
     graph = gm.graph
     output = graph.output_node()
     for node in list(graph.nodes):
-        if node.target is torch.ops.aten.detach.default:
-            source, drop = node.args[0], output not in node.users
+        if node.target in RESHAPES:
+            source = node.args[0]
+            if (not _same_layout(node, source) and getattr(source, "target", None) in RESHAPES
+                    and _contiguous(source.args[0])):
+                node.args = (source.args[0], *node.args[1:])  # skip the first reshape
+                if not source.users:
+                    graph.erase_node(source)
+                source = node.args[0]
+            drop = output not in node.users and _same_layout(node, source)
         elif node.target is torch.ops.aten.copy.default and len(node.args) == 2 and not node.kwargs:
             target, source = node.args
             drop = _fresh(source) and len(source.users) == 1 and _same_layout(target, source)
+        elif output in node.users:
+            continue
+        elif node.target is torch.ops.aten.detach.default:
+            source, drop = node.args[0], True
+        elif node.target is torch.ops.aten.clone.default and not node.kwargs:
+            source = node.args[0]
+            drop = _fresh(_base(source)) and _same_layout(node, source)
         else:
             continue
         if drop:
@@ -391,6 +417,19 @@ def _fresh(node: Any) -> bool:
     """node is computed in the graph by an op that returns a new tensor (not an input, not a view)."""
     return (isinstance(node, torch.fx.Node) and node.op == "call_function"
             and isinstance(node.target, torch._ops.OpOverload) and not node.target.is_view)
+
+
+def _base(node: Any) -> Any:
+    """The node whose tensor node's tensor is a view of (through any chain of views), or node."""
+    while (isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload)
+           and node.target.is_view):
+        node = node.args[0]
+    return node
+
+
+def _contiguous(node: Any) -> bool:
+    value = getattr(node, "meta", {}).get("val")
+    return isinstance(value, torch.Tensor) and value.is_contiguous()
 
 
 def _same_layout(a: Any, b: Any) -> bool:
