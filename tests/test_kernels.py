@@ -122,7 +122,7 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
     # to its input's own shape and every clone of a computed tensor, but the graph's outputs
     outside = [(n, n.args[0].meta["val"].shape) for gm in graphs for n in gm.graph.nodes
                if n.target in RESHAPES_AND_CLONES and gm.graph.output_node() not in n.users]
-    assert len(outside) > 10  # (reshapes of the regions' results, which all have their shapes)
+    assert len(outside) > 10  # (so the checks below have reshapes to look at)
     renames = [n for gm in graphs for n in gm.graph.nodes
                if n.target in RENAMING_OPS and gm.graph.output_node() not in n.users]
     no_ops = [n for n, shape in outside if n.meta["val"].shape == shape and n.target != torch.ops.aten.clone.default]

@@ -420,7 +420,8 @@ def _fresh(node: Any) -> bool:
 
 
 def _base(node: Any) -> Any:
-    """The node whose tensor node's tensor is a view of (through any chain of views), or node."""
+    """The node that computes the storage node's tensor is a view of (through any chain of views);
+    node itself if it is not a view."""
     while (isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload)
            and node.target.is_view):
         node = node.args[0]
@@ -428,6 +429,7 @@ def _base(node: Any) -> Any:
 
 
 def _contiguous(node: Any) -> bool:
+    """node's tensor (from tracing) is contiguous: then any reshape of it is a view of it."""
     value = getattr(node, "meta", {}).get("val")
     return isinstance(value, torch.Tensor) and value.is_contiguous()
 
