@@ -165,7 +165,8 @@ def test_drop_identity_ops_keeps_what_would_alias_or_convert():
 def test_drop_identity_ops_drops_no_op_reshapes_and_clones_and_shortens_reshape_chains():
     """A reshape to its input's own shape goes, a reshape of a reshape of a contiguous tensor reads
     that tensor, and a clone of a computed tensor (or of a view of one) goes. A clone of an input
-    stays (it would alias the input, which a buffer update may overwrite), a no-op reshape or clone
+    stays (it would alias the input, which a buffer update may overwrite), and so does a clone of a
+    view at another storage offset (`as_strided` would read other elements), a no-op reshape or clone
     whose result is an output stays, and so does a reshape chain over a non-contiguous tensor. The
     graph computes the same values with the same strides."""
     aten = torch.ops.aten
@@ -183,17 +184,19 @@ def test_drop_identity_ops_drops_no_op_reshapes_and_clones_and_shortens_reshape_
         out_same = aten.view.default(y * 4, [4, 3])
         out_clone = aten.clone.default(y * 5)
         no_op = aten.view.default(y * 6, [4, 3])
-        return of_computed * 1, of_view * 1, of_input * 1, merged * 1, out_same, out_clone, no_op * 1
+        of_offset_view = aten.clone.default(aten.slice.Tensor(y * 7, 0, 2, 4))  # rows 2-3: offset 6
+        return (of_computed * 1, of_view * 1, of_input * 1, merged * 1, out_same, out_clone, no_op * 1,
+                aten.as_strided.default(of_offset_view, [2, 3], [3, 1], 0))
 
     args = torch.arange(12.0).view(4, 3), torch.arange(12.0).view(3, 4)
-    gm = make_fx(step)(*args)
+    gm = make_fx(step, tracing_mode="fake")(*args)  # fake tensors keep views' storage offsets, as in a step graph
     drop_identity_ops(gm)
     kept = {n.name: [a.name for a in n.all_input_nodes] for n in gm.graph.nodes
             if n.target in (aten.view.default, aten._unsafe_view.default, aten.clone.default)}
     assert kept == {"_unsafe_view": ["mul"],  # pair, read from y itself
                     "view_2": ["mul_1"],  # the view of y * 3 (its clone went)
                     "clone_2": ["x_1"], "view_3": ["t"], "view_4": ["view_3"],
-                    "view_5": ["mul_2"], "clone_3": ["mul_3"]}
+                    "view_5": ["mul_2"], "clone_3": ["mul_3"], "clone_4": ["slice_1"]}
     for got, want in zip(gm(*args), step(*args), strict=True):
         assert torch.equal(got, want) and got.stride() == want.stride()
 

@@ -374,7 +374,8 @@ def drop_identity_ops(gm: torch.fx.GraphModule) -> None:
     - `detach`: the graph runs without autograd;
     - `copy(dst, src)` of a fresh tensor src laid out like dst: how a buffer's in-place update is
       written functionally (the runtime copies the graph's output into the buffer anyway);
-    - `clone` of a fresh tensor or of a view of one, laid out alike (dropout at p=0);
+    - `clone` of a fresh tensor or of a view of one, laid out alike, at the same storage offset
+      (dropout at p=0);
     - a reshape (`view`, `_unsafe_view`) to its input's own shape, such as each kernel's result
       reshaped back to the shape it already has.
     A reshape of a reshape of a contiguous tensor that is not a no-op reshapes that tensor directly
@@ -385,6 +386,7 @@ def drop_identity_ops(gm: torch.fx.GraphModule) -> None:
     graph = gm.graph
     output = graph.output_node()
     for node in list(graph.nodes):
+        is_output = output in node.users
         if node.target in RESHAPES:
             source = node.args[0]
             if (not _same_layout(node, source) and getattr(source, "target", None) in RESHAPES
@@ -393,17 +395,15 @@ def drop_identity_ops(gm: torch.fx.GraphModule) -> None:
                 if not source.users:
                     graph.erase_node(source)
                 source = node.args[0]
-            drop = output not in node.users and _same_layout(node, source)
+            drop = not is_output and _same_layout(node, source)
         elif node.target is torch.ops.aten.copy.default and len(node.args) == 2 and not node.kwargs:
             target, source = node.args
             drop = _fresh(source) and len(source.users) == 1 and _same_layout(target, source)
-        elif output in node.users:
-            continue
         elif node.target is torch.ops.aten.detach.default:
-            source, drop = node.args[0], True
+            source, drop = node.args[0], not is_output
         elif node.target is torch.ops.aten.clone.default and not node.kwargs:
             source = node.args[0]
-            drop = _fresh(_base(source)) and _same_layout(node, source)
+            drop = not is_output and _fresh(_base(source)) and _same_layout(node, source)
         else:
             continue
         if drop:
@@ -435,10 +435,12 @@ def _contiguous(node: Any) -> bool:
 
 
 def _same_layout(a: Any, b: Any) -> bool:
-    """Both nodes' tensors have the same shape, strides, dtype and device (from tracing)."""
+    """Both nodes' tensors have the same shape, strides, storage offset, dtype and device (from
+    tracing): an op that reads the storage (`as_strided`) finds the same elements in either."""
     va, vb = (getattr(n, "meta", {}).get("val") for n in (a, b))
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
-            and va.stride() == vb.stride() and va.dtype == vb.dtype and va.device == vb.device)
+            and va.stride() == vb.stride() and va.storage_offset() == vb.storage_offset()
+            and va.dtype == vb.dtype and va.device == vb.device)
 
 
 def compile_status() -> str:
