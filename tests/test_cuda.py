@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from bitwise import edge_values, ordinal, random_values, same_values
+from compiled_steps import MIXED, TINY, assert_identical, step_both
 
 from altgrad.experiment import read_jsonl
 from altgrad.quant import FORMATS, code_moves, compile_status, decode, encode, quantize
@@ -50,6 +51,21 @@ def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, re
     syncs = [w for w in recwarn if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert compile_status() == "compiled"
+
+
+def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch):
+    """The step graph on the GPU (Triton kernels, every other op its ATen kernel, one C++ wrapper),
+    bf16 autocast on, against the eager model on the GPU: 6 steps, diagnostics every step."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    for name in ("eager", "compiled"):
+        (tmp_path / name).mkdir()
+    eager, compiled = (Trainer(make_config(*TINY, *MIXED, "train.max_steps=100", "train.device=cuda",
+                                           "train.autocast=true", f"train.compile={on}"), tmp_path / name)
+                       for name, on in (("eager", False), ("compiled", True)))
+    for step in range(1, 7):
+        a, b = step_both(eager, compiled, step)
+        assert_identical(eager, compiled, a, b, step)
+    assert compiled.forward.graphs == 1 and compile_status() == "compiled"
 
 
 def differing(a: torch.Tensor, b: torch.Tensor) -> list[tuple[float, float]]:

@@ -69,7 +69,7 @@ def convert_to_quantized(model: nn.Module, policy: LayerPolicy) -> dict[str, For
     for name, fmt in assigned.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, QuantizedLinear.from_float(getattr(parent, child), policy.layer_policy(fmt), region=name))
+        setattr(parent, child, QuantizedLinear.from_float(getattr(parent, child), policy.layer_policy(fmt)))
     return assigned
 
 

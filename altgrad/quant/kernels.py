@@ -15,20 +15,21 @@ rounding uses the same ULP: floor(|y| / ULP + U) * ULP.
 A format enters a kernel as `grid_params`, one small tensor, not as constants, so one compiled graph
 serves every format of a `family` (E?M0 and flush-to-zero formats, input dtypes and the rounding
 mode add graphs). Its entries are named by the index constants below (`p[MAX]`, not `p[3]`). Inside
-a step graph, whose regions are compiled per layer anyway, the same entries are literals instead
+a step graph, which is compiled per format anyway, the same entries are literals instead
 (`constants`).
 
 `Kernel` compiles a function lazily with `torch.compile(dynamic=True)`: one compiled call per
 quantized tensor. `StepGraph` compiles a whole model forward (and, through AOTAutograd, its
-backward) as one graph instead, in which every kernel the forward calls is an inductor *region*
-compiled with the same options, and every other op stays the eager ATen op: one call per step, and
-still bit-identical to eager. If compiling fails, the reason is kept (`compile_status`) and the
-eager function is used from then on; ALTGRAD_NO_COMPILE=1 forces eager.
+backward) as one graph instead, in inductor's "lite" mode: every op the kernels trace is lowered by
+inductor with the same options, every other op stays the eager ATen kernel, called from one C++
+wrapper: one call per step, still bit-identical to eager. If compiling fails, the reason is kept
+(`compile_status`) and the eager function is used from then on; ALTGRAD_NO_COMPILE=1 forces eager.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import warnings
@@ -69,7 +70,7 @@ def constants(values: tuple[float, ...], dtype: torch.dtype, device: torch.devic
     """`values` as a 1-d tensor, made once per values, dtype and device. Traced into a step graph,
     a tuple of 0-dim `full`s instead: literals that the kernel's compiled code inlines (a tensor made
     once would be an input of the graph, or a constant it copies, on every call; a stacked one, a
-    buffer each region writes and reads back)."""
+    buffer each fused loop writes and reads back)."""
     if torch.compiler.is_compiling():
         return tuple(torch.full((), v, dtype=dtype, device=device) for v in values)
     return _constants(values, dtype, device)
@@ -253,29 +254,37 @@ class Compiled:
                       RuntimeWarning, stacklevel=4)
 
 
-# A region's intermediate that takes more ops than this is stored, not recomputed in each loop that
+# A kernel's intermediate that takes more ops than this is stored, not recomputed in each loop that
 # reads it. In a step graph a format's constants are literals, not loads, so nothing else bounds
-# how much inductor inlines: at its CPU default (50) one diagnostic region compiled for minutes.
+# how much inductor inlines: at its CPU default (50) one diagnostic step compiled for minutes.
 REGION_REALIZE_OPS = 8
-# A region's loop runs on several threads only when each gets at least this many elements. At
+# A kernel's loop runs on several threads only when each gets at least this many elements. At
 # inductor's CPU default (512) the quantizers of a small layer's tensors fork the OpenMP team for
 # each of their loops, which costs more than the loop itself (docs/design.md).
 REGION_MIN_CHUNK = 4096
 
-# Set by the first StepGraph: the inductor options of a kernel's region in a step graph. Read
-# outside any trace (reading inductor's config inside one breaks the graph).
-_REGION_OPTIONS: dict[str, Any] | None = None
+
+def step_graph_options() -> dict[str, Any]:
+    """Inductor options of a `StepGraph`: "lite" mode (every op falls back to its ATen kernel but
+    those marked `compile_with_inductor`, which the kernels mark while traced), the kernels'
+    `compile_options` and the two bounds above, and a C++ wrapper. The wrapper is what pays: a
+    step calls a few thousand ATen ops and a hundred fused kernels, and from Python each cost a
+    few microseconds of interpreter (docs/design.md). Built separately from the kernels, the
+    wrapper compiles at -O1: at -O3 one diagnostics graph took over ten minutes of g++.
+    compile_fx keeps the traced nodes' annotations through AOTAutograd only with provenance
+    tracking on (`trace.provenance_tracking_level` 1; it adds comments and compile-time
+    bookkeeping); without them every op would fall back."""
+    from torch._inductor import list_mode_options
+
+    return {**list_mode_options("lite"), **compile_options(),
+            "realize_opcount_threshold": REGION_REALIZE_OPS, "cpp.min_chunk_size": REGION_MIN_CHUNK,
+            "trace.provenance_tracking_level": 1, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
-def _region(name: str | None) -> contextlib.AbstractContextManager:
-    """Marks what is traced inside as an inductor region of the step graph (`regional_inductor`),
-    named `name` if given. Outside a step graph (no `_REGION_OPTIONS`): nothing to mark."""
-    if _REGION_OPTIONS is None:
-        return contextlib.nullcontext()
-    marking: dict[str, Any] = {"inductor_configs": _REGION_OPTIONS}
-    if name is not None:
-        marking["inductor_region"] = name
-    return fx_traceback.annotate({"compile_with_inductor": marking})
+def _lowered() -> contextlib.AbstractContextManager:
+    """Marks the ops traced inside for inductor to lower in a step graph (lite mode); elsewhere
+    the mark is ignored."""
+    return fx_traceback.annotate({"compile_with_inductor": {}})
 
 
 class Kernel(Compiled):
@@ -283,16 +292,13 @@ class Kernel(Compiled):
 
     `Kernel(fn)(x, *args)` is `fn(x, *args)`. x (a tensor, or a non-empty list of them for one call
     over many) decides whether to compile (tensors of 0/1 elements are not) and which device's
-    autocast to leave. Traced inside a `StepGraph`, the kernel is not a call of its own but a region
-    of the step's graph, compiled by inductor with the same options. Calls under one `region` name
-    (a layer's, for its quantizers) make one region of their own; unnamed calls share one pool, from
-    which the partitioner may gather one layer's state updates into a later layer's region, each
-    intermediate they need becoming an output of the region it was computed in (docs/design.md)."""
+    autocast to leave. Traced inside a `StepGraph`, the kernel is not a call of its own: its ops
+    are marked for inductor to lower and fuse, with the same options, inside the step's graph."""
 
-    def __call__(self, x: torch.Tensor | list[torch.Tensor], *args, region: str | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | list[torch.Tensor], *args) -> torch.Tensor:
         first = x[0] if isinstance(x, list) else x
         if torch.compiler.is_compiling():
-            with _region(region), _no_autocast(first):
+            with _lowered(), _no_autocast(first):
                 return self.fn(x, *args)
         # 0/1-element tensors would each specialise a new graph; they are not worth compiling.
         if self.error is None and (first is not x or x.numel() > 1) and not compiling_disabled():
@@ -315,10 +321,11 @@ GRAPHS_PER_STEP = 64
 
 class StepGraph(Compiled):
     """`fn` (a model's forward) compiled whole: dynamo traces it into one graph, AOTAutograd derives
-    the backward graph, and `regional_inductor` compiles only the kernels' regions in both (with
-    `compile_options`), running every other op as the eager ATen op. The result is bit-identical to
-    eager -- inductor lowering the whole graph re-associates the quantizers' backward arithmetic --
-    while a step makes one compiled call instead of one per quantized tensor."""
+    the backward graph, and inductor compiles both with `step_graph_options`: the kernels' ops
+    lowered into fused loops, every other op the eager ATen kernel, all called from one C++
+    wrapper per graph. The result is bit-identical to eager -- inductor lowering the whole graph
+    re-associates the model's reductions and the quantizers' backward arithmetic -- while a step
+    makes one compiled call instead of one per quantized tensor."""
 
     def __init__(self, fn: Callable[..., Any]):
         super().__init__(fn)
@@ -335,112 +342,27 @@ class StepGraph(Compiled):
         return self.fn(*args, **kwargs)
 
     def _compile(self) -> Callable[..., Any]:
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-        from torch.fx.passes.regional_inductor import regional_inductor
+        from torch._inductor.compile_fx import compile_fx
 
-        global _REGION_OPTIONS
-        _REGION_OPTIONS = {**compile_options(), "realize_opcount_threshold": REGION_REALIZE_OPS,
-                           "cpp.min_chunk_size": REGION_MIN_CHUNK}
+        options = step_graph_options()
         allow_recompiles(GRAPHS_PER_STEP)
         # The cached functions a step calls (`grid_params`, `scaler_params`) turn a format's fields
         # into a small tensor; traced, they build the same constants in the graph, so dynamo's
-        # warning that it skips their cache says nothing a user can act on.
+        # warning that it skips their cache says nothing a user can act on. Neither does
+        # inductor's note that the C++ wrapper calls an ATen op through its generic dispatcher.
         warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
-
-        def regions(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            drop_identity_ops(gm)
-            compiled = regional_inductor(gm, example_inputs)  # boxed (takes a list) only if it found regions
-            return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
-
-        backend = aot_autograd(fw_compiler=regions, bw_compiler=regions)
+        logging.getLogger("torch._inductor.ir").addFilter(_no_shim_notes)
 
         def counted(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             self.graphs += 1
-            return backend(gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches=options)
 
         # Static shapes: a step's shapes never change, and inductor fails on symbolic ones here.
         return torch.compile(self.fn, backend=counted, dynamic=False)
 
 
-RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
-def drop_identity_ops(gm: torch.fx.GraphModule) -> None:
-    """Remove the ops of an AOTAutograd graph that only rename a value, and shorten reshape chains.
-
-    Outside the regions each node is an eager op of its own, a dispatch from Python, and tracing
-    leaves many that compute nothing (docs/design.md):
-    - `detach`: the graph runs without autograd;
-    - `copy(dst, src)` of a fresh tensor src laid out like dst: how a buffer's in-place update is
-      written functionally (the runtime copies the graph's output into the buffer anyway);
-    - `clone` of a fresh tensor or of a view of one, laid out alike, at the same storage offset
-      (dropout at p=0);
-    - a reshape (`view`, `_unsafe_view`) to its input's own shape, such as each kernel's result
-      reshaped back to the shape it already has.
-    A reshape of a reshape of a contiguous tensor that is not a no-op reshapes that tensor directly
-    (the same view of the same storage, so also where it is a graph output). A buffer update's copy
-    is usually a graph output, and its fresh source takes its place there; every other op whose
-    result is a graph output stays, since an output must not become the graph's input, nor change
-    what it aliases."""
-    graph = gm.graph
-    output = graph.output_node()
-    for node in list(graph.nodes):
-        is_output = output in node.users
-        if node.target in RESHAPES:
-            source = node.args[0]
-            if (not _same_layout(node, source) and getattr(source, "target", None) in RESHAPES
-                    and _contiguous(source.args[0])):
-                node.args = (source.args[0], *node.args[1:])  # skip the first reshape
-                if not source.users:
-                    graph.erase_node(source)
-                source = node.args[0]
-            drop = not is_output and _same_layout(node, source)
-        elif node.target is torch.ops.aten.copy.default and len(node.args) == 2 and not node.kwargs:
-            target, source = node.args
-            drop = _fresh(source) and len(source.users) == 1 and _same_layout(target, source)
-        elif node.target is torch.ops.aten.detach.default:
-            source, drop = node.args[0], not is_output
-        elif node.target is torch.ops.aten.clone.default and not node.kwargs:
-            source = node.args[0]
-            drop = not is_output and _fresh(_base(source)) and _same_layout(node, source)
-        else:
-            continue
-        if drop:
-            node.replace_all_uses_with(source)
-            graph.erase_node(node)
-    graph.lint()
-    gm.recompile()
-
-
-def _fresh(node: Any) -> bool:
-    """node is computed in the graph by an op that returns a new tensor (not an input, not a view)."""
-    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
-            and isinstance(node.target, torch._ops.OpOverload) and not node.target.is_view)
-
-
-def _base(node: Any) -> Any:
-    """The node that computes the storage node's tensor is a view of (through any chain of views);
-    node itself if it is not a view."""
-    while (isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload)
-           and node.target.is_view):
-        node = node.args[0]
-    return node
-
-
-def _contiguous(node: Any) -> bool:
-    """node's tensor (from tracing) is contiguous: then any reshape of it is a view of it."""
-    value = getattr(node, "meta", {}).get("val")
-    return isinstance(value, torch.Tensor) and value.is_contiguous()
-
-
-def _same_layout(a: Any, b: Any) -> bool:
-    """Both nodes' tensors have the same shape, strides, storage offset, dtype and device (from
-    tracing): an op that reads the storage (`as_strided`) finds the same elements in either."""
-    va, vb = (getattr(n, "meta", {}).get("val") for n in (a, b))
-    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
-            and va.stride() == vb.stride() and va.storage_offset() == vb.storage_offset()
-            and va.dtype == vb.dtype and va.device == vb.device)
+def _no_shim_notes(record: logging.LogRecord) -> bool:
+    return "missing a c-shim implementation" not in record.getMessage()
 
 
 def compile_status() -> str:

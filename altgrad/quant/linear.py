@@ -84,20 +84,17 @@ class QuantizedLinear(nn.Linear):
     policy: LinearQuantPolicy
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, policy: LinearQuantPolicy, region: str | None = None) -> QuantizedLinear:
-        """Swap-in replacement for `linear` that shares its weight and bias Parameters. `region`
-        names the step-graph region its quantizers compile into (`kernels.Kernel`): the layer's
-        path in the model, so that each layer's quantizers are a region of their own."""
+    def from_float(cls, linear: nn.Linear, policy: LinearQuantPolicy) -> QuantizedLinear:
+        """Swap-in replacement for `linear` that shares its weight and bias Parameters."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
         new.weight = linear.weight
         new.bias = linear.bias
-        new._setup(policy, device=linear.weight.device, region=region)
+        new._setup(policy, device=linear.weight.device)
         return new
 
-    def _setup(self, policy: LinearQuantPolicy, device: torch.device, region: str | None) -> None:
+    def _setup(self, policy: LinearQuantPolicy, device: torch.device) -> None:
         self.policy = policy
-        self.region = region
         self.collect_stats = False
         self.scalers = nn.ModuleDict({role: TensorScaler(policy.format_of(role), policy.scaling_of(role))
                                       for role in ROLES}).to(device)
@@ -122,7 +119,7 @@ class QuantizedLinear(nn.Linear):
         fmt, rounding = self.policy.format_of(role), self.policy.rounding
         stats = self.stats[role] if count else None
         if self.training:
-            q, scale = quantize_step(x, self.scalers[role], rounding, stats, self.region)
+            q, scale = quantize_step(x, self.scalers[role], rounding, stats)
         else:
             scale = self.scalers[role].current(x)
             q = quantize(x, fmt, scale, rounding=rounding)

@@ -81,7 +81,7 @@ def scaler_params(fmt: FormatSpec, policy: ScalingPolicy, device: torch.device) 
 def scale_step(state: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: Constants) -> torch.Tensor:
     """One training step of a TensorScaler, in place on its `state` ([history..., scale, amax]):
     record amax = max(-lo, hi), roll the history, return the new scale. A kernel function, so one
-    compiled call (or a step graph's region) does all of it; (lo, hi) = aminmax(x) come in from
+    compiled call (or a step graph's fused loop) does all of it; (lo, hi) = aminmax(x) come in from
     outside, where the reduction can use the whole device (docs/design.md)."""
     history, scale = state[:HISTORY_END], state[SCALE]
     amax = _amax_of(lo, hi)

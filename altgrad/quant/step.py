@@ -4,7 +4,7 @@ A `QuantizedLinear` quantizes three tensors per step. `quantize_step` runs the s
 the quantizer -- the same functions `TensorScaler.update` and `quantize` run, in the same order, so
 the results are bit-identical (`tests/test_linear.py`) -- as one compiled call, and on diagnostic
 steps the counters too (`TensorStats`), so a diagnostic step makes no call of its own per tensor.
-Traced into a step graph (`kernels.StepGraph`) all of it is one region of that graph.
+Traced into a step graph (`kernels.StepGraph`) all of it is lowered into that graph's fused loops.
 
 The counters see at most STATS_SAMPLE elements of a tensor: smaller tensors are counted exactly;
 larger ones (the logits gradient has B * T * vocab elements) on STATS_RUNS evenly spaced runs of
@@ -79,7 +79,7 @@ def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, state: torch.Tens
     """scaler.update(x), then quantize(x, scale), then (given the `counted` so far) `counted` plus
     `quantization_counts` of the sample, as one graph (x flat; lo, hi = aminmax(x)). p is the grid
     in x's container dtype, p32 in float32, which the counters encode in. The sum is made here, not
-    by the caller: in a step graph it is then part of the region, not an op of its own per tensor."""
+    by the caller: in a step graph it is then fused with the counting, not an op of its own per tensor."""
     s = scale_step(state, lo, hi, sp)
     q = nearest_scaled(x, s, p, m0, ftz) if noise is None else stochastic(x, s, p, ftz, noise)
     if counted is None:
@@ -89,7 +89,7 @@ def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, state: torch.Tens
 
 def _step_in_graph(x: torch.Tensor, scaler: TensorScaler, noise: torch.Tensor | None,
                    counted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`_step` as a region of a step graph, with everything a quantized tensor needs inside it: the
+    """`_step` as traced into a step graph, with everything a quantized tensor needs inside it: the
     amax, x's reshapes (x of any shape) and the format's constants (`kernels.constants`)."""
     flat = x.reshape(-1)
     q, s, counted = _step(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, counted)
@@ -109,20 +109,20 @@ _STEP_IN_GRAPH = Kernel(_step_in_graph)
 
 @torch.no_grad()
 def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "nearest",
-                  stats: TensorStats | None = None, region: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  stats: TensorStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A training step's quantization of x: advance `scaler` on x and quantize x to the scaler's
     format with the scale it returns; count it into `stats` if given. Returns (q, scale), as
     `scaler.update`, `quantize` and `stats.observe` would one after the other.
 
-    Traced into a step graph (static shapes) the whole of it, amax included, is part of the region
-    named `region` (`kernels.Kernel`). Called on its own it is one compiled call after an eager
+    Traced into a step graph (static shapes) the whole of it, amax included, is lowered by inductor
+    there (`kernels.Kernel`). Called on its own it is one compiled call after an eager
     `aminmax`: compiled with dynamic shapes, inductor cannot split the reduction (docs/design.md)."""
     flat = x.reshape(-1).detach()  # detach last: no `_base` for dynamo to guard on
     if not flat.numel():  # the scaler records amax 0; nothing to quantize or count
         return x.detach().clone(), scaler.update(x)
     noise, counted = rounding_noise(flat, rounding), None if stats is None else stats.counted
     if torch.compiler.is_compiling():
-        q, s, counted = _STEP_IN_GRAPH(x.detach(), scaler, noise, counted, region=region)
+        q, s, counted = _STEP_IN_GRAPH(x.detach(), scaler, noise, counted)
     else:
         q, s, counted = _STEP(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, counted)
         q = q.view(x.shape)

@@ -56,10 +56,10 @@ def _kurtosis(x: torch.Tensor) -> torch.Tensor:
 _KURTOSIS = Kernel(_kurtosis)
 
 
-def kurtosis(x: torch.Tensor, region: str | None = None) -> torch.Tensor:
+def kurtosis(x: torch.Tensor) -> torch.Tensor:
     """Excess-free (Pearson) kurtosis E[(x-mu)^4] / var^2 of all elements; 3 for a Gaussian.
-    One compiled call (eagerly ~8 ops); in a step graph, part of `region` (`kernels.Kernel`)."""
-    return _KURTOSIS(x.detach(), region=region)
+    One compiled call (eagerly ~8 ops); in a step graph, lowered into it (`kernels.Kernel`)."""
+    return _KURTOSIS(x.detach())
 
 
 def _gradient_stats(g: torch.Tensor, p: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
@@ -133,12 +133,9 @@ class Diagnostics:
             torch._foreach_zero_(self._counters)
 
     def _kurtosis_hook(self, name: str):
-        # In a step graph: a quantized layer's region, with x's quantizer; else one of its own.
-        region = self.quantized[name].region if name in self.quantized else name
-
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             if self.collecting:
-                self._kurtosis[name] = kurtosis(args[0], region)  # now: x need not outlive the forward
+                self._kurtosis[name] = kurtosis(args[0])  # now: x need not outlive the forward
 
         return hook
 

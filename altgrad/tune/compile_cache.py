@@ -7,8 +7,8 @@ on another node does not, nor any trial on the machine that replaces a killed sp
 the experiment keeps the directory, `<experiment>/compile_cache/`: on local (or mounted, shared)
 storage every trial uses it in place; on remote storage a trial fetches it into a directory of its
 node before it compiles and copies it back if it compiled anything the cache lacked. (torch's
-portable cache artifacts, `torch.compiler.save_cache_artifacts`, do not hold the regions of a
-step graph: they come back empty.) What it saves: `benchmarks/warm_trial.py`.
+portable cache artifacts, `torch.compiler.save_cache_artifacts`, came back empty for a step
+graph.) What it saves: `benchmarks/warm_trial.py`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def compile_misses() -> int:
-    """Graphs this process compiled that its cache did not hold (a kernel: inductor's FX graph
-    cache; a step graph's region: AOTAutograd's cache)."""
+    """Graphs this process compiled that its cache did not hold (inductor's FX graph cache, and
+    AOTAutograd's for a step graph)."""
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]

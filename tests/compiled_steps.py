@@ -1,0 +1,44 @@
+"""A compiled and an eager trainer stepped side by side, and the check that they are bit-identical
+(tests/test_kernels.py on the CPU, tests/test_cuda.py on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from altgrad.train import Trainer
+
+# One layer 16 wide: every quantizer and diagnostic of a step, compiled in seconds.
+TINY = ("model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=8", "train.batch_size=2",
+        "train.shadow_every=0", "train.diag_every=1", "train.eval_interval=4")
+# Metrics that are float sums over a tensor and computed inside the graph (kurtosis, in the
+# forward): the step graph's fused loop and the kernel's own graph may add in a different order.
+# Everything else -- the loss, every weight, scale and counter -- must match bit for bit.
+SUMMED = ("act/kurtosis",)
+# Every quantized layer adds kernels to the step graph's C++ compile, so few layers are quantized:
+# two format families (E?M0 with its tie fix-up; e5m2, whose unscaled overflow becomes inf) in one
+# model, and stochastic rounding with format-stored weights on one layer. The other layers are in
+# the graph unquantized.
+MIXED = ("quant.format=e4m3", "quant.precision=[{pattern: lm_head, format: e7m0}, "
+         "{pattern: '*.attn.c_proj', format: e5m2}]")
+STOCHASTIC = ("quant.format=e3m4", "quant.rounding=stochastic", "quant.master_weights=format",
+              "quant.precision=[{pattern: '*.mlp.c_proj', format: '{fmt}'}]")
+
+
+def step_both(eager: Trainer, compiled: Trainer, step: int) -> tuple[dict, dict]:
+    """The same step on both trainers from the same RNG state (stochastic rounding draws from it)."""
+    rng = torch.get_rng_state()
+    a = eager.train_step(step).metrics
+    torch.set_rng_state(rng)
+    return a, compiled.train_step(step).metrics
+
+
+def assert_identical(eager: Trainer, compiled: Trainer, a: dict, b: dict, step: int) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if key.startswith(SUMMED):
+            assert b[key] == pytest.approx(value, rel=1e-5), (step, key)
+        else:
+            assert value == b[key] or (value != value and b[key] != b[key]), (step, key, value, b[key])
+    for (name, p), q in zip(eager.model.state_dict().items(), compiled.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), (step, name)
