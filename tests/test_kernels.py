@@ -69,8 +69,9 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
 
 
 def test_quantizer_ops_are_seen_when_a_step_runs_them_one_by_one(make_config, tmp_path, monkeypatch):
-    """The check above can fail: a step whose kernels run their ops one by one (here with compiling
-    off, as a step graph would if inductor did not lower them) shows them in the profile."""
+    """The check above can fail: a step whose kernels run their ops one by one shows them in the
+    profile (here with compiling off; a step graph whose kernels inductor did not lower calls the
+    same ATen ops from its C++ wrapper, which the profiler records too: docs/design.md)."""
     monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
     trainer = Trainer(make_config(*TINY, *MIXED, "train.max_steps=100", "train.compile=true"), tmp_path / "eager")
     assert set(QUANTIZER_OPS) <= aten_ops(trainer, 2)

@@ -257,11 +257,11 @@ class Compiled:
 # A kernel's intermediate that takes more ops than this is stored, not recomputed in each loop that
 # reads it. In a step graph a format's constants are literals, not loads, so nothing else bounds
 # how much inductor inlines: at its CPU default (50) one diagnostic step compiled for minutes.
-REGION_REALIZE_OPS = 8
+STEP_REALIZE_OPS = 8
 # A kernel's loop runs on several threads only when each gets at least this many elements. At
 # inductor's CPU default (512) the quantizers of a small layer's tensors fork the OpenMP team for
 # each of their loops, which costs more than the loop itself (docs/design.md).
-REGION_MIN_CHUNK = 4096
+STEP_MIN_CHUNK = 4096
 
 
 def step_graph_options() -> dict[str, Any]:
@@ -277,7 +277,7 @@ def step_graph_options() -> dict[str, Any]:
     from torch._inductor import list_mode_options
 
     return {**list_mode_options("lite"), **compile_options(),
-            "realize_opcount_threshold": REGION_REALIZE_OPS, "cpp.min_chunk_size": REGION_MIN_CHUNK,
+            "realize_opcount_threshold": STEP_REALIZE_OPS, "cpp.min_chunk_size": STEP_MIN_CHUNK,
             "trace.provenance_tracking_level": 1, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
