@@ -1,6 +1,8 @@
 """The experiment's compile cache (altgrad.tune.compile_cache): what one trial process compiled, a
 later trial process does not compile again -- on the same machine from the experiment's directory,
-and on another node (its own empty temp dir) from a real S3-compatible bucket."""
+and on another node (its own empty temp dir) from a real S3-compatible bucket. A step graph
+included: AOTAutograd's cache holds it although it calls autograd.Functions, and is keyed on what
+they compute."""
 
 from __future__ import annotations
 
@@ -11,32 +13,46 @@ import sys
 from pathlib import Path
 
 # A trial process in miniature: use the experiment's compile cache at URI, compile a quantizer
-# kernel, publish; print how many files the cache held, the inductor cache counters and whether
-# it published.
+# kernel -- and with argv[2] "ste" a step graph through the STE (an autograd.Function), with
+# "doubled" one whose backward doubles the gradient -- publish; print how many files the cache
+# held, the cache counters, whether it published and the step graph's gradient.
 TRIAL = """
-import json, sys, torch
+import importlib, json, sys, torch
 from pyarrow.fs import FileSystem
 from torch._dynamo.utils import counters
 from altgrad.quant import quantize
+from altgrad.quant.kernels import StepGraph
 from altgrad.tune.compile_cache import CompileCache
+q = importlib.import_module("altgrad.quant.quantize")  # (the package's `quantize` is the function)
+step = sys.argv[2]
+if step == "doubled":
+    backward = q._StraightThrough.backward
+    q._StraightThrough.backward = staticmethod(lambda ctx, g: (2 * backward(ctx, g)[0], None, None, None, None))
 cache = CompileCache(*FileSystem.from_uri(sys.argv[1]))
 held = cache.use()
 quantize(torch.linspace(-3, 3, 1000), "e4m3")
+x = torch.linspace(-600, 600, 64, requires_grad=True)
+if step != "kernel":
+    StepGraph(lambda x: q.fake_quantize(x, "e4m3", clip_ste=True).square().sum())(x).backward()
 published = cache.publish()
 quantize(torch.linspace(-3, 3, 1000), "e5m2")  # the same graph: nothing new to publish
+aot = counters["aot_autograd"]
 print(json.dumps({"held": held, "published": published, "again": cache.publish(),
                   "hits": counters["inductor"]["fxgraph_cache_hit"],
-                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+                  "misses": counters["inductor"]["fxgraph_cache_miss"],
+                  "aot_hits": aot["autograd_cache_hit"], "aot_misses": aot["autograd_cache_miss"],
+                  "aot_bypasses": aot["autograd_cache_bypass"],
+                  "grad": None if x.grad is None else x.grad.tolist()}))
 """
 
 
-def trial(uri: str, node: Path) -> dict:
+def trial(uri: str, node: Path, step: str = "kernel") -> dict:
     """The trial in a fresh process on `node` (its temp dir; no inductor cache of its own)."""
     node.mkdir(parents=True, exist_ok=True)
     env = {**{k: v for k, v in os.environ.items() if k not in ("ALTGRAD_NO_COMPILE", "TORCHINDUCTOR_CACHE_DIR")},
            "TMPDIR": str(node)}
-    out = subprocess.run([sys.executable, "-c", TRIAL, uri], env=env, check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run([sys.executable, "-c", TRIAL, uri, step], env=env, check=True,
+                         capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -49,6 +65,24 @@ def test_local_storage_a_later_trial_compiles_nothing_again(tmp_path):
     assert later["held"] > 0 and later["hits"] > 0 and later["misses"] == 0
     # the comparison can fail: the same trial with an empty cache compiles
     assert trial((tmp_path / "other" / "compile_cache").as_uri(), tmp_path / "node")["misses"] > 0
+
+
+def test_a_step_graph_is_cached_and_keyed_on_its_autograd_functions(tmp_path):
+    """AOTAutograd refuses by default to cache a graph that calls an autograd.Function (the STE,
+    the grad_output quantizer), as it cannot tell that its key covers what the Function computes:
+    each trial then traced its step graph again (docs/design.md). `StepGraph` allows it, safe
+    because dynamo traces the Functions' forward and backward into the graph that is the key. So a
+    later trial takes the step graph from the cache, and one whose STE backward differs compiles
+    anew and gets the new gradient."""
+    cache = (tmp_path / "compile_cache").as_uri()
+    first = trial(cache, tmp_path / "node", step="ste")
+    assert first["aot_bypasses"] == 0 and first["aot_misses"] == 2  # the kernel and the step graph
+    later = trial(cache, tmp_path / "node", step="ste")
+    assert later["aot_hits"] == 2 and later["aot_misses"] == later["misses"] == 0
+    assert later["grad"] == first["grad"]
+    doubled = trial(cache, tmp_path / "node", step="doubled")
+    assert doubled["aot_misses"] == 1 and doubled["aot_hits"] == 1  # the step graph; the kernel hit
+    assert doubled["grad"] == [2 * g for g in first["grad"]] and any(first["grad"])
 
 
 def test_remote_storage_a_trial_on_another_node_fetches_what_one_published(s3_bucket, tmp_path):

@@ -355,7 +355,13 @@ class StepGraph(Compiled):
 
         def counted(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             self.graphs += 1
-            return compile_fx(gm, example_inputs, config_patches=options)
+            # AOTAutograd does not cache a graph that calls an autograd.Function (the STE, the
+            # grad_output quantizer) unless told to: it cannot know that its key, the dynamo
+            # graph, holds what the Function computes. Here dynamo traced each Function's forward
+            # and backward into that graph, so it does; cached, a later trial skips AOTAutograd's
+            # trace of the joint graph (tests/test_compile_cache.py, docs/design.md).
+            with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
+                return compile_fx(gm, example_inputs, config_patches=options)
 
         # Static shapes: a step's shapes never change, and inductor fails on symbolic ones here.
         return torch.compile(self.fn, backend=counted, dynamic=False)
