@@ -55,6 +55,7 @@ from altgrad.metrics import (
 from altgrad.quant.kernels import compiling_disabled
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
+from altgrad.train.resources import limit_resources
 from altgrad.tune.compile_cache import CompileCache
 from altgrad.tune.trial_spec import learning, trial_key, trial_run_config
 from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
@@ -125,15 +126,6 @@ def _fetch_run_dir(storage, destination: Path) -> None:
         destination.mkdir(parents=True, exist_ok=True)  # copy_files makes the sub-folders, not the root
         copy_files(source, str(destination), source_filesystem=storage.storage_filesystem,
                    destination_filesystem=LocalFileSystem())
-
-
-def limit_resources(cpus: int, gpu_fraction: float) -> None:
-    """No oversubscription: torch uses the trial's cores and at most its share of the GPU."""
-    import torch
-
-    torch.set_num_threads(cpus)
-    if gpu_fraction > 0 and torch.cuda.is_available():
-        torch.cuda.set_per_process_memory_fraction(min(gpu_fraction, 1.0))
 
 
 @contextlib.contextmanager
