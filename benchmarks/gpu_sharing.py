@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from train_step import BENCH_PRESETS, build
+from train_step import add_training_arguments, build, training_run
 
 from altgrad.train.resources import limit_resources
 from altgrad.tune.config import SWEEP_PRESETS
@@ -87,18 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=round(1 / trial["gpu_per_trial"]),
                         help="processes sharing the GPU, each capped at 1/N of its memory")
     parser.add_argument("--cpus", type=int, default=int(trial["cpus_per_trial"]), help="torch threads per process")
-    parser.add_argument("--preset", default="auto",
-                        help=f"cpu | gpu | auto (gpu when CUDA is available) | {' | '.join(BENCH_PRESETS)}")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per process")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
-    parser.add_argument("--smoke", action="store_true", help="3 timed steps, to check the script runs")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_training_arguments(parser, 50, "process")
     args = parser.parse_args(argv)
     if args.processes < 1 or args.cpus < 1:
         parser.error("--processes and --cpus must be at least 1")
-    steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
-    preset, bundle = BENCH_PRESETS.get(args.preset, (args.preset, []))
-    overrides = [f"preset={preset}", *bundle, *args.overrides, *VARIANT]
+    common, steps, warmup = training_run(args)
+    overrides = [*common, *VARIANT]
     cpus = args.cpus
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU: CPU processes"
 

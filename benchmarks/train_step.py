@@ -79,22 +79,33 @@ def timed_step(trainer: Trainer, step: int) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_training_arguments(parser: argparse.ArgumentParser, steps: int, per: str) -> None:
+    """The options of a benchmark that trains the preset's model (`training_run` reads them)."""
     parser.add_argument("--preset", default="auto",
                         help=f"cpu | gpu | auto (gpu when CUDA is available) | {' | '.join(BENCH_PRESETS)}")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per {per}")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
     parser.add_argument("--smoke", action="store_true", help="3 timed steps, to check the script runs")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+
+def training_run(args: argparse.Namespace) -> tuple[list[str], int, int]:
+    """The run-config overrides of the chosen preset (a BENCH_PRESETS bundle expanded) and --set,
+    the timed steps and the warm-up steps (--smoke: 3 and 2)."""
+    preset, bundle = BENCH_PRESETS.get(args.preset, (args.preset, []))
+    steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
+    return [f"preset={preset}", *bundle, *args.overrides], steps, warmup
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_training_arguments(parser, 30, "variant")
     add_record_argument(parser)
     args = parser.parse_args(argv)
-    steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
+    common, steps, warmup = training_run(args)
 
     with tempfile.TemporaryDirectory() as tmp:
-        preset, bundle = BENCH_PRESETS.get(args.preset, (args.preset, []))
-        trainers = {name: build([f"preset={preset}", *bundle, *args.overrides, *overrides], steps + warmup,
-                                Path(tmp) / name)
+        trainers = {name: build([*common, *overrides], steps + warmup, Path(tmp) / name)
                     for name, overrides in VARIANTS.items()}
         names = list(trainers)
         times: dict[str, list[float]] = {name: [] for name in names}
