@@ -14,6 +14,10 @@ from altgrad.quant import compile_status
 from altgrad.train import Trainer
 from altgrad.train.format_shift import shift_layers
 
+# One worker, in order: the resume test's step graph is the mixed test's, which it then takes from
+# the compile caches instead of compiling it cold a second time on the other worker.
+pytestmark = pytest.mark.xdist_group("step_graph")
+
 
 @pytest.fixture(autouse=True)
 def fresh_counters():
