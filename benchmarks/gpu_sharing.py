@@ -5,8 +5,9 @@ caps its memory to its share (`altgrad.train.resources.limit_resources`, as the 
 What that buys is measured here without Ray, which the GPU machines' image lacks: one process
 alone (no memory cap), then N processes started together, each capped at 1/N of the GPU's memory.
 By default N and each process's threads are what a gpu-preset sweep gives a trial
-(`SWEEP_PRESETS["gpu"]`: 4 processes, 1 thread each). Every process trains the preset's e4m3 model -- its own diagnostics cadence included -- for the same warm-up (untimed:
-compiling) and the same timed steps, which start together behind a barrier. Aggregate tokens/s is
+(`SWEEP_PRESETS["gpu"]`: 4 processes, 1 thread each). Every process trains the preset's e4m3
+model, its own diagnostics cadence included, for the same warm-up (untimed: compiling) and the same
+timed steps, which start together behind a barrier. Aggregate tokens/s is
 every process's timed tokens over the wall time from the first timed step to the last; the ratio is
 against the process alone. Each step ends in the trainer's host sync, so the timing is the GPU's.
 

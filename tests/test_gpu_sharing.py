@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from compiled_steps import TINY
+
 from altgrad.tune.config import SWEEP_PRESETS
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-TINY = ("model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=8", "train.batch_size=2")
 
 
 def test_sharing_benchmark_reports_the_aggregate_against_one_process_alone():
