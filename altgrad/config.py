@@ -264,9 +264,9 @@ class TrainConfig(StrictModel):
     compile: bool = Field(
         True, description="the model's forward and backward as one compiled graph per step, the "
         "quantizer kernels lowered by inductor and every other op its ATen kernel, called from one "
-        "C++ wrapper (altgrad.quant.kernels.StepGraph): bit-identical to eager, with one call a "
-        "step instead of one per quantized tensor. false: the eager model calling each kernel on "
-        "its own (for debugging; ALTGRAD_NO_COMPILE=1 makes everything eager)")
+        "wrapper, C++ on the CPU (altgrad.quant.kernels.StepGraph): bit-identical to eager, with "
+        "one call a step instead of one per quantized tensor. false: the eager model calling each "
+        "kernel on its own (for debugging; ALTGRAD_NO_COMPILE=1 makes everything eager)")
 
 
 class StabilityConfig(StrictModel):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from train_step import VARIANTS, build
+from train_step import VARIANTS, add_variants_argument, build, chosen_variants
 
 
 def host_syncs(step) -> collections.Counter:
@@ -46,11 +46,11 @@ def host_syncs(step) -> collections.Counter:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="auto", help="cpu | gpu | auto (gpu when CUDA is available)")
-    ap.add_argument("--variants", default="bf16,e4m3,e4m3+diag", help=f"comma-separated, of {list(VARIANTS)}")
+    add_variants_argument(ap, "bf16,e4m3,e4m3+diag")
     ap.add_argument("--rows", type=int, default=15, help="ops listed per variant")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.variants.split(","):
+        for name in chosen_variants(ap, args.variants):
             trainer = build([f"preset={args.preset}", *VARIANTS[name]], 100, Path(tmp) / name)
             for step in range(2, 6):
                 trainer.train_step(step)

@@ -95,3 +95,20 @@ def test_train_step_host_preset_records_its_ratios(tmp_path, capsys):
     for claim in saved["claims"]:
         a, b = (float(x) for x in re.findall(r"([\d.]+) (?:vs|ms)", claim["detail"])[:2])
         assert (a - 0.05) / (b + 0.05) <= claim["ratio"] <= (a + 0.05) / (b - 0.05)  # printed to 0.1 ms
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_train_step_runs_the_chosen_variants_and_their_targets_only(capsys):
+    """`--variants e4m3` builds bf16 (the baseline) and e4m3 alone and checks the one target
+    between them; an unknown name, or a record of a subset, is a usage error."""
+    bench = load("train_step")
+    bench.main(["--preset", "cpu", "--smoke", "--variants", "e4m3"])
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines()[1:] if line.endswith("s") and "/" not in line]
+    assert rows == ["bf16", "e4m3"]
+    assert [line.split(":")[0] for line in out.splitlines() if " / " in line] == ["e4m3 / bf16"]
+    for argv in (["--variants", "e4m3,e9m9"], ["--variants", "e4m3", "--record", "somewhere"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--preset", "cpu", "--smoke", *argv])
+        assert exit_.value.code == 2
+    assert "unknown variant(s) e9m9" in capsys.readouterr().err

@@ -54,7 +54,7 @@ def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, re
 
 
 def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch):
-    """The step graph on the GPU (Triton kernels, every other op its ATen kernel, one C++ wrapper),
+    """The step graph on the GPU (Triton kernels, every other op its ATen kernel, a Python wrapper),
     bf16 autocast on, against the eager model on the GPU: 6 steps, diagnostics every step."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     for name in ("eager", "compiled"):

@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from torch.profiler import profile
 
 from altgrad.quant import compile_status
+from altgrad.quant.kernels import graph_device_type, step_graph_options
 from altgrad.train import Trainer
 from altgrad.train.format_shift import shift_layers
 
@@ -108,3 +109,17 @@ def test_resume_with_the_compiled_step_is_bit_identical(make_config, tmp_path, m
     for (name, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(),
                             strict=True):
         assert torch.equal(p, q), name
+
+
+def test_the_step_graph_has_a_cpp_wrapper_on_the_cpu_only():
+    """The wrapper follows the device the graph's inputs are on: C++ on the CPU; on CUDA inductor's
+    C++ wrapper did not build (docs/design.md, "GPU runs"), so Python there, where
+    tests/test_cuda.py checks that the step compiles. A CPU scalar input beside the accelerator's
+    tensors must not make a graph a CPU one."""
+    cpu = [torch.zeros(4, 4), torch.tensor(1.0)]
+    accelerator = [torch.zeros(4, 4, device="meta"), torch.tensor(1.0)]
+    assert graph_device_type(cpu) == "cpu" and graph_device_type(accelerator) == "meta"
+    assert step_graph_options("cpu")["cpp_wrapper"] and step_graph_options("cpu")["cpp_wrapper_build_separate"]
+    assert not step_graph_options("meta")["cpp_wrapper"]
+    assert step_graph_options("cpu")["trace.provenance_tracking_level"] == 1 == step_graph_options("meta")[
+        "trace.provenance_tracking_level"]  # the lowering marks survive on either wrapper

@@ -21,9 +21,10 @@ a step graph, which is compiled per format anyway, the same entries are literals
 `Kernel` compiles a function lazily with `torch.compile(dynamic=True)`: one compiled call per
 quantized tensor. `StepGraph` compiles a whole model forward (and, through AOTAutograd, its
 backward) as one graph instead, in inductor's "lite" mode: every op the kernels trace is lowered by
-inductor with the same options, every other op stays the eager ATen kernel, called from one C++
-wrapper: one call per step, still bit-identical to eager. If compiling fails, the reason is kept
-(`compile_status`) and the eager function is used from then on; ALTGRAD_NO_COMPILE=1 forces eager.
+inductor with the same options, every other op stays the eager ATen kernel, called from one wrapper
+(C++ on the CPU, Python on CUDA): one call per step, still bit-identical to eager. If compiling
+fails, the reason is kept (`compile_status`) and the eager function is used from then on;
+ALTGRAD_NO_COMPILE=1 forces eager.
 """
 
 from __future__ import annotations
@@ -264,21 +265,26 @@ STEP_REALIZE_OPS = 8
 STEP_MIN_CHUNK = 4096
 
 
-def step_graph_options() -> dict[str, Any]:
-    """Inductor options of a `StepGraph`: "lite" mode (every op falls back to its ATen kernel but
-    those marked `compile_with_inductor`, which the kernels mark while traced), the kernels'
-    `compile_options` and the two bounds above, and a C++ wrapper. The wrapper is what pays: a
-    step calls a few thousand ATen ops and a hundred fused kernels, and from Python each cost a
-    few microseconds of interpreter (docs/design.md). Built separately from the kernels, the
-    wrapper compiles at -O1: at -O3 one diagnostics graph took over ten minutes of g++.
-    compile_fx keeps the traced nodes' annotations through AOTAutograd only with provenance
-    tracking on (`trace.provenance_tracking_level` 1; it adds comments and compile-time
-    bookkeeping); without them every op would fall back."""
+def step_graph_options(device_type: str) -> dict[str, Any]:
+    """Inductor options of a `StepGraph` on `device_type`: "lite" mode (every op falls back to its
+    ATen kernel but those marked `compile_with_inductor`, which the kernels mark while traced), the
+    kernels' `compile_options` and the two bounds above, and on the CPU a C++ wrapper. The wrapper
+    is what pays there: a step calls a few thousand ATen ops and a hundred fused kernels, and from
+    Python each cost a few microseconds of interpreter (docs/design.md). Built separately from the
+    kernels, the wrapper compiles at -O1: at -O3 one diagnostics graph took over ten minutes of g++.
+    On CUDA the wrapper stays Python: inductor's C++ wrapper passes an absent optional list to a
+    CUDA op without a C shim as `from(nullptr, 0)`, which g++ rejects, so the step fell back to
+    eager (torch 2.11 on an H200; docs/design.md, "GPU runs"). compile_fx keeps the traced nodes'
+    annotations through AOTAutograd only with provenance tracking on
+    (`trace.provenance_tracking_level` 1; it adds comments and compile-time bookkeeping); without
+    them every op would fall back."""
     from torch._inductor import list_mode_options
 
+    cpp_wrapper = device_type == "cpu"
     return {**list_mode_options("lite"), **compile_options(),
             "realize_opcount_threshold": STEP_REALIZE_OPS, "cpp.min_chunk_size": STEP_MIN_CHUNK,
-            "trace.provenance_tracking_level": 1, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+            "trace.provenance_tracking_level": 1, "cpp_wrapper": cpp_wrapper,
+            "cpp_wrapper_build_separate": cpp_wrapper}
 
 
 def _lowered() -> contextlib.AbstractContextManager:
@@ -322,8 +328,8 @@ GRAPHS_PER_STEP = 64
 class StepGraph(Compiled):
     """`fn` (a model's forward) compiled whole: dynamo traces it into one graph, AOTAutograd derives
     the backward graph, and inductor compiles both with `step_graph_options`: the kernels' ops
-    lowered into fused loops, every other op the eager ATen kernel, all called from one C++
-    wrapper per graph. The result is bit-identical to eager -- inductor lowering the whole graph
+    lowered into fused loops, every other op the eager ATen kernel, all called from one wrapper
+    per graph (C++ on the CPU, Python on CUDA). The result is bit-identical to eager -- inductor lowering the whole graph
     re-associates the model's reductions and the quantizers' backward arithmetic -- while a step
     makes one compiled call instead of one per quantized tensor."""
 
@@ -344,7 +350,6 @@ class StepGraph(Compiled):
     def _compile(self) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
 
-        options = step_graph_options()
         allow_recompiles(GRAPHS_PER_STEP)
         # The cached functions a step calls (`grid_params`, `scaler_params`) turn a format's fields
         # into a small tensor; traced, they build the same constants in the graph, so dynamo's
@@ -360,11 +365,19 @@ class StepGraph(Compiled):
             # graph, holds what the Function computes. Here dynamo traced each Function's forward
             # and backward into that graph, so it does; cached, a later trial skips AOTAutograd's
             # trace of the joint graph (tests/test_compile_cache.py, docs/design.md).
+            options = step_graph_options(graph_device_type(example_inputs))
             with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
                 return compile_fx(gm, example_inputs, config_patches=options)
 
         # Static shapes: a step's shapes never change, and inductor fails on symbolic ones here.
         return torch.compile(self.fn, backend=counted, dynamic=False)
+
+
+def graph_device_type(example_inputs: list[Any]) -> str:
+    """The device a graph computes on: its accelerator if any tensor input (the model's parameters
+    are inputs too) is on one, else the CPU. A CPU scalar beside CUDA tensors does not make it CPU."""
+    accelerators = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)} - {"cpu"}
+    return accelerators.pop() if len(accelerators) == 1 else "cpu"
 
 
 def _no_shim_notes(record: logging.LogRecord) -> bool:
