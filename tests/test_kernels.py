@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from torch.profiler import profile
 
 from altgrad.quant import compile_status
-from altgrad.quant.kernels import graph_device_type, step_graph_options
+from altgrad.quant.kernels import StepGraph, graph_device_type, step_graph_options
 from altgrad.train import Trainer
 from altgrad.train.format_shift import shift_layers
 
@@ -123,3 +123,37 @@ def test_the_step_graph_has_a_cpp_wrapper_on_the_cpu_only():
     assert not step_graph_options("meta")["cpp_wrapper"]
     assert step_graph_options("cpu")["trace.provenance_tracking_level"] == 1 == step_graph_options("meta")[
         "trace.provenance_tracking_level"]  # the lowering marks survive on either wrapper
+
+
+class UpsampledGradient(torch.autograd.Function):
+    """2x, whose backward calls an op that inductor's C++ wrapper does not build on the CPU (torch
+    2.13: `upsample_nearest2d` goes through the generic dispatcher, which is handed its absent
+    optional `output_size` as `from(nullptr, 0)`; docs/design.md, "GPU runs")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.nn.functional.interpolate(grad[None, None], scale_factor=1.0)[0, 0]
+
+
+def test_a_backward_the_cpp_wrapper_cannot_build_runs_compiled_with_the_python_wrapper(monkeypatch):
+    """A step graph whose C++ wrapper fails in g++ is compiled with the Python wrapper, not left
+    to eager -- and the failure is met when the step graph compiles, not raised out of
+    `loss.backward()` (AOTAutograd compiles a backward graph lazily by default)."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return UpsampledGradient.apply(x).sin()
+
+    x = torch.randn(8, 8, requires_grad=True)
+    graph = StepGraph(fn)
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ wrapper failed") as caught:
+        graph(x).sum().backward()
+    assert not [w for w in caught if "using eager" in str(w.message)]
+    assert graph.error is None and graph.graphs == 1
+    compiled_grad, x.grad = x.grad, None
+    fn(x).sum().backward()
+    assert torch.equal(compiled_grad, x.grad)

@@ -238,6 +238,11 @@ def compiling_disabled() -> bool:
     return os.environ.get("ALTGRAD_NO_COMPILE") == "1"
 
 
+def error_summary(err: Exception) -> str:
+    """'<type>: <first line>' of a compiler error (a g++ error goes on with the command and its output)."""
+    return f"{type(err).__name__}: {err}".splitlines()[0]
+
+
 class Compiled:
     """A function compiled on first use, eager once compiling has failed (`compile_status`)."""
 
@@ -250,7 +255,7 @@ class Compiled:
         Compiled.registry.append(self)
 
     def _fail(self, err: Exception, what: str) -> None:
-        self.error = f"{type(err).__name__}: {err}".splitlines()[0]
+        self.error = error_summary(err)
         warnings.warn(f"altgrad {what}: torch.compile failed, using eager ({self.error})",
                       RuntimeWarning, stacklevel=4)
 
@@ -280,11 +285,15 @@ def step_graph_options(device_type: str) -> dict[str, Any]:
     them every op would fall back."""
     from torch._inductor import list_mode_options
 
-    cpp_wrapper = device_type == "cpu"
-    return {**list_mode_options("lite"), **compile_options(),
-            "realize_opcount_threshold": STEP_REALIZE_OPS, "cpp.min_chunk_size": STEP_MIN_CHUNK,
-            "trace.provenance_tracking_level": 1, "cpp_wrapper": cpp_wrapper,
-            "cpp_wrapper_build_separate": cpp_wrapper}
+    options = {**list_mode_options("lite"), **compile_options(),
+               "realize_opcount_threshold": STEP_REALIZE_OPS, "cpp.min_chunk_size": STEP_MIN_CHUNK,
+               "trace.provenance_tracking_level": 1, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+    return options if device_type == "cpu" else python_wrapper(options)
+
+
+def python_wrapper(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with inductor's Python wrapper instead of the C++ one."""
+    return {**options, "cpp_wrapper": False, "cpp_wrapper_build_separate": False}
 
 
 def _lowered() -> contextlib.AbstractContextManager:
@@ -329,9 +338,11 @@ class StepGraph(Compiled):
     """`fn` (a model's forward) compiled whole: dynamo traces it into one graph, AOTAutograd derives
     the backward graph, and inductor compiles both with `step_graph_options`: the kernels' ops
     lowered into fused loops, every other op the eager ATen kernel, all called from one wrapper
-    per graph (C++ on the CPU, Python on CUDA). The result is bit-identical to eager -- inductor lowering the whole graph
-    re-associates the model's reductions and the quantizers' backward arithmetic -- while a step
-    makes one compiled call instead of one per quantized tensor."""
+    per graph (C++ on the CPU, Python on CUDA). The result is bit-identical to eager -- inductor
+    lowering the whole graph would re-associate the model's reductions and the quantizers'
+    backward arithmetic -- while a step makes one compiled call instead of one per quantized
+    tensor. Where the C++ wrapper fails to build, the graph gets the Python one; where inductor
+    fails altogether, the step runs eager (`compile_status` says why)."""
 
     def __init__(self, fn: Callable[..., Any]):
         super().__init__(fn)
@@ -365,9 +376,23 @@ class StepGraph(Compiled):
             # graph, holds what the Function computes. Here dynamo traced each Function's forward
             # and backward into that graph, so it does; cached, a later trial skips AOTAutograd's
             # trace of the joint graph (tests/test_compile_cache.py, docs/design.md).
+            #
+            # The backward graph is compiled now, not at the first backward (AOTAutograd's
+            # default): a failure then surfaces here, where it can be handled, and not out of
+            # `loss.backward()`.
             options = step_graph_options(graph_device_type(example_inputs))
-            with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True):
-                return compile_fx(gm, example_inputs, config_patches=options)
+            with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
+                                               force_non_lazy_backward_lowering=True):
+                if not options["cpp_wrapper"]:
+                    return compile_fx(gm, example_inputs, config_patches=options)
+                try:
+                    return compile_fx(gm, example_inputs, config_patches=options)
+                except Exception as err:  # noqa: BLE001 - the Python wrapper may still build
+                    # Inductor's C++ wrapper does not build every op it calls (docs/design.md,
+                    # "GPU runs"); its Python wrapper calls the same kernels, a little slower.
+                    warnings.warn(f"altgrad step graph: inductor's C++ wrapper failed ({error_summary(err)}), "
+                                  "using its Python wrapper", RuntimeWarning, stacklevel=2)
+                    return compile_fx(gm, example_inputs, config_patches=python_wrapper(options))
 
         # Static shapes: a step's shapes never change, and inductor fails on symbolic ones here.
         return torch.compile(self.fn, backend=counted, dynamic=False)
