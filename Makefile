@@ -10,7 +10,7 @@ export TIKTOKEN_CACHE_DIR ?= $(SHARED)/data/tiktoken_cache
 export WANDB_MODE ?= offline
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv sweep study test bench lint clean
+.PHONY: venv sweep study test bench gpu-check lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,16 @@ bench: venv
 	$(PY) benchmarks/sweep_overhead.py --record
 	$(PY) benchmarks/warm_trial.py --record
 	$(PY) benchmarks/record.py
+
+# On a GPU machine, with whatever Python has torch there (`make gpu-check GPU_PY=python3`; no Ray
+# needed): the CUDA tests, the gpu preset's step (bf16 and e4m3 only: each variant compiles for a
+# minute or more) and four trainers sharing the GPU against one alone. The tests took 110 s on an
+# H200 with 16 cores; the benchmarks' times there are not known yet (docs/design.md, "GPU runs").
+GPU_PY ?= $(PY)
+gpu-check:
+	$(GPU_PY) -m pytest tests/test_cuda.py -p no:cacheprovider -n 8
+	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3
+	$(GPU_PY) benchmarks/gpu_sharing.py --preset gpu
 
 lint: venv
 	$(PY) -m ruff check altgrad sweeps tests benchmarks
