@@ -239,7 +239,8 @@ def compiling_disabled() -> bool:
 
 
 def error_summary(err: Exception) -> str:
-    """'<type>: <first line>' of a compiler error (a g++ error goes on with the command and its output)."""
+    """'<type>: <first line>' of a compiler error (a g++ error goes on with the command and its
+    whole output)."""
     return f"{type(err).__name__}: {err}".splitlines()[0]
 
 
@@ -389,9 +390,11 @@ class StepGraph(Compiled):
                     return compile_fx(gm, example_inputs, config_patches=options)
                 except Exception as err:  # noqa: BLE001 - the Python wrapper may still build
                     # Inductor's C++ wrapper does not build every op it calls (docs/design.md,
-                    # "GPU runs"); its Python wrapper calls the same kernels, a little slower.
-                    warnings.warn(f"altgrad step graph: inductor's C++ wrapper failed ({error_summary(err)}), "
-                                  "using its Python wrapper", RuntimeWarning, stacklevel=2)
+                    # "GPU runs"); the Python wrapper calls the same kernels and ops, paying
+                    # Python's few microseconds per op, and is still one call a step.
+                    warnings.warn(f"altgrad step graph: inductor's C++ wrapper failed "
+                                  f"({error_summary(err)}), using its Python wrapper",
+                                  RuntimeWarning, stacklevel=2)
                     return compile_fx(gm, example_inputs, config_patches=python_wrapper(options))
 
         # Static shapes: a step's shapes never change, and inductor fails on symbolic ones here.
@@ -399,10 +402,11 @@ class StepGraph(Compiled):
 
 
 def graph_device_type(example_inputs: list[Any]) -> str:
-    """The device a graph computes on: its accelerator if any tensor input (the model's parameters
-    are inputs too) is on one, else the CPU. A CPU scalar beside CUDA tensors does not make it CPU."""
-    accelerators = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)} - {"cpu"}
-    return accelerators.pop() if len(accelerators) == 1 else "cpu"
+    """The device a graph computes on: "cpu" if every tensor input (the model's parameters are
+    inputs too) is on the CPU, else the accelerator's type. A CPU scalar beside CUDA tensors does
+    not make a graph a CPU one."""
+    accelerators = sorted({x.device.type for x in example_inputs if isinstance(x, torch.Tensor)} - {"cpu"})
+    return accelerators[0] if accelerators else "cpu"
 
 
 def _no_shim_notes(record: logging.LogRecord) -> bool:
