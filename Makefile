@@ -44,9 +44,9 @@ bench: venv
 	$(PY) benchmarks/record.py
 
 # On a GPU machine, with whatever Python has torch there (`make gpu-check GPU_PY=python3`; no Ray
-# needed): the CUDA tests, the gpu preset's step (bf16 and e4m3 only: each variant compiles for a
-# minute or more) and four trainers sharing the GPU against one alone. The tests took 110 s on an
-# H200 with 16 cores; the benchmarks' times there are not known yet (docs/design.md, "GPU runs").
+# needed): the CUDA tests, the gpu preset's step (bf16 and e4m3 only: each variant is a step graph
+# to compile, the slow part there) and four trainers sharing the GPU against one alone
+# (docs/design.md, "GPU runs", has what such a run took).
 GPU_PY ?= $(PY)
 gpu-check:
 	$(GPU_PY) -m pytest tests/test_cuda.py -p no:cacheprovider -n 8

@@ -94,12 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--processes and --cpus must be at least 1")
     common, steps, warmup = training_run(args)
     overrides = [*common, *VARIANT]
-    cpus = args.cpus
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU: CPU processes"
 
-    alone = run_phase(1, 0.0, cpus, overrides, warmup, steps)
-    shared = run_phase(args.processes, 1 / args.processes, cpus, overrides, warmup, steps)
-    print(f"{device}; preset {args.preset}; {steps} timed steps per process; {cpus} threads each")
+    alone = run_phase(1, 0.0, args.cpus, overrides, warmup, steps)
+    shared = run_phase(args.processes, 1 / args.processes, args.cpus, overrides, warmup, steps)
+    print(f"{device}; preset {args.preset}; {steps} timed steps per process; {args.cpus} threads each")
     print(f"{'phase':<8} {'processes':>9} {'memory cap':>10} {'tokens/s':>10} {'vs alone':>9}")
     for name, phase, cap in (("alone", alone, "none"), ("shared", shared, f"{1 / args.processes:.2f}")):
         print(f"{name:<8} {len(phase['processes']):>9} {cap:>10} {phase['tokens_per_s']:>10.0f} "

@@ -23,7 +23,7 @@ per call. `--set train.compile=false` measures the per-tensor compiled calls ins
                                     [--record [DIR]]
 
 `--variants` picks a subset (bf16, the baseline, always runs; the targets whose two variants both
-ran are checked): each variant is a step graph of its own to compile, a minute or more on a GPU.
+ran are checked): each variant is a step graph of its own to compile, the slow part on a GPU.
 """
 
 from __future__ import annotations

@@ -278,9 +278,8 @@ def step_graph_options(device_type: str) -> dict[str, Any]:
     is what pays there: a step calls a few thousand ATen ops and a hundred fused kernels, and from
     Python each cost a few microseconds of interpreter (docs/design.md). Built separately from the
     kernels, the wrapper compiles at -O1: at -O3 one diagnostics graph took over ten minutes of g++.
-    On CUDA the wrapper stays Python: inductor's C++ wrapper passes an absent optional list to a
-    CUDA op without a C shim as `from(nullptr, 0)`, which g++ rejects, so the step fell back to
-    eager (torch 2.11 on an H200; docs/design.md, "GPU runs"). compile_fx keeps the traced nodes'
+    On CUDA the wrapper stays Python: there inductor's C++ wrapper did not build (docs/design.md,
+    "GPU runs"), and a failed build is g++ time every trial would pay. compile_fx keeps the traced nodes'
     annotations through AOTAutograd only with provenance tracking on
     (`trace.provenance_tracking_level` 1; it adds comments and compile-time bookkeeping); without
     them every op would fall back."""
@@ -384,11 +383,11 @@ class StepGraph(Compiled):
             options = step_graph_options(graph_device_type(example_inputs))
             with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
                                                force_non_lazy_backward_lowering=True):
-                if not options["cpp_wrapper"]:
-                    return compile_fx(gm, example_inputs, config_patches=options)
                 try:
                     return compile_fx(gm, example_inputs, config_patches=options)
-                except Exception as err:  # noqa: BLE001 - the Python wrapper may still build
+                except Exception as err:
+                    if not options["cpp_wrapper"]:
+                        raise
                     # Inductor's C++ wrapper does not build every op it calls (docs/design.md,
                     # "GPU runs"); the Python wrapper calls the same kernels and ops, paying
                     # Python's few microseconds per op, and is still one call a step.
