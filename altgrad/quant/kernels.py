@@ -279,8 +279,8 @@ def step_graph_options(device_type: str) -> dict[str, Any]:
     Python each cost a few microseconds of interpreter (docs/design.md). Built separately from the
     kernels, the wrapper compiles at -O1: at -O3 one diagnostics graph took over ten minutes of g++.
     On CUDA the wrapper stays Python: there inductor's C++ wrapper did not build (docs/design.md,
-    "GPU runs"), and a failed build is g++ time every trial would pay. compile_fx keeps the traced nodes'
-    annotations through AOTAutograd only with provenance tracking on
+    "GPU runs"), and a failed build is g++ time every trial would pay. compile_fx keeps the traced
+    nodes' annotations through AOTAutograd only with provenance tracking on
     (`trace.provenance_tracking_level` 1; it adds comments and compile-time bookkeeping); without
     them every op would fall back."""
     from torch._inductor import list_mode_options
