@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
 
 from altgrad.__main__ import main
 from altgrad.experiment import CHECKPOINT_FILE, read_jsonl
+from altgrad.quant import kernels
 from altgrad.quant.convert import quantized_layers
 from altgrad.quant.quantize import quantize
 from altgrad.train import Trainer
@@ -38,6 +40,34 @@ def test_training_lowers_validation_loss(make_config, tmp_path):
     assert summary["stop_reason"] == "completed" and summary["steps"] == 30
     assert last < first - 1.0, (first, last)  # ~10.8 (uniform over 50k tokens) falls fast
     assert summary["best_val_loss"] == pytest.approx(min(r["val/loss"] for r in rows))
+
+
+def test_the_summary_says_when_the_first_step_ended_and_whether_the_step_compiled(make_config, tmp_path,
+                                                                                 monkeypatch):
+    """A sweep's slow trial says why: its time to first step (from the trainer's construction: data,
+    model, compiling) and how its step ran -- here a step graph whose compiler fails, so eager."""
+    def no_compiler(self):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE")
+    monkeypatch.setattr(kernels.Compiled, "registry", [])  # this failing graph stays out of other tests
+    monkeypatch.setattr(kernels.StepGraph, "_compile", no_compiler)
+    start = time.perf_counter()
+    trainer = Trainer(make_config("quant.format=bf16", "train.max_steps=3", "train.compile=true",
+                                  "train.diag_every=0"), tmp_path)
+    step = trainer.train_step
+
+    def slow_first_and_last(n):
+        time.sleep(0.5 if n in (1, 3) else 0)
+        return step(n)
+
+    trainer.train_step = slow_first_and_last
+    with pytest.warns(RuntimeWarning, match="step graph"):
+        summary = trainer.fit()
+    elapsed = time.perf_counter() - start
+    assert 0.5 <= summary["first_step_s"] <= elapsed - 0.5  # ended before the last step's sleep
+    assert summary["compile"] == "eager (RuntimeError: no compiler here)"
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
 def test_same_seed_same_batches_across_formats(make_config, tmp_path, monkeypatch):

@@ -49,7 +49,7 @@ from altgrad.model import GPT, GPTConfig
 from altgrad.optim import build_optimizer
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, quantized_layers
 from altgrad.quant.formats import get_format
-from altgrad.quant.kernels import StepGraph
+from altgrad.quant.kernels import StepGraph, compile_status
 from altgrad.quant.linear import LinearQuantPolicy
 from altgrad.quant.quantize import quantize
 from altgrad.train.bit_tracking import BitPositionsFile, BitTracker
@@ -133,6 +133,8 @@ def build_model(cfg: RunConfig) -> GPT:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path | str):
+        self._started = time.perf_counter()  # `first_step_s` counts from here
+        self.first_step_s: float | None = None
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.device = resolve_device(cfg.train.device)
@@ -189,6 +191,8 @@ class Trainer:
             result = self.train_step(step)
             metrics = result.metrics
             now = time.perf_counter()
+            if self.first_step_s is None:  # this process's first step: data, model, compiling
+                self.first_step_s = now - self._started
             self.wall_time += now - t_last
             metrics[TOKENS_PER_S] = self.cfg.train.batch_size * self.cfg.model.block_size / (now - t_last)
             t_last = now
@@ -406,6 +410,8 @@ class Trainer:
             "collapse_step": self.monitor.collapse_step,
             "collapse_where": self.monitor.collapse_where,
             "wall_time_s": round(self.wall_time, 3),
+            "first_step_s": None if self.first_step_s is None else round(self.first_step_s, 3),
+            "compile": compile_status(),
             "format": q.format,
             "optimizer": self.cfg.optim.name,
             "precision": q.precision if isinstance(q.precision, str) else "custom",

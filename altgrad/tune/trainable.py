@@ -95,8 +95,9 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
             reporter.report_if_silent()
         if cache is not None and cache.publish():  # graphs compiled after the first report
             log.info("trial %s: copied what it compiled to the compile cache", trial_key(config))
-        log.info("trial %s: %s after %s steps, best val loss %.4f", trial_key(config),
-                 summary["stop_reason"], summary["steps"], summary["best_val_loss"])
+        log.info("trial %s: %s after %s steps, best val loss %.4f; first step %s s after start, %s",
+                 trial_key(config), summary["stop_reason"], summary["steps"], summary["best_val_loss"],
+                 summary["first_step_s"], summary["compile"])
 
 
 def local_trial_dir(key: str) -> Path:
