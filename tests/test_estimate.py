@@ -26,11 +26,21 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     assert "measured here over 6 steps (bf16 100 ms/step, eval 1.00 s" in out
 
     gpu = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
-                  "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10")
+                  "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
+                  "--set", "estimate.compile_s={}")
     step = 0.05  # stored: an eval batch is a third of a step; gpu smoke evaluates 20 batches
     trial = 10 + 20 * step + 5 * 20 * step / 3
     hours = 3 * trial * 0.25 / 3600
     assert f"GPU time: {hours:.2f} GPU-hours (0.25 GPU per trial) = ${hours * 4:.2f} at $4/GPU-hour" in gpu
+    assert "3 step graphs" in gpu and "not counted (no estimate.compile_s.gpu)" in gpu
+
+    # two seeds: twice the trials, the same three step graphs (one per format), each compiled once
+    seeds = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
+                    "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
+                    "--set", "estimate.compile_s.gpu=30", "--set", "grid.seeds=[1, 2]")
+    hours = (6 * trial + 3 * 30) * 0.25 / 3600
+    assert f"GPU time: {hours:.2f} GPU-hours (0.25 GPU per trial) = ${hours * 4:.2f} at $4/GPU-hour" in seeds
+    assert "3 step graphs compiled once each at 30 s" in seeds
 
 
 @pytest.mark.usefixtures("eager_kernels")  # the compiled kernels are tested elsewhere

@@ -328,7 +328,13 @@ class EstimateSettings(StrictModel):
     step_time_s: dict[Literal["cpu", "gpu"], float] = Field(
         default_factory=dict, description="stored seconds per step of one trial, per preset, used when "
                                           "the preset cannot be measured here (gpu on a cpu machine)")
-    trial_overhead_s: float = Field(10.0, ge=0, description="start-up, compile and final save per trial")
+    compile_s: dict[Literal["cpu", "gpu"], float] = Field(
+        default_factory=dict, description="stored seconds, per preset, that compiling a step graph "
+        "takes (train.compile: a cold first step), counted once per distinct graph of the grid: a "
+        "later trial with the same graph loads it from the experiment's compile cache. Used with "
+        "step_time_s")
+    trial_overhead_s: float = Field(10.0, ge=0, description="start-up (with a step graph from the "
+                                    "compile cache) and final save per trial")
     usd_per_gpu_hour: float = Field(2.5, ge=0, description="price of one GPU-hour for the cost line")
 
 

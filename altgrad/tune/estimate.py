@@ -6,13 +6,15 @@ Per-step time comes from one of two sources, and the output says which:
   two (which compile), plus the final evaluation's extra time;
 - **stored**: `estimate.step_time_s[<preset>]` from the config, when the preset cannot run here (the
   gpu preset on a machine without CUDA); an evaluation batch is then taken as a third of a step
-  (forward only).
+  (forward only), and each distinct step graph of the grid (`step_graph_key`) costs
+  `estimate.compile_s[<preset>]` once: later trials load it from the experiment's compile cache.
 A trial costs start-up + steps × step time + evaluations × evaluation time, every trial is assumed
 to run its full budget (early stops only shorten it), and trials run `concurrency` at a time.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import tempfile
@@ -71,12 +73,37 @@ def stored(run: RunConfig, step_s: float) -> StepCost:
     return StepCost(step_s, run.train.eval_iters * step_s / 3, 0.0, "stored")
 
 
+def step_graph_key(run: RunConfig) -> str | None:
+    """What a run's compiled step graph depends on, None where it compiles none (`train.compile`
+    off): the model, the quantization settings, the batch shape, autocast and the diagnostics
+    cadence. Not the seed, the optimizer or its schedule: they act outside the graph, so the trials
+    that differ only in those share one compile."""
+    t = run.train
+    if not t.compile:
+        return None
+    return json.dumps([run.model.model_dump(mode="json"), run.quant.model_dump(mode="json"),
+                       t.batch_size, t.autocast, t.diag_every], sort_keys=True)
+
+
+def compiling(cfg: SweepConfig, runs: list[RunConfig]) -> tuple[float, str]:
+    """Seconds the grid's distinct step graphs take to compile, once each, at the stored
+    `estimate.compile_s`, and how the estimate line says so ("" when no run compiles one)."""
+    graphs = len({key for key in map(step_graph_key, runs) if key is not None})
+    graph_s = cfg.estimate.compile_s.get(cfg.preset)
+    if not graphs:
+        return 0.0, ""
+    if graph_s is None:
+        return 0.0, f"; compiling its {graphs} step graphs not counted (no estimate.compile_s.{cfg.preset})"
+    return graphs * graph_s, f"; {graphs} step graphs compiled once each at {graph_s:g} s (estimate.compile_s)"
+
+
 def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, can_measure: bool) -> list[str]:
     """The dry-run's estimate: wall time here (and GPU-hours and cost for a GPU preset)."""
     e = cfg.estimate
     if not runs or concurrency < 1:
         return []
     stored_step = e.step_time_s.get(cfg.preset)
+    compiling_s = 0.0  # measured: inside each trial's start-up
     if can_measure and e.measure_steps:
         quantized = [r for r in runs if r.quant.format != BASELINE]
         slowest = max(quantized, key=lambda r: r.quant.precision == "all", default=None)
@@ -89,13 +116,15 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
     elif stored_step is not None:
         costs = {BASELINE: stored(runs[0], stored_step), QUANTIZED: stored(runs[0], stored_step)}
         why = "estimate.measure_steps = 0" if can_measure else "this machine cannot run the preset"
-        source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step ({why})"
+        compiling_s, how = compiling(cfg, runs)
+        source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step ({why}){how}"
     else:
         return [f"time estimate: n/a (preset {cfg.preset} cannot run here and the config has no "
                 f"estimate.step_time_s.{cfg.preset})"]
     per_trial = [(costs.get(BASELINE) if r.quant.format == BASELINE else None)
                  or costs.get(QUANTIZED) or costs[BASELINE] for r in runs]
-    total_s = sum(c.trial_s(r, e.trial_overhead_s) for c, r in zip(per_trial, runs, strict=True))
+    total_s = compiling_s + sum(c.trial_s(r, e.trial_overhead_s)
+                                for c, r in zip(per_trial, runs, strict=True))
     wall_s = total_s / min(concurrency, len(runs))
     lines = [f"estimated wall time: {_duration(wall_s)} for {len(runs)} trials at full budget, "
              f"{min(concurrency, len(runs))} at a time (+{e.trial_overhead_s:g} s per trial for "
