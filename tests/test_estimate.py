@@ -41,6 +41,10 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     hours = (6 * trial + 3 * 30) * 0.25 / 3600
     assert f"GPU time: {hours:.2f} GPU-hours (0.25 GPU per trial) = ${hours * 4:.2f} at $4/GPU-hour" in seeds
     assert "3 step graphs compiled once each at 30 s" in seeds
+    # diagnostics on every other step: each format's trial compiles a graph with them and one without
+    sparse = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
+                     "--set", "estimate.compile_s.gpu=30", "--set", "base.train.diag_every=2")
+    assert "6 step graphs compiled once each at 30 s" in sparse
 
 
 @pytest.mark.usefixtures("eager_kernels")  # the compiled kernels are tested elsewhere

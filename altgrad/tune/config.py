@@ -330,7 +330,8 @@ class EstimateSettings(StrictModel):
                                           "the preset cannot be measured here (gpu on a cpu machine)")
     compile_s: dict[Literal["cpu", "gpu"], float] = Field(
         default_factory=dict, description="stored seconds, per preset, that compiling a step graph "
-        "takes (train.compile: a cold first step), counted once per distinct graph of the grid: a "
+        "takes (train.compile: a cold first step, diagnostics on: the costlier graph), counted once "
+        "per distinct graph of the grid (estimate.step_graph_keys): a "
         "later trial with the same graph loads it from the experiment's compile cache. Used with "
         "step_time_s")
     trial_overhead_s: float = Field(10.0, ge=0, description="start-up (with a step graph from the "

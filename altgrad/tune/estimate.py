@@ -6,7 +6,7 @@ Per-step time comes from one of two sources, and the output says which:
   two (which compile), plus the final evaluation's extra time;
 - **stored**: `estimate.step_time_s[<preset>]` from the config, when the preset cannot run here (the
   gpu preset on a machine without CUDA); an evaluation batch is then taken as a third of a step
-  (forward only), and each distinct step graph of the grid (`step_graph_key`) costs
+  (forward only), and each distinct step graph of the grid (`step_graph_keys`) costs
   `estimate.compile_s[<preset>]` once: later trials load it from the experiment's compile cache.
 A trial costs start-up + steps × step time + evaluations × evaluation time, every trial is assumed
 to run its full budget (early stops only shorten it), and trials run `concurrency` at a time.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from altgrad.config import RunConfig, deep_merge
-from altgrad.metrics import is_eval_step
+from altgrad.metrics import is_diagnostic_step, is_eval_step
 from altgrad.precision import BASELINE
 from altgrad.tune.config import SweepConfig
 
@@ -73,22 +73,23 @@ def stored(run: RunConfig, step_s: float) -> StepCost:
     return StepCost(step_s, run.train.eval_iters * step_s / 3, 0.0, "stored")
 
 
-def step_graph_key(run: RunConfig) -> str | None:
-    """What a run's compiled step graph depends on, None where it compiles none (`train.compile`
-    off): the model, the quantization settings, the batch shape, autocast and the diagnostics
-    cadence. Not the seed, the optimizer or its schedule: they act outside the graph, so the trials
-    that differ only in those share one compile."""
+def step_graph_keys(run: RunConfig) -> set[str]:
+    """The step graphs a run compiles (none with `train.compile` off): one for its diagnostic steps
+    and one for the others, where it has both kinds, each keyed by what it depends on -- the model,
+    the quantization settings, the batch shape and autocast. Not the seed, the optimizer or its
+    schedule: they act outside the graph, so trials that differ only in those share one compile."""
     t = run.train
     if not t.compile:
-        return None
-    return json.dumps([run.model.model_dump(mode="json"), run.quant.model_dump(mode="json"),
-                       t.batch_size, t.autocast, t.diag_every], sort_keys=True)
+        return set()
+    shared = [run.model.model_dump(mode="json"), run.quant.model_dump(mode="json"), t.batch_size, t.autocast]
+    kinds = {is_diagnostic_step(t, step) for step in range(1, t.max_steps + 1)}
+    return {json.dumps([*shared, diagnostics], sort_keys=True) for diagnostics in kinds}
 
 
 def compiling(cfg: SweepConfig, runs: list[RunConfig]) -> tuple[float, str]:
     """Seconds the grid's distinct step graphs take to compile, once each, at the stored
     `estimate.compile_s`, and how the estimate line says so ("" when no run compiles one)."""
-    graphs = len({key for key in map(step_graph_key, runs) if key is not None})
+    graphs = len(set().union(*map(step_graph_keys, runs)))
     graph_s = cfg.estimate.compile_s.get(cfg.preset)
     if not graphs:
         return 0.0, ""
