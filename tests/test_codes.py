@@ -1,5 +1,7 @@
 """encode and code_moves: the compiled code kernels against gfloat / ml_dtypes codes, every format."""
 
+import math
+
 import gfloat
 import ml_dtypes
 import numpy as np
@@ -8,7 +10,14 @@ import torch
 from bitwise import edge_values, ordinal, random_values
 
 from altgrad.quant import FORMATS, FormatSpec, bit_stall_mask, code_moves, encode, quantize
-from altgrad.quant.codes import BINCOUNT_MIN_CODES, CODE_COUNT, MOVE_BINS, code_moves_all
+from altgrad.quant.codes import (
+    BINCOUNT_MIN_CODES,
+    CODE_COUNT,
+    MOVE_BINS,
+    code_moves_all,
+    encode_samples,
+)
+from altgrad.quant.kernels import scale_tensors
 from altgrad.quant.step import TensorStats
 
 ALL = sorted(FORMATS)
@@ -108,3 +117,22 @@ def test_code_moves_counts_codes_moved_and_stalls(name, path):
     for i, (a, b, scale) in enumerate(pairs):
         alone = code_moves(a, b, f, scale)
         assert all(torch.equal(together[k][i], alone[k]) for k in alone), i
+
+
+def test_a_list_of_scales_is_checked_at_once_and_a_bad_one_is_named():
+    """The diagnostics pass every layer's scale at once (`scale_tensors`): stacked and checked in
+    one go, as strictly as one scale alone; a list of other kinds takes each scale's own check."""
+    w = torch.linspace(-1, 1, 64)
+    scales = [torch.tensor(0.5), torch.tensor(2.0, dtype=torch.float64), torch.tensor(8.0)]
+    assert torch.equal(scale_tensors(scales, torch.float32, w.device), torch.tensor([0.5, 2.0, 8.0]))
+    mixed = [0.5, None, torch.tensor([4.0])]
+    assert torch.equal(scale_tensors(mixed, torch.float64, w.device), torch.tensor([0.5, 1.0, 4.0], dtype=torch.float64))
+    for bad in (0.0, -2.0, math.nan, math.inf):
+        listed = [torch.tensor(1.0), torch.tensor(bad), torch.tensor(4.0)]
+        with pytest.raises(ValueError, match=f"scale must be finite and > 0, got {bad}"):
+            code_moves_all([w] * 3, [w * 1.01] * 3, "e4m3", listed)
+        with pytest.raises(ValueError, match=f"got {bad}"):
+            encode_samples([w] * 3, [torch.arange(4)] * 3, "e4m3", listed)
+    # each weight is coded with its own scale of the list
+    codes = encode_samples([w, w], [torch.arange(64), torch.arange(64)], "e4m3", [torch.tensor(0.5), torch.tensor(8.0)])
+    assert torch.equal(codes[0], encode(w, "e4m3", 0.5)) and torch.equal(codes[1], encode(w, "e4m3", 8.0))

@@ -33,6 +33,7 @@ from altgrad.quant.kernels import (
     grid_params,
     round_nearest,
     scale_tensor,
+    scale_tensors,
 )
 
 MOVE_BINS = ("0", "1", "2", "3", "4-7", "8-15", "16+")
@@ -106,10 +107,10 @@ def _moves(w_old: torch.Tensor, w_new: torch.Tensor, scale: torch.Tensor, p: tor
     return torch.stack([elements, _count(changed), _count(changed & (distance == 0)), *at_least])
 
 
-def _moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], scales: list[torch.Tensor],
+def _moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], scales: torch.Tensor,
                p: torch.Tensor, c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
-    return torch.stack([_moves(a.reshape(-1), b.reshape(-1), s, p, c, m0, ftz)
-                        for a, b, s in zip(w_olds, w_news, scales, strict=True)])
+    return torch.stack([_moves(a.reshape(-1), b.reshape(-1), scales[i], p, c, m0, ftz)
+                        for i, (a, b) in enumerate(zip(w_olds, w_news, strict=True))])
 
 
 CODE_COUNT = 256
@@ -160,10 +161,11 @@ def quantization_counts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, p
     return torch.cat([torch.stack([overflow, underflow, torch.full_like(overflow, x.numel())]), histogram])
 
 
-def _encode_samples(xs: list[torch.Tensor], samples: list[torch.Tensor], scales: list[torch.Tensor],
+def _encode_samples(xs: list[torch.Tensor], samples: list[torch.Tensor], scales: torch.Tensor,
                     p: torch.Tensor, c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
     # float32 x * s is the product that encode(x, fmt, s) rounds
-    scaled = torch.cat([x.reshape(-1)[i].to(torch.float32) * s for x, i, s in zip(xs, samples, scales, strict=True)])
+    scaled = torch.cat([x.reshape(-1)[i].to(torch.float32) * scales[k]
+                        for k, (x, i) in enumerate(zip(xs, samples, strict=True))])
     return _encode(scaled, scaled.new_ones(()), p, c, m0, ftz)
 
 
@@ -195,9 +197,9 @@ def encode_samples(xs: list[torch.Tensor], samples: list[torch.Tensor], fmt: str
     one compiled call: the per-tensor gathers and products would be a few small ops each."""
     fmt = get_format(fmt)
     device = xs[0].device
-    s = [scale_tensor(scale, torch.float32, device) for scale in scales]
+    s = scale_tensors(scales, torch.float32, device)
     with torch.no_grad():
-        codes = _ENCODE_SAMPLES([x.detach() for x in xs], samples, s,
+        codes = _ENCODE_SAMPLES(list(xs), samples, s,
                                 grid_params(fmt, True, torch.float32, device), code_params(fmt, device), *family(fmt))
     return list(codes.split([len(i) for i in samples]))
 
@@ -237,9 +239,9 @@ def code_moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], fmt: 
             raise ValueError(f"code_moves: shapes differ, {tuple(w_old.shape)} vs {tuple(w_new.shape)}")
     device = w_olds[0].device
     p = grid_params(fmt, True, torch.float32, device)
-    s = [scale_tensor(scale, torch.float32, device) for scale in scales]
+    s = scale_tensors(scales, torch.float32, device)
     with torch.no_grad():
-        counts = _MOVES([w.detach() for w in w_olds], [w.detach() for w in w_news], s, p,
+        counts = _MOVES(list(w_olds), list(w_news), s, p,
                         code_params(fmt, device), *family(fmt))
     at_least = torch.cat([counts[:, :1], counts[:, 3:], counts.new_zeros(len(w_olds), 1)], dim=1)
     return {"changed": counts[:, 1], "stalled": counts[:, 2], "histogram": at_least[:, :-1] - at_least[:, 1:]}

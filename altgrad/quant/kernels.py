@@ -34,7 +34,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -192,6 +192,26 @@ def scale_tensor(scale: Scale, dtype: torch.dtype, device: torch.device) -> torc
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be finite and > 0, got {scale}")
     return torch.full((), scale, dtype=dtype, device=device)
+
+
+def scale_tensors(scales: Sequence[Scale], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`scale_tensor` of each of a non-empty list of scales, as one 1-d tensor of the compute dtype.
+
+    Where they are all 0-dim float tensors on one device (the diagnostics pass each quantized
+    layer's own scale, every diagnostic step), they are stacked and checked together: a few ops in
+    all instead of a few per scale, each a dispatch from Python (on an accelerator, a launch)."""
+    first = scales[0]
+    if not all(isinstance(s, torch.Tensor) and s.dim() == 0 and s.is_floating_point()
+               and s.device == first.device for s in scales):
+        return torch.stack([scale_tensor(s, dtype, device) for s in scales])
+    s = torch.stack(list(scales)).detach().to(device=device, dtype=dtype)
+    ok = (s > 0) & (s < math.inf)  # NaN fails too
+    if s.device.type == "cpu":
+        if not ok.all():
+            raise ValueError(f"scale must be finite and > 0, got {s[~ok][0].item()}")
+    else:
+        torch._assert_async(ok.all(), "altgrad quantize: scale must be finite and > 0")
+    return s
 
 
 # -- compiling ---------------------------------------------------------------------------------

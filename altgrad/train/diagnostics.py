@@ -206,7 +206,7 @@ class Diagnostics:
         stalled, changed = [], []
         for fmt, names in by_format.items():
             layers = [self.quantized[n] for n in names]
-            moves = code_moves_all([before[n] for n in names], [m.weight.detach() for m in layers], fmt,
+            moves = code_moves_all([before[n] for n in names], [m.weight for m in layers], fmt,
                                    [m.weight_scale for m in layers])
             out[layer_metric_names(BIT_STALL_RATE, tuple(names))] = moves["stalled"] / moves["changed"].clamp_min(1)
             histograms.update(zip(names, moves["histogram"].unbind(), strict=True))
