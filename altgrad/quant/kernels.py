@@ -168,29 +168,37 @@ def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=dtype, device=device)
 
 
-def scale_tensor(scale: Scale, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Validate a scale and make it a 0-dim tensor of the compute dtype (None: 1).
+SCALE_RULE = "scale must be finite and > 0"
 
-    Python numbers and CPU tensors are checked here (ValueError). A scale on an accelerator is
-    checked with an asynchronous device assert instead, so the hot path never waits on the host.
-    """
+
+def _checked_scales(s: torch.Tensor) -> torch.Tensor:
+    """s, one scale or a stack of them, if every one follows SCALE_RULE. On the CPU the host checks
+    (ValueError naming the first bad one, one read of s); on an accelerator or inside a compiled
+    graph an asynchronous device assert does, so the hot path never waits on the host."""
+    if s.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = [v for v in s.reshape(-1).tolist() if not 0 < v < math.inf]  # NaN fails too
+        if bad:
+            raise ValueError(f"{SCALE_RULE}, got {bad[0]}")
+    else:
+        ok = (s > 0) & (s < math.inf)
+        torch._assert_async(ok if s.dim() == 0 else ok.all(), f"altgrad quantize: {SCALE_RULE}")
+    return s
+
+
+def scale_tensor(scale: Scale, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Validate a scale and make it a 0-dim tensor of the compute dtype (None: 1): Python numbers
+    here, tensors by `_checked_scales` (ValueError)."""
     if scale is None:
         return _one(dtype, device)
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or not scale.is_floating_point():
             raise ValueError(f"scale must be a single float, got shape {tuple(scale.shape)} "
                              f"{scale.dtype}")
-        s = scale.detach().reshape(()).to(device=device, dtype=dtype)
-        if s.device.type == "cpu" and not torch.compiler.is_compiling():
-            if not 0 < s.item() < math.inf:  # NaN fails too
-                raise ValueError(f"scale must be finite and > 0, got {s.item()}")
-        else:
-            torch._assert_async((s > 0) & (s < math.inf), "altgrad quantize: scale must be finite and > 0")
-        return s
+        return _checked_scales(scale.detach().reshape(()).to(device=device, dtype=dtype))
     if isinstance(scale, bool) or not isinstance(scale, int | float):
         raise TypeError(f"scale must be a float or a tensor, got {type(scale).__name__}")
     if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be finite and > 0, got {scale}")
+        raise ValueError(f"{SCALE_RULE}, got {scale}")
     return torch.full((), scale, dtype=dtype, device=device)
 
 
@@ -200,18 +208,10 @@ def scale_tensors(scales: Sequence[Scale], dtype: torch.dtype, device: torch.dev
     Where they are all 0-dim float tensors on one device (the diagnostics pass each quantized
     layer's own scale, every diagnostic step), they are stacked and checked together: a few ops in
     all instead of a few per scale, each a dispatch from Python (on an accelerator, a launch)."""
-    first = scales[0]
     if not all(isinstance(s, torch.Tensor) and s.dim() == 0 and s.is_floating_point()
-               and s.device == first.device for s in scales):
+               and s.device == scales[0].device for s in scales):
         return torch.stack([scale_tensor(s, dtype, device) for s in scales])
-    s = torch.stack(list(scales)).detach().to(device=device, dtype=dtype)
-    ok = (s > 0) & (s < math.inf)  # NaN fails too
-    if s.device.type == "cpu":
-        if not ok.all():
-            raise ValueError(f"scale must be finite and > 0, got {s[~ok][0].item()}")
-    else:
-        torch._assert_async(ok.all(), "altgrad quantize: scale must be finite and > 0")
-    return s
+    return _checked_scales(torch.stack(list(scales)).detach().to(device=device, dtype=dtype))
 
 
 # -- compiling ---------------------------------------------------------------------------------
