@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from torch.profiler import profile
 
 from altgrad.quant import compile_status
-from altgrad.quant.kernels import StepGraph, graph_device_type, step_graph_options
+from altgrad.quant.kernels import Compiled, StepGraph, graph_device_type, step_graph_options
 from altgrad.train import Trainer
 from altgrad.train.format_shift import shift_layers
 
@@ -160,3 +160,66 @@ def test_a_backward_the_cpp_wrapper_cannot_build_runs_compiled_with_the_python_w
     compiled_grad, x.grad = x.grad, None
     fn(x).sum().backward()
     assert torch.equal(compiled_grad, x.grad)
+
+
+FAILURES_LEFT = {"runs": 0}  # runs of `fails_when_told` still to fail
+
+
+@torch.library.custom_op("altgrad_test::fails_when_told", mutates_args=())
+def fails_when_told(x: torch.Tensor) -> torch.Tensor:
+    """x + 1, or a RuntimeError while FAILURES_LEFT says so: an op that fails at run time only."""
+    if FAILURES_LEFT["runs"]:
+        FAILURES_LEFT["runs"] -= 1
+        raise RuntimeError("failed while running")
+    return x + 1
+
+
+@fails_when_told.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class CountingStep(torch.nn.Module):
+    """A step that writes its state (a buffer, the generator) before an op that can fail, as a
+    quantized forward updates its scalers' histories before the layers after them run."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return fails_when_told(x * torch.rand(x.shape))
+
+
+def test_a_step_graph_that_fails_while_running_is_rolled_back_before_eager(monkeypatch):
+    """A graph that compiles but fails at run time after writing state: the step then runs eagerly
+    from the state it started from -- buffer and generator -- so it is applied once, as eager would."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    monkeypatch.setattr(Compiled, "registry", [])  # this failing graph stays out of compile_status
+    monkeypatch.setitem(FAILURES_LEFT, "runs", 1)
+    step, x = CountingStep(), torch.ones(64)
+    graph = StepGraph(step)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="using eager"):  # (the C++ wrapper drops the op's message)
+        out = graph(x)
+    rng_after = torch.get_rng_state()
+    assert graph.graphs == 1 and graph.error and FAILURES_LEFT["runs"] == 0
+    assert step.calls.item() == 1  # not 2: the failed run's write was undone
+    torch.manual_seed(0)
+    assert torch.equal(out, fails_when_told(x * torch.rand(x.shape)))
+    assert torch.equal(rng_after, torch.get_rng_state())  # one draw, not two
+
+
+def test_a_step_graph_that_fails_after_running_before_is_an_error(monkeypatch):
+    """A graph that ran before and fails now cannot be rolled back (its state was not kept): the
+    failure is raised, not hidden by running the step again on a partly updated state."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    monkeypatch.setattr(Compiled, "registry", [])
+    step, x = CountingStep(), torch.ones(64)
+    graph = StepGraph(step)
+    graph(x)
+    monkeypatch.setitem(FAILURES_LEFT, "runs", 1)
+    with pytest.raises(RuntimeError, match="not run again"):
+        graph(x)
+    assert graph.error is not None and graph.graphs == 1

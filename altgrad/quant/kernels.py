@@ -362,21 +362,50 @@ class StepGraph(Compiled):
     lowering the whole graph would re-associate the model's reductions and the quantizers'
     backward arithmetic -- while a step makes one compiled call instead of one per quantized
     tensor. Where the C++ wrapper fails to build, the graph gets the Python one; where inductor
-    fails altogether, the step runs eager (`compile_status` says why)."""
+    fails altogether, or a new graph fails in its first run (rolled back first: `_undo`), the step
+    runs eager (`compile_status` says why)."""
 
     def __init__(self, fn: Callable[..., Any]):
         super().__init__(fn)
         self.graphs = 0  # graphs dynamo captured (diagnostics on / off, formats, models)
+        self._ran = False  # compiled code has started to run in the current call
+        self._rollback: Callable[[], None] | None = None  # undoes the current call's compiled code
 
     def __call__(self, *args, **kwargs) -> Any:
         if self.error is None and not compiling_disabled():
+            self._ran, self._rollback = False, None
             try:
                 if self.compiled is None:
                     self.compiled = self._compile()
                 return self.compiled(*args, **kwargs)
             except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager
+                self._undo(err)
                 self._fail(err, "step graph")
+            finally:
+                self._rollback = None  # (its copies)
         return self.fn(*args, **kwargs)
+
+    def _undo(self, err: Exception) -> None:
+        """Before the eager function runs in place of a failed call: a graph that failed while
+        running may have written some of the state the step updates (scaler histories, counters,
+        the generator), and running the step again on top of that would apply it twice. A graph
+        compiled in this call is rolled back to the state it started from (`rollback_point`);
+        a graph that ran before cannot be, so that failure is raised, not hidden."""
+        if not self._ran:
+            return  # compiling failed: nothing ran
+        if self._rollback is None:
+            self.error = error_summary(err)
+            raise RuntimeError(f"altgrad step graph: a compiled step failed while running ({self.error}); "
+                               f"its state may be partly updated, so it is not run again") from err
+        self._rollback()
+
+    def _entered(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        """`run` (a compiled graph), noting in `_ran` that compiled code has started to run."""
+        def call(*args: Any) -> Any:
+            self._ran = True
+            return run(*args)
+
+        return call
 
     def _compile(self) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
@@ -400,11 +429,15 @@ class StepGraph(Compiled):
             # The backward graph is compiled now, not at the first backward (AOTAutograd's
             # default): a failure then surfaces here, where it can be handled, and not out of
             # `loss.backward()`.
-            options = step_graph_options(graph_device_type(example_inputs))
+            device_type = graph_device_type(example_inputs)
+            # Compiled before it first runs: the state it will start from, unless a graph of this
+            # call ran already (a graph break), which made the state no longer the call's own.
+            self._rollback = None if self._ran else rollback_point(example_inputs, device_type)
+            options = step_graph_options(device_type)
             with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
                                                force_non_lazy_backward_lowering=True):
                 try:
-                    return compile_fx(gm, example_inputs, config_patches=options)
+                    return self._entered(compile_fx(gm, example_inputs, config_patches=options))
                 except Exception as err:
                     if not options["cpp_wrapper"]:
                         raise
@@ -414,10 +447,32 @@ class StepGraph(Compiled):
                     warnings.warn(f"altgrad step graph: inductor's C++ wrapper failed "
                                   f"({error_summary(err)}), using its Python wrapper",
                                   RuntimeWarning, stacklevel=2)
-                    return compile_fx(gm, example_inputs, config_patches=python_wrapper(options))
+                    return self._entered(compile_fx(gm, example_inputs, config_patches=python_wrapper(options)))
 
         # Static shapes: a step's shapes never change, and inductor fails on symbolic ones here.
         return torch.compile(self.fn, backend=counted, dynamic=False)
+
+
+def rollback_point(example_inputs: list[Any], device_type: str) -> Callable[[], None]:
+    """A function that puts back what a graph's inputs hold now, and the state of the generator
+    of `device_type` (the graph may draw random numbers). Only the inputs a graph may write are
+    copied: not those that require grad (the weights; a graph that wrote one would not trace).
+    Taken once per graph, when it is compiled: a copy of the buffers and the batch, not a cost
+    of every step."""
+    saved = [(t, t.detach().clone()) for t in example_inputs
+             if isinstance(t, torch.Tensor) and not t.requires_grad]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if device_type == "cuda" else None
+
+    @torch.no_grad()
+    def rollback() -> None:
+        for t, value in saved:
+            t.copy_(value)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+    return rollback
 
 
 def graph_device_type(example_inputs: list[Any]) -> str:
