@@ -35,8 +35,29 @@ def test_bit_tracker_sample_codes_are_each_layers_own(path):
     for i, (name, layer) in enumerate(layers.items()):
         sample = layer.weight.detach().flatten()[tracker.samples[name]]
         want = encode(sample, layer.policy.weight, layer.scalers["weight"].scale)
-        assert torch.equal(rows[i, len(MOVE_BINS):], want.float()), name
-        assert torch.equal(rows[i, :len(MOVE_BINS)], histograms[name].float())
+        assert torch.equal(rows[i, len(MOVE_BINS):], want.long()), name
+        assert torch.equal(rows[i, :len(MOVE_BINS)], histograms[name])
+
+
+def test_move_counts_above_float32s_integers_are_written_exactly(tmp_path):
+    """A layer of over 2^24 weights (GPT-2's tied head: 38.6M) has counts float32 cannot hold:
+    2^24 + 1 must reach bit_positions.jsonl as itself, through the step's one host read."""
+    from torch import nn
+
+    from altgrad.quant.codes import MOVE_BINS
+    from altgrad.quant.formats import FORMATS
+    from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear
+    from altgrad.train.bit_tracking import BitTracker
+    from altgrad.train.trainer import to_host
+
+    spec = FORMATS["e4m3"]
+    layers = {"head": QuantizedLinear.from_float(nn.Linear(8, 8, bias=False), LinearQuantPolicy(spec, spec, spec))}
+    tracker = BitTracker(layers)
+    counts = torch.tensor([2**24 + 1, 2**24 + 3, 0, 0, 0, 0, 0], dtype=torch.int32)
+    assert len(counts) == len(MOVE_BINS)
+    metrics, values = to_host({"loss": torch.tensor(2.5)}, tracker.observe({"head": counts}))
+    assert metrics == {"loss": 2.5}
+    assert tracker.rows(7, values)["layers"]["head"]["moved"] == [2**24 + 1, 2**24 + 3, 0, 0, 0, 0, 0]
 
 
 def test_bit_positions_are_written_per_diagnostic_step(make_config, tmp_path):

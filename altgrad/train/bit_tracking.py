@@ -33,10 +33,11 @@ class BitTracker:
 
     @torch.no_grad()
     def observe(self, histograms: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[layers, bins + sample] float tensor: each layer's move histogram, then the sample's codes."""
+        """[layers, bins + sample] int64 tensor: each layer's move histogram, then the sample's codes
+        (integers kept as such: a count above 2^24 has no exact float32)."""
         codes = self._sample_codes()
-        return torch.cat([torch.stack([histograms[n] for n in self.layers]).float(),
-                          torch.stack([codes[n] for n in self.layers]).float()], dim=1)
+        return torch.cat([torch.stack([histograms[n] for n in self.layers]),
+                          torch.stack([codes[n] for n in self.layers])], dim=1).long()
 
     def _sample_codes(self) -> dict[str, torch.Tensor]:
         """Each layer's sample codes, in its weight format and scale: one call per weight format."""

@@ -86,14 +86,19 @@ class StepResult:
 def to_host(named: Metrics, *tensors: torch.Tensor | None) -> tuple[dict[str, float], ...]:
     """The step's one host sync: every named metric (0-dim, or a block of them) and each further
     tensor (None stays None) copied to the host in a single `tolist`. Returns the metrics as floats
-    by name, then each tensor's values as a flat list."""
+    by name, then each tensor's values as a flat list.
+
+    The copy is float64, so counts stay exact (float32 rounds integers above 2^24: a code-move
+    histogram of a 38M-weight head); the metrics, float32, are concatenated first and converted
+    once, not one op per block (each is a dispatch, on a GPU a launch)."""
     names: list[str] = []
-    parts: list[torch.Tensor] = []
+    metrics: list[torch.Tensor] = []
     for key, value in named.items():
         names.extend(key if isinstance(key, tuple) else (key,))
-        parts.append(value.detach().float().reshape(-1))
-    parts += [t.detach().float().flatten() for t in tensors if t is not None]
-    values = torch.cat(parts).tolist() if parts else []
+        metrics.append(value.reshape(-1))
+    parts = [torch.cat(metrics).double()] if metrics else []
+    parts += [t.reshape(-1).double() for t in tensors if t is not None]
+    values = torch.cat(parts).detach().tolist() if parts else []
     out: list[Any] = [dict(zip(names, values[:len(names)], strict=True))]
     at = len(names)
     for t in tensors:
