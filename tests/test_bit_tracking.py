@@ -55,8 +55,8 @@ def test_move_counts_above_float32s_integers_are_written_exactly(tmp_path):
     tracker = BitTracker(layers)
     counts = torch.tensor([2**24 + 1, 2**24 + 3, 0, 0, 0, 0, 0], dtype=torch.int32)
     assert len(counts) == len(MOVE_BINS)
-    metrics, values = to_host({"loss": torch.tensor(2.5)}, tracker.observe({"head": counts}))
-    assert metrics == {"loss": 2.5}
+    metrics, values = to_host({"loss": torch.tensor(2.5), ("a", "b"): counts[:2]}, tracker.observe({"head": counts}))
+    assert metrics == {"loss": 2.5, "a": 2**24 + 1, "b": 2**24 + 3}  # a named count too
     assert tracker.rows(7, values)["layers"]["head"]["moved"] == [2**24 + 1, 2**24 + 3, 0, 0, 0, 0, 0]
 
 

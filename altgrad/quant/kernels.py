@@ -35,7 +35,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from functools import cache
+from functools import cache, wraps
 from typing import Any
 
 import torch
@@ -379,29 +379,36 @@ class StepGraph(Compiled):
                     self.compiled = self._compile()
                 return self.compiled(*args, **kwargs)
             except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager
-                self._undo(err)
+                if self._ran and self._rollback is None:
+                    err.add_note("altgrad step graph: raised by a compiled graph that had run before; the "
+                                 "step's state may be partly updated, so it is not run again eagerly")
+                    raise
+                self._undo()
                 self._fail(err, "step graph")
             finally:
                 self._rollback = None  # (its copies)
         return self.fn(*args, **kwargs)
 
-    def _undo(self, err: Exception) -> None:
-        """Before the eager function runs in place of a failed call: a graph that failed while
-        running may have written some of the state the step updates (scaler histories, counters,
-        the generator), and running the step again on top of that would apply it twice. A graph
-        compiled in this call is rolled back to the state it started from (`rollback_point`);
-        a graph that ran before cannot be, so that failure is raised, not hidden."""
-        if not self._ran:
-            return  # compiling failed: nothing ran
-        if self._rollback is None:
-            self.error = error_summary(err)
-            raise RuntimeError(f"altgrad step graph: a compiled step failed while running ({self.error}); "
-                               f"its state may be partly updated, so it is not run again") from err
-        self._rollback()
+    def _undo(self) -> None:
+        """Before the eager function runs in place of a failed call. Compiled code that failed
+        while running may have changed what the step changes -- the generator it drew from, the
+        buffers it writes (scaler histories, counters; functionalized, those are written at the
+        graph's end, but a failure there would leave them half-written) -- and running the step
+        again on top would apply that twice. So a graph compiled in this call is put back to the
+        state it started from (`rollback_point`). A graph that ran in an earlier call has no
+        rollback point and its failure is raised as it is (`__call__`): it may be the data's (a
+        device assert), not the compiler's."""
+        if self._ran:  # else compiling failed: nothing ran
+            self._rollback()
 
     def _entered(self, run: Callable[..., Any]) -> Callable[..., Any]:
-        """`run` (a compiled graph), noting in `_ran` that compiled code has started to run."""
+        """`run` (a compiled graph), noting in `_ran` that compiled code has started to run. A
+        second graph of the same call (after a graph break) makes the rollback point stale: it
+        restores the first graph's inputs only."""
+        @wraps(run)
         def call(*args: Any) -> Any:
+            if self._ran:
+                self._rollback = None
             self._ran = True
             return run(*args)
 
@@ -454,23 +461,25 @@ class StepGraph(Compiled):
 
 
 def rollback_point(example_inputs: list[Any], device_type: str) -> Callable[[], None]:
-    """A function that puts back what a graph's inputs hold now, and the state of the generator
-    of `device_type` (the graph may draw random numbers). Only the inputs a graph may write are
-    copied: not those that require grad (the weights; a graph that wrote one would not trace).
-    Taken once per graph, when it is compiled: a copy of the buffers and the batch, not a cost
-    of every step."""
+    """A function that puts back what a graph's inputs hold now, and the state of the CPU's and
+    `device_type`'s generators (the graph may draw random numbers). The inputs copied are those
+    that do not require grad: the buffers a step writes, and the batch. Not the weights, which a
+    training forward does not write. Taken once per graph, when it is compiled: not a cost of
+    every step."""
     saved = [(t, t.detach().clone()) for t in example_inputs
              if isinstance(t, torch.Tensor) and not t.requires_grad]
     rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if device_type == "cuda" else None
+    accelerator = getattr(torch, device_type, None) if device_type != "cpu" else None
+    get_all = getattr(accelerator, "get_rng_state_all", None)
+    accelerator_rng = get_all() if get_all is not None else None
 
     @torch.no_grad()
     def rollback() -> None:
         for t, value in saved:
             t.copy_(value)
         torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        if accelerator_rng is not None:
+            accelerator.set_rng_state_all(accelerator_rng)
 
     return rollback
 

@@ -88,17 +88,20 @@ def to_host(named: Metrics, *tensors: torch.Tensor | None) -> tuple[dict[str, fl
     tensor (None stays None) copied to the host in a single `tolist`. Returns the metrics as floats
     by name, then each tensor's values as a flat list.
 
-    The copy is float64, so counts stay exact (float32 rounds integers above 2^24: a code-move
-    histogram of a 38M-weight head); the metrics, float32, are concatenated first and converted
-    once, not one op per block (each is a dispatch, on a GPU a launch)."""
+    Everything is concatenated into one float64 buffer, each part converted as it is copied (one
+    op; each op is a dispatch, on a GPU a launch): integer counts stay exact, where float32 rounds
+    those above 2^24 (a code-move histogram of GPT-2's 38.6M-weight tied head has them)."""
     names: list[str] = []
-    metrics: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []
     for key, value in named.items():
         names.extend(key if isinstance(key, tuple) else (key,))
-        metrics.append(value.reshape(-1))
-    parts = [torch.cat(metrics).double()] if metrics else []
-    parts += [t.reshape(-1).double() for t in tensors if t is not None]
-    values = torch.cat(parts).detach().tolist() if parts else []
+        parts.append(value.reshape(-1))
+    parts += [t.reshape(-1) for t in tensors if t is not None]
+    values: list[float] = []
+    if parts:
+        with torch.no_grad():  # (`out=` takes no inputs that require grad)
+            copy = torch.empty(sum(p.numel() for p in parts), dtype=torch.float64, device=parts[0].device)
+            values = torch.cat(parts, out=copy).tolist()
     out: list[Any] = [dict(zip(names, values[:len(names)], strict=True))]
     at = len(names)
     for t in tensors:
