@@ -233,13 +233,9 @@ def test_a_step_graph_that_fails_after_running_before_raises_its_error(monkeypat
     assert graph.error is None and graph.graphs == 1 and step.calls.item() == 1  # not run again eagerly
 
 
-class BrokenStep(torch.nn.Module):
+class BrokenStep(CountingStep):
     """Two graphs a call: a graph break between a buffer write and an op that can fail. `scale`
     (a Python number, guarded on) gives the first graph variants while the second stays one."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         self.calls.add_(1)

@@ -362,7 +362,7 @@ class StepGraph(Compiled):
     lowering the whole graph would re-associate the model's reductions and the quantizers'
     backward arithmetic -- while a step makes one compiled call instead of one per quantized
     tensor. Where the C++ wrapper fails to build, the graph gets the Python one; where inductor
-    fails altogether, or a new graph fails in its first run (rolled back first: `_undo`), the step
+    fails altogether, or a new graph fails in its first run (rolled back first), the step
     runs eager (`compile_status` says why)."""
 
     def __init__(self, fn: Callable[..., Any]):
@@ -379,27 +379,22 @@ class StepGraph(Compiled):
                     self.compiled = self._compile()
                 return self.compiled(*args, **kwargs)
             except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager
-                if self._ran and self._rollback is None:
-                    err.add_note("altgrad step graph: raised by a compiled graph that had run before; the "
-                                 "step's state may be partly updated, so it is not run again eagerly")
-                    raise
-                self._undo()
+                # Compiled code that failed while running may have changed what the step changes
+                # (the generator it drew from; the buffers it writes, if it failed where the
+                # functionalized writes land, at the graph's end): the eager step must not apply
+                # that twice. A graph compiled in this call goes back to the state it started
+                # from; one without a rollback point (it ran in an earlier call, or after a graph
+                # break) raises its error as it is -- it may be the data's, a device assert.
+                if self._ran:  # (else compiling failed: nothing ran)
+                    if self._rollback is None:
+                        err.add_note("altgrad step graph: raised by compiled code with no rollback point; the "
+                                     "step's state may be partly updated, so it is not run again eagerly")
+                        raise
+                    self._rollback()
                 self._fail(err, "step graph")
             finally:
                 self._rollback = None  # (its copies)
         return self.fn(*args, **kwargs)
-
-    def _undo(self) -> None:
-        """Before the eager function runs in place of a failed call. Compiled code that failed
-        while running may have changed what the step changes -- the generator it drew from, the
-        buffers it writes (scaler histories, counters; functionalized, those are written at the
-        graph's end, but a failure there would leave them half-written) -- and running the step
-        again on top would apply that twice. So a graph compiled in this call is put back to the
-        state it started from (`rollback_point`). A graph that ran in an earlier call has no
-        rollback point and its failure is raised as it is (`__call__`): it may be the data's (a
-        device assert), not the compiler's."""
-        if self._ran:  # else compiling failed: nothing ran
-            self._rollback()
 
     def _entered(self, run: Callable[..., Any]) -> Callable[..., Any]:
         """`run` (a compiled graph), noting in `_ran` that compiled code has started to run. A
