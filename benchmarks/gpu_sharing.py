@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.processes < 1 or args.cpus < 1:
         parser.error("--processes and --cpus must be at least 1")
-    common, steps, warmup = training_run(args)
+    common, steps, warmup = training_run(parser, args)
     overrides = [*common, *VARIANT]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU: CPU processes"
 

@@ -22,6 +22,7 @@ from record import Claim, add_record_argument, write
 
 from altgrad.config import build_run_config
 from altgrad.optim import build_optimizer
+from altgrad.quant import FORMATS
 from altgrad.train.trainer import build_model, resolve_device
 
 TARGET = 1.3
@@ -53,7 +54,7 @@ def timed_step(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu", choices=["cpu", "gpu"])
-    ap.add_argument("--format", default="e5m2")
+    ap.add_argument("--format", default="e5m2", choices=list(FORMATS))
     ap.add_argument("--reps", type=int, default=200, help="timed steps per optimizer (each ~5 ms)")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--smoke", action="store_true", help="3 reps, 1 warm-up: checks it runs")

@@ -4,7 +4,11 @@ Builds the variants of `train_step.py`, warms them up, then profiles one step of
 torch.profiler and prints launches, CPU and device time and the ops that cost most. On CUDA it
 also lists every host sync with the Python lines that caused it (SPEC §5 allows one per step).
 
-    python benchmarks/step_profile.py [--preset cpu|gpu] [--variants bf16,e4m3,e4m3+diag] [--rows 15]
+    python benchmarks/step_profile.py [--preset cpu|gpu|host] [--variants bf16,e4m3,e4m3+diag] [--rows 15]
+                                      [--set KEY=VALUE] [--smoke]
+
+`--preset host` is `train_step.py`'s host-bound proxy (the same bundle of overrides); `--smoke`
+warms up for one step instead of four.
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from train_step import VARIANTS, add_variants_argument, build, chosen_variants
+from train_step import (
+    VARIANTS,
+    add_preset_arguments,
+    add_variants_argument,
+    build,
+    chosen_variants,
+    preset_overrides,
+)
 
 
 def host_syncs(step) -> collections.Counter:
@@ -43,16 +54,18 @@ def host_syncs(step) -> collections.Counter:
     return found
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="auto", help="cpu | gpu | auto (gpu when CUDA is available)")
+    add_preset_arguments(ap)
     add_variants_argument(ap, "bf16,e4m3,e4m3+diag")
     ap.add_argument("--rows", type=int, default=15, help="ops listed per variant")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="one warm-up step, to check the script runs")
+    args = ap.parse_args(argv)
+    variants, common = chosen_variants(ap, args.variants), preset_overrides(ap, args)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in chosen_variants(ap, args.variants):
-            trainer = build([f"preset={args.preset}", *VARIANTS[name]], 100, Path(tmp) / name)
-            for step in range(2, 6):
+        for name in variants:
+            trainer = build([*common, *VARIANTS[name]], 100, Path(tmp) / name)
+            for step in range(2, 3 if args.smoke else 6):  # step 1 would evaluate
                 trainer.train_step(step)
             cuda = trainer.device.type == "cuda"
             print(f"== {name}")

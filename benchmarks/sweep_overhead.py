@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 from record import Claim, add_record_argument, write
 
+from altgrad.config import ConfigError
 from altgrad.data import prepare_dataset
 from altgrad.experiment import (
     CHECKPOINTS_DIR,
@@ -114,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     overrides = GRID + (SMOKE if args.smoke else []) + args.overrides
     storage = args.keep or Path(tempfile.mkdtemp(prefix="sweep-overhead-"))
-    cfg = load_sweep_config(SweepConfig, CONFIG, overrides, name=f"overhead-{time.strftime('%Y%m%d-%H%M%S')}",
-                            storage_path=str(storage))
+    try:
+        cfg = load_sweep_config(SweepConfig, CONFIG, overrides, name=f"overhead-{time.strftime('%Y%m%d-%H%M%S')}",
+                                storage_path=str(storage))
+    except ConfigError as e:
+        parser.error(str(e))
     (experiment,) = FormatAblation.experiments(cfg)
     exp_dir = Path(cfg.experiment_path)
     prepare_dataset(cfg.base_run.data)

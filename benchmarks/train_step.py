@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from record import Claim, add_record_argument, write
 
-from altgrad.config import build_run_config
+from altgrad.config import ConfigError, build_run_config
 from altgrad.train import Trainer
 
 # Named bundles of run-config overrides on top of a RunConfig preset.
@@ -83,22 +83,38 @@ def timed_step(trainer: Trainer, step: int) -> float:
     return time.perf_counter() - start
 
 
-def add_training_arguments(parser: argparse.ArgumentParser, steps: int, per: str) -> None:
-    """The options of a benchmark that trains the preset's model (`training_run` reads them)."""
-    parser.add_argument("--preset", default="auto",
+def add_preset_arguments(parser: argparse.ArgumentParser) -> None:
+    """--preset (a RunConfig preset or a BENCH_PRESETS bundle; another name is a usage error, exit
+    2) and --set (`preset_overrides` reads both)."""
+    parser.add_argument("--preset", default="auto", choices=("auto", "cpu", "gpu", *BENCH_PRESETS),
                         help=f"cpu | gpu | auto (gpu when CUDA is available) | {' | '.join(BENCH_PRESETS)}")
-    parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per {per}")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
-    parser.add_argument("--smoke", action="store_true", help="3 timed steps, to check the script runs")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
 
-def training_run(args: argparse.Namespace) -> tuple[list[str], int, int]:
-    """The run-config overrides of the chosen preset (a BENCH_PRESETS bundle expanded) and --set,
-    the timed steps and the warm-up steps (--smoke: 3 and 2)."""
+def preset_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The run-config overrides of --preset (a BENCH_PRESETS bundle expanded), then --set's,
+    checked here: a bad one is a usage error (exit 2), not a traceback from a trainer later."""
     preset, bundle = BENCH_PRESETS.get(args.preset, (args.preset, []))
+    overrides = [f"preset={preset}", *bundle, *args.overrides]
+    try:
+        build_run_config({}, overrides)
+    except ConfigError as e:
+        parser.error(str(e))
+    return overrides
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, steps: int, per: str) -> None:
+    """The options of a benchmark that trains the preset's model (`training_run` reads them)."""
+    add_preset_arguments(parser)
+    parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per {per}")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
+    parser.add_argument("--smoke", action="store_true", help="3 timed steps, to check the script runs")
+
+
+def training_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], int, int]:
+    """`preset_overrides`, the timed steps and the warm-up steps (--smoke: 3 and 2)."""
     steps, warmup = (3, 2) if args.smoke else (args.steps, args.warmup)
-    return [f"preset={preset}", *bundle, *args.overrides], steps, warmup
+    return preset_overrides(parser, args), steps, warmup
 
 
 def add_variants_argument(parser: argparse.ArgumentParser, default: str) -> None:
@@ -120,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     add_variants_argument(parser, ",".join(VARIANTS))
     add_record_argument(parser)
     args = parser.parse_args(argv)
-    common, steps, warmup = training_run(args)
+    common, steps, warmup = training_run(parser, args)
     variants = chosen_variants(parser, f"bf16,{args.variants}")
     if args.record and variants != list(VARIANTS):
         parser.error("--record writes every target's claim: leave --variants out")

@@ -112,3 +112,42 @@ def test_train_step_runs_the_chosen_variants_and_their_targets_only(capsys):
             bench.main(["--preset", "cpu", "--smoke", *argv])
         assert exit_.value.code == 2
     assert "unknown variant(s) e9m9" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_step_profile_profiles_the_host_proxy(monkeypatch, capsys):
+    """`step_profile.py --preset host` profiles train_step's host-bound proxy, with --set on top
+    (it was a ConfigError traceback: 'host' is a bundle, not a RunConfig preset)."""
+    bench = load("step_profile")
+    built = []
+
+    def build(overrides, total_steps, workdir):
+        built.append(trainer := load("train_step").build(overrides, total_steps, workdir))
+        return trainer
+
+    monkeypatch.setattr(bench, "build", build)
+    bench.main(["--preset", "host", "--set", "optim.lr=0.01", "--variants", "bf16,e4m3", "--smoke", "--rows", "3"])
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("== ")] == ["== bf16", "== e4m3"]
+    assert len(re.findall(r"^CPU [\d.]+ ms$", out, flags=re.M)) == 2
+    for trainer, fmt in zip(built, ("bf16", "e4m3"), strict=True):
+        cfg = trainer.cfg
+        assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size, cfg.train.batch_size) == (6, 16, 8, 1)
+        assert cfg.train.compile and cfg.optim.lr == 0.01 and cfg.quant.format == fmt
+
+
+@pytest.mark.parametrize(("script", "argv", "says"), [
+    ("train_step", ["--preset", "tpu"], "invalid choice: 'tpu'"),
+    ("train_step", ["--set", "model.n_layers=2"], "model.n_layers: unknown field"),
+    ("step_profile", ["--preset", "host2"], "invalid choice: 'host2'"),
+    ("step_profile", ["--preset", "host", "--set", "train.batch_size=0"], "train.batch_size"),
+    ("gpu_sharing", ["--set", "model.n_layer=abc"], "model.n_layer"),
+    ("optimizer_step", ["--format", "e9m9"], "invalid choice: 'e9m9'"),
+    ("sweep_overhead", ["--set", "grid.formats=[e9m9]"], "unknown format 'e9m9'"),
+])
+def test_a_benchmark_rejects_a_bad_option_before_it_starts(script, argv, says, capsys):
+    """A mistyped preset, format or --set is a usage error (exit 2, the field named), not a
+    traceback out of a trainer or a child process minutes later."""
+    with pytest.raises(SystemExit) as exit_:
+        load(script).main([*argv, "--smoke"])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
