@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from altgrad.quant.kernels import rollback_point
 from altgrad.train import Trainer
 
 # One layer 16 wide: every quantizer and diagnostic of a step, compiled in seconds.
@@ -26,10 +27,11 @@ STOCHASTIC = ("quant.format=e3m4", "quant.rounding=stochastic", "quant.master_we
 
 
 def step_both(eager: Trainer, compiled: Trainer, step: int) -> tuple[dict, dict]:
-    """The same step on both trainers from the same RNG state (stochastic rounding draws from it)."""
-    rng = torch.get_rng_state()
+    """The same step on both trainers from the same generator states, the CPU's and those of the
+    trainers' device (stochastic rounding draws from them)."""
+    same_generators = rollback_point([], eager.device.type)
     a = eager.train_step(step).metrics
-    torch.set_rng_state(rng)
+    same_generators()
     return a, compiled.train_step(step).metrics
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from bitwise import edge_values, ordinal, random_values, same_values
-from compiled_steps import MIXED, TINY, assert_identical, step_both
+from compiled_steps import MIXED, STOCHASTIC, TINY, assert_identical, step_both
 
 from altgrad.experiment import read_jsonl
 from altgrad.quant import FORMATS, code_moves, compile_status, decode, encode, quantize
@@ -32,34 +32,43 @@ def cpu_reference(monkeypatch, fn):
         monkeypatch.delenv("ALTGRAD_NO_COMPILE")
 
 
-def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, recwarn, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["per-tensor", "step-graph"])
+def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, recwarn, monkeypatch, compiled):
     """SPEC §5: one host sync per step, diagnostics included (bincount, .item(), a Python branch on
-    a tensor would each add one). And no kernel falls back to eager at dynamo's recompile limit
-    (autocast state, Parameter vs Tensor or rank each made a new graph before)."""
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    trainer = Trainer(make_config("quant.format=e4m3", "train.device=cuda", "train.autocast=true",
-                                  "train.diag_every=1", "train.shadow_every=1"), tmp_path)
-    for step in (2, 3):
-        trainer.train_step(step)
-    torch.cuda.synchronize()
-    recwarn.clear()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        trainer.train_step(4)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    a tensor would each add one), with the per-tensor kernels and with the step graph the gpu
+    preset trains with. And no kernel falls back to eager at dynamo's recompile limit (autocast
+    state, Parameter vs Tensor or rank each made a new graph before)."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    model = TINY if compiled else ()  # the step graph's compile: seconds for one layer
+    trainer = Trainer(make_config(*model, "quant.format=e4m3", "train.device=cuda", "train.autocast=true",
+                                  "train.diag_every=1", "train.shadow_every=1", f"train.compile={compiled}"),
+                      tmp_path)
+    # (config.patch, not monkeypatch: undoing a monkeypatch deletes a torch config entry)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for step in (2, 3):
+            trainer.train_step(step)
+        torch.cuda.synchronize()
+        recwarn.clear()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step(4)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in recwarn if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert compile_status() == "compiled"
+    assert not compiled or trainer.forward.graphs == 1
 
 
-def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("quant", [MIXED, STOCHASTIC], ids=["mixed", "stochastic"])
+def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch, quant):
     """The step graph on the GPU (Triton kernels, every other op its ATen kernel, a Python wrapper),
-    bf16 autocast on, against the eager model on the GPU: 6 steps, diagnostics every step."""
+    bf16 autocast on, against the eager model on the GPU: 6 steps, diagnostics every step; with
+    stochastic rounding both draw from the same CUDA generator state."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     for name in ("eager", "compiled"):
         (tmp_path / name).mkdir()
-    eager, compiled = (Trainer(make_config(*TINY, *MIXED, "train.max_steps=100", "train.device=cuda",
+    eager, compiled = (Trainer(make_config(*TINY, *quant, "train.max_steps=100", "train.device=cuda",
                                            "train.autocast=true", f"train.compile={on}"), tmp_path / name)
                        for name, on in (("eager", False), ("compiled", True)))
     for step in range(1, 7):
