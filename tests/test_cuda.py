@@ -13,6 +13,7 @@ from compiled_steps import MIXED, STOCHASTIC, TINY, assert_identical, step_both
 
 from altgrad.experiment import read_jsonl
 from altgrad.quant import FORMATS, code_moves, compile_status, decode, encode, quantize
+from altgrad.quant.kernels import Kernel
 from altgrad.quant.scaling import TensorScaler
 from altgrad.quant.step import TensorStats
 from altgrad.scaling_policy import ScalingPolicy
@@ -75,6 +76,28 @@ def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_pa
         a, b = step_both(eager, compiled, step)
         assert_identical(eager, compiled, a, b, step)
     assert compiled.forward.graphs == 1 and compile_status() == "compiled"
+
+
+def test_no_compiled_graph_replays_cuda_graphs(make_config, tmp_path, monkeypatch):
+    """TORCHINDUCTOR_CUDAGRAPHS=1 (inductor's `triton.cudagraphs`, on for every graph) must not reach
+    a kernel, whose replayed output the next call would overwrite, nor the step graph: with it,
+    a kernel compiled now and a compiled trainer's steps launch no CUDA graph."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        double = Kernel(lambda x: x * 2)  # a new function: compiled here, under the patch
+        x = torch.arange(1024.0, device=CUDA)
+        trainer = Trainer(make_config(*TINY, "quant.format=e4m3", "train.device=cuda", "train.compile=true",
+                                      "train.max_steps=100"), tmp_path)
+        outputs = [double(x) for _ in range(2)]
+        for step in (2, 3):
+            trainer.train_step(step)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            outputs.append(double(x))
+            trainer.train_step(4)
+            torch.cuda.synchronize()
+    assert not any(e.name == "cudaGraphLaunch" for e in prof.events())
+    assert all(torch.equal(out, x * 2) for out in outputs) and compile_status() == "compiled"
 
 
 def differing(a: torch.Tensor, b: torch.Tensor) -> list[tuple[float, float]]:

@@ -222,13 +222,15 @@ def compile_options() -> dict[str, object]:
     no FP contraction (an FMA breaks the Veltkamp split; `emulate_precision_casts` turns off
     Triton's fp fusion), IEEE division (Triton's `/` is approximate), subnormals kept; plus no
     wrapper asserts of every input's size, stride and alignment per call (dynamo's guards checked
-    them; with a few dozen inputs they cost ~0.1 ms a call). Options this torch does not know are
-    left out; tests/test_cuda.py checks the results bit for bit."""
+    them; with a few dozen inputs they cost ~0.1 ms a call), and no CUDA graphs whatever the
+    environment says (TORCHINDUCTOR_CUDAGRAPHS=1): a replayed kernel's output is overwritten by its
+    next call's, and the step's other kernels mutate their arguments. Options this torch does not
+    know are left out; tests/test_cuda.py checks the results bit for bit."""
     from torch._inductor import config
 
     wanted = {"cpp.enable_unsafe_math_opt_flag": False, "cpp.enable_floating_point_contract_flag": "off",
               "emulate_precision_casts": True, "eager_numerics.division_rounding": True,
-              "eager_numerics.disable_ftz": True,
+              "eager_numerics.disable_ftz": True, "triton.cudagraphs": False,
               "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
     known = config.get_config_copy()
     return {k: v for k, v in wanted.items() if k in known}
