@@ -224,8 +224,8 @@ def compile_options() -> dict[str, object]:
     wrapper asserts of every input's size, stride and alignment per call (dynamo's guards checked
     them; with a few dozen inputs they cost ~0.1 ms a call), and no CUDA graphs whatever the
     environment says (TORCHINDUCTOR_CUDAGRAPHS=1): a replayed kernel's output is overwritten by its
-    next call's, and the step's other kernels mutate their arguments. Options this torch does not
-    know are left out; tests/test_cuda.py checks the results bit for bit."""
+    next call's (docs/design.md, "GPU runs"). Options this torch does not know are left out;
+    tests/test_cuda.py checks the results bit for bit."""
     from torch._inductor import config
 
     wanted = {"cpp.enable_unsafe_math_opt_flag": False, "cpp.enable_floating_point_contract_flag": "off",
