@@ -375,7 +375,7 @@ class StepGraph(Compiled):
 
     def __call__(self, *args, **kwargs) -> Any:
         if self.error is None and not compiling_disabled():
-            self._ran, self._rollback = False, None
+            self._ran = False  # (`_rollback` is None between calls: `finally` below)
             try:
                 if self.compiled is None:
                     self.compiled = self._compile()
