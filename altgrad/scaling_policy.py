@@ -30,6 +30,12 @@ class ScalingPolicy:
             raise ValueError(f"scaling mode must be one of {list(get_args(ScalingMode))}, got {self.mode!r}")
         check_history(self.history_len, self.algo)
 
+    @property
+    def pow2_scales(self) -> bool:
+        """Every scale a scaler of this policy holds is a power of two (`pow2`'s floor, mode none's
+        1, or the previous one), which the quantizer may rely on (`kernels.unscale`)."""
+        return self.pow2 or self.mode == "none"
+
 
 def check_history(history_len: int, algo: str) -> None:
     """ValueError unless an amax history of `history_len` read by `algo` is valid (also used by

@@ -176,17 +176,19 @@ def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
 @pytest.mark.parametrize("fmt", ["e4m3", "e7m0", "e0m7"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("mode", ["delayed", "dynamic", "none"])
-def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
+@pytest.mark.parametrize("pow2", [True, False])
+def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, pow2, path):
     """quantize_step (one kernel, counting) against scaler.update + quantize + TensorStats.observe,
     over steps that grow, zero and poison the amax (one tensor counted whole, one sampled).
     Both share `scaling.scale_step`: this checks the fusion; test_scaling.py checks the scaling
-    itself against compute_scale and the history."""
+    itself against compute_scale and the history. `quantize` divides by the scale, the step
+    multiplies by its inverse where the scales are powers of two: equal only there."""
     f = get_format(fmt)
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(64, 48, generator=gen) * 3, torch.randn(64, 48, generator=gen) * 1e4,
           torch.zeros(64, 48), torch.full((64, 48), float("nan")),
           torch.randn(300, 300, generator=gen) * 1e-3]
-    fused, separate = (TensorScaler(f, ScalingPolicy(mode, history_len=3)) for _ in range(2))
+    fused, separate = (TensorScaler(f, ScalingPolicy(mode, history_len=3, pow2=pow2)) for _ in range(2))
     fused_stats, separate_stats = TensorStats(), TensorStats()
     for i, x in enumerate(xs):
         torch.manual_seed(i)

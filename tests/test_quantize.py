@@ -298,3 +298,20 @@ def test_bad_format_and_rounding_are_value_errors():
         quantize(torch.ones(4), "e4m3", rounding="up")
     with pytest.raises(TypeError):
         quantize(torch.ones(4), "e4m3", scale="2")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_unscaling_by_a_power_of_two_multiplies_by_the_exact_inverse(dtype):
+    """`kernels.unscale(q, s, pow2=True)` is q * (1 / s): for every power of two a float32 scale
+    can be (2^-126 ... 2^127), bit for bit q / s, also where the quotient is subnormal, zero,
+    infinite or NaN. With a scale that is no power of two the product is not the quotient,
+    so this would catch an `unscale` that took any scale's inverse."""
+    f = FORMATS["e4m3"]
+    q = torch.cat([edge_values(f), random_values(f, 1 << 14) * 2.0**100, random_values(f, 1 << 14) * 2.0**-120])
+    q = q.to(dtype)
+    for k in range(-126, 128):
+        s = torch.tensor(2.0**k, dtype=torch.float32)
+        assert same_values(kernels.unscale(q, s, True), q / s), k
+    s = torch.tensor(3.0)
+    assert not same_values(q * (1 / s), q / s)
+    assert same_values(kernels.unscale(q, s, False), q / s)

@@ -74,14 +74,15 @@ _COUNT = Kernel(quantization_counts)
 
 
 def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, state: torch.Tensor, sp: Constants,
-          p: Constants, p32: Constants, c: Constants, m0: bool, ftz: bool, noise: torch.Tensor | None,
-          counted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+          p: Constants, p32: Constants, c: Constants, m0: bool, ftz: bool, pow2: bool,
+          noise: torch.Tensor | None, counted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """scaler.update(x), then quantize(x, scale), then (given the `counted` so far) `counted` plus
     `quantization_counts` of the sample, as one graph (x flat; lo, hi = aminmax(x)). p is the grid
     in x's container dtype, p32 in float32, which the counters encode in. The sum is made here, not
-    by the caller: in a step graph it is then fused with the counting, not an op of its own per tensor."""
+    by the caller: in a step graph it is then fused with the counting, not an op of its own per tensor.
+    `pow2`: the scaler's scales are powers of two (`kernels.unscale`)."""
     s = scale_step(state, lo, hi, sp)
-    q = nearest_scaled(x, s, p, m0, ftz) if noise is None else stochastic(x, s, p, ftz, noise)
+    q = nearest_scaled(x, s, p, m0, ftz, pow2) if noise is None else stochastic(x, s, p, ftz, noise, pow2)
     if counted is None:
         return q, s, None
     return q, s, counted + quantization_counts(sample(x), sample(q), s, p32, c, m0, ftz)
@@ -97,10 +98,12 @@ def _step_in_graph(x: torch.Tensor, scaler: TensorScaler, noise: torch.Tensor | 
 
 
 def _step_args(x: torch.Tensor, scaler: TensorScaler) -> tuple:
-    """What `_step` takes from the scaler and its format, for x: state, constants and family."""
+    """What `_step` takes from the scaler and its format, for x: state, constants, family and
+    whether the scales are powers of two."""
     fmt = scaler.fmt
     return (scaler.state, scaler.step_params(), grid_params(fmt, True, container_dtype(x.dtype), x.device),
-            grid_params(fmt, True, torch.float32, x.device), code_params(fmt, x.device), *family(fmt))
+            grid_params(fmt, True, torch.float32, x.device), code_params(fmt, x.device), *family(fmt),
+            scaler.policy.pow2_scales)
 
 
 _STEP = Kernel(_step)
