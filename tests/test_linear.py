@@ -176,13 +176,23 @@ def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
 @pytest.mark.parametrize("fmt", ["e4m3", "e7m0", "e0m7"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("mode", ["delayed", "dynamic", "none"])
-@pytest.mark.parametrize("pow2", [True, False])
-def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, pow2, path):
+def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
     """quantize_step (one kernel, counting) against scaler.update + quantize + TensorStats.observe,
     over steps that grow, zero and poison the amax (one tensor counted whole, one sampled).
     Both share `scaling.scale_step`: this checks the fusion; test_scaling.py checks the scaling
-    itself against compute_scale and the history. `quantize` divides by the scale, the step
-    multiplies by its inverse where the scales are powers of two: equal only there."""
+    itself against compute_scale and the history."""
+    check_fused_step(fmt, rounding, mode, pow2=True)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("mode", ["delayed", "dynamic"])
+def test_fused_step_with_scales_that_are_no_powers_of_two(rounding, mode, path):
+    """`quantize` divides by the scale; the step multiplies by its inverse only where the scales are
+    powers of two (`kernels.unscale`). With `pow2` off it must divide too."""
+    check_fused_step("e4m3", rounding, mode, pow2=False)
+
+
+def check_fused_step(fmt: str, rounding: str, mode: str, pow2: bool) -> None:
     f = get_format(fmt)
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(64, 48, generator=gen) * 3, torch.randn(64, 48, generator=gen) * 1e4,
