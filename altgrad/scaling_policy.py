@@ -32,8 +32,9 @@ class ScalingPolicy:
 
     @property
     def pow2_scales(self) -> bool:
-        """Every scale a scaler of this policy holds is a power of two (`pow2`'s floor, mode none's
-        1, or the previous one), which the quantizer may rely on (`kernels.unscale`)."""
+        """Every scale a scaler of this policy makes is a power of two (`pow2`'s floor, mode none's
+        1), which the quantizer relies on (`kernels.unscale`). A scale it keeps from before is one
+        too, unless it was loaded from a checkpoint of a run without `pow2` (docs/design.md)."""
         return self.pow2 or self.mode == "none"
 
 

@@ -66,8 +66,8 @@ def _gradient_stats(g: torch.Tensor, p: torch.Tensor, m0: bool, ftz: bool) -> to
     g = g.float()
     l2, linf = torch.linalg.vector_norm(g), abs_max(g)
     dead = 1 - torch.count_nonzero(g) / g.numel()
-    s = scale_for(linf, p[MAX], True, torch.ones_like(linf))  # compute_scale(linf, fmt): a power of two
-    noise = torch.linalg.vector_norm(g - nearest_scaled(g, s, p, m0, ftz, True))
+    s = scale_for(linf, p[MAX], True, torch.ones_like(linf))  # compute_scale(linf, fmt)
+    noise = torch.linalg.vector_norm(g - nearest_scaled(g, s, p, m0, ftz, pow2=True))  # s: a power of two
     snr = 20 * torch.log10(l2.clamp_min(1e-30) / noise.clamp_min(1e-30))
     return torch.stack([l2, linf, dead, snr])
 
