@@ -267,6 +267,11 @@ class TrainConfig(StrictModel):
         "wrapper, C++ on the CPU (altgrad.quant.kernels.StepGraph): bit-identical to eager, with "
         "one call a step instead of one per quantized tensor. false: the eager model calling each "
         "kernel on its own (for debugging; ALTGRAD_NO_COMPILE=1 makes everything eager)")
+    cuda_graphs: bool = Field(
+        True, description="on CUDA, the compiled step's forward and backward graphs are recorded "
+        "once as CUDA graphs and replayed every step after (inductor's cudagraph trees): the host "
+        "launches one graph instead of each kernel, which is what bounds a small model's step on a "
+        "GPU. Bit-identical to eager (tests/test_cuda.py). Ignored on the CPU and with compile off")
 
 
 class StabilityConfig(StrictModel):

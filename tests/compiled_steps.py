@@ -1,10 +1,12 @@
-"""A compiled and an eager trainer stepped side by side, and the check that they are bit-identical
-(tests/test_kernels.py on the CPU, tests/test_cuda.py on a GPU)."""
+"""A compiled and an eager trainer stepped side by side, and the checks that they are bit-identical
+and that a compiled run resumes exactly (tests/test_kernels.py on the CPU, tests/test_cuda.py on a
+GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from altgrad.quant.kernels import rollback_point
 from altgrad.train import Trainer
@@ -44,3 +46,32 @@ def assert_identical(eager: Trainer, compiled: Trainer, a: dict, b: dict, step: 
             assert value == b[key] or (value != value and b[key] != b[key]), (step, key, value, b[key])
     for (name, p), q in zip(eager.model.state_dict().items(), compiled.model.state_dict().values(), strict=True):
         assert torch.equal(p, q), (step, name)
+
+
+class Interrupt(Exception):
+    """Stands in for a killed process: raised from the report callback mid-run."""
+
+
+def assert_resume_is_exact(make_config, tmp_path, *overrides: str) -> tuple[Trainer, int]:
+    """A compiled run killed after step 8 and resumed from step 5's checkpoint ends where an
+    uninterrupted eager one does, bit for bit. Returns the resumed trainer and how many of its
+    graphs it took from AOTAutograd's cache (the killed run compiled the same ones)."""
+    common = (*overrides, "train.max_steps=12", "train.checkpoint_interval=5")
+    straight = Trainer(make_config(*common, "train.compile=false"), tmp_path / "straight")
+    straight.fit()
+
+    def stop(metrics, ckpt):
+        if metrics["step"] == 8:
+            raise Interrupt
+
+    compiled = make_config(*common, "train.compile=true")
+    with pytest.raises(Interrupt):
+        Trainer(compiled, tmp_path / "resumed").fit(report=stop)
+    resumed = Trainer(compiled, tmp_path / "resumed")
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    resumed.fit(resume=tmp_path / "resumed")
+    hits = counters["aot_autograd"]["autograd_cache_hit"] - hits
+    for (name, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(),
+                            strict=True):
+        assert torch.equal(p, q), name
+    return resumed, hits

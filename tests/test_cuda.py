@@ -9,7 +9,15 @@ import math
 import pytest
 import torch
 from bitwise import edge_values, ordinal, random_values, same_values
-from compiled_steps import MIXED, STOCHASTIC, TINY, assert_identical, step_both
+from compiled_steps import (
+    MIXED,
+    STOCHASTIC,
+    TINY,
+    assert_identical,
+    assert_resume_is_exact,
+    step_both,
+)
+from torch._dynamo.utils import counters
 
 from altgrad.experiment import read_jsonl
 from altgrad.quant import FORMATS, code_moves, compile_status, decode, encode, quantize
@@ -33,17 +41,41 @@ def cpu_reference(monkeypatch, fn):
         monkeypatch.delenv("ALTGRAD_NO_COMPILE")
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["per-tensor", "step-graph"])
-def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, recwarn, monkeypatch, compiled):
+def graph_launches(fn) -> int:
+    """How many CUDA graphs fn() launched."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.name == "cudaGraphLaunch" for e in prof.events())
+
+
+def cudagraph_skips() -> int:
+    """Graphs inductor compiled without CUDA graphs that were asked for (a mutated input that is no
+    parameter or buffer, a CPU tensor, an op a graph cannot hold), so far in this process. A skip
+    is only a warning: without this count, a skipped backward would go unnoticed."""
+    return counters["inductor"]["cudagraph_skips"]
+
+
+# (train.compile, train.cuda_graphs): the per-tensor kernels, the step graph, the step graph replayed
+STEPS = {"per-tensor": (False, False), "step-graph": (True, False), "cuda-graphs": (True, True)}
+
+
+@pytest.mark.parametrize("compiled, cuda_graphs", STEPS.values(), ids=STEPS.keys())
+def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, recwarn, monkeypatch, compiled,
+                                                       cuda_graphs):
     """SPEC §5: one host sync per step, diagnostics included (bincount, .item(), a Python branch on
     a tensor would each add one), with the per-tensor kernels and with the step graph the gpu
-    preset trains with. And no kernel falls back to eager at dynamo's recompile limit (autocast
-    state, Parameter vs Tensor or rank each made a new graph before)."""
+    preset trains with, launched kernel by kernel or replayed as CUDA graphs (the first step warms
+    them up and the second records them, each syncing: the third is the first replay). And no
+    kernel falls back to eager at dynamo's recompile limit (autocast state, Parameter vs Tensor or
+    rank each made a new graph before)."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     model = TINY if compiled else ()  # the step graph's compile: seconds for one layer
     trainer = Trainer(make_config(*model, "quant.format=e4m3", "train.device=cuda", "train.autocast=true",
-                                  "train.diag_every=1", "train.shadow_every=1", f"train.compile={compiled}"),
-                      tmp_path)
+                                  "train.diag_every=1", "train.shadow_every=1", f"train.compile={compiled}",
+                                  f"train.cuda_graphs={cuda_graphs}"), tmp_path)
+    skips = cudagraph_skips()
     # (config.patch, not monkeypatch: undoing a monkeypatch deletes a torch config entry)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for step in (2, 3):
@@ -55,39 +87,65 @@ def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, re
             trainer.train_step(4)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+        launches = graph_launches(lambda: trainer.train_step(5))
     syncs = [w for w in recwarn if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert compile_status() == "compiled"
     assert not compiled or trainer.forward.graphs == 1
+    # forward and backward, each one graph or more (inductor partitions a graph around its CPU ops)
+    assert (launches >= 2) if cuda_graphs else (launches == 0), launches
+    assert cudagraph_skips() == skips
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["launched", "cuda-graphs"])
 @pytest.mark.parametrize("quant", [MIXED, STOCHASTIC], ids=["mixed", "stochastic"])
-def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch, quant):
+def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch, quant,
+                                                             cuda_graphs):
     """The step graph on the GPU (Triton kernels, every other op its ATen kernel, a Python wrapper),
-    bf16 autocast on, against the eager model on the GPU: 6 steps, diagnostics every step; with
-    stochastic rounding both draw from the same CUDA generator state."""
+    its kernels launched one by one or replayed as CUDA graphs, bf16 autocast on, against the eager
+    model on the GPU: 8 steps (CUDA graphs: a warm-up, a recording, six replays, an evaluation
+    between them), diagnostics every step; with stochastic rounding both draw from the same CUDA
+    generator state."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     for name in ("eager", "compiled"):
         (tmp_path / name).mkdir()
     eager, compiled = (Trainer(make_config(*TINY, *quant, "train.max_steps=100", "train.device=cuda",
-                                           "train.autocast=true", f"train.compile={on}"), tmp_path / name)
+                                           "train.autocast=true", f"train.compile={on}",
+                                           f"train.cuda_graphs={cuda_graphs}"), tmp_path / name)
                        for name, on in (("eager", False), ("compiled", True)))
-    for step in range(1, 7):
+    skips = cudagraph_skips()
+    for step in range(1, 9):
         a, b = step_both(eager, compiled, step)
         assert_identical(eager, compiled, a, b, step)
+    launches = graph_launches(lambda: step_both(eager, compiled, 9))
     assert compiled.forward.graphs == 1 and compile_status() == "compiled"
+    assert (launches >= 2) if cuda_graphs else (launches == 0), launches
+    assert cudagraph_skips() == skips
 
 
-def test_no_compiled_graph_replays_cuda_graphs(make_config, tmp_path, monkeypatch):
+def test_a_run_with_cuda_graphs_resumes_exactly(make_config, tmp_path, monkeypatch):
+    """Killed after step 8 and resumed from step 5's checkpoint, a run whose step replays CUDA
+    graphs ends where an uninterrupted eager one does on the GPU, bit for bit: the checkpoint
+    holds no tensor of the graphs' memory pool, and the resumed process records its own."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    skips = cudagraph_skips()
+    resumed, _ = assert_resume_is_exact(make_config, tmp_path, *TINY, *MIXED, "train.device=cuda",
+                                        "train.autocast=true", "train.cuda_graphs=true")
+    assert resumed.forward.graphs == 1 and compile_status() == "compiled"
+    assert cudagraph_skips() == skips
+
+
+def test_no_compiled_graph_replays_cuda_graphs_unless_asked(make_config, tmp_path, monkeypatch):
     """TORCHINDUCTOR_CUDAGRAPHS=1 (inductor's `triton.cudagraphs`, on for every graph) must not reach
-    a kernel, whose replayed output the next call would overwrite, nor the step graph: with it,
-    a kernel compiled now and a compiled trainer's steps launch no CUDA graph."""
+    a kernel, whose replayed output the next call would overwrite, nor a step graph whose run
+    turned CUDA graphs off (`train.cuda_graphs: false`): with it, a kernel compiled now and such a
+    trainer's steps launch no CUDA graph."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     with torch._inductor.config.patch({"triton.cudagraphs": True}):
         double = Kernel(lambda x: x * 2)  # a new function: compiled here, under the patch
         x = torch.arange(1024.0, device=CUDA)
         trainer = Trainer(make_config(*TINY, "quant.format=e4m3", "train.device=cuda", "train.compile=true",
-                                      "train.max_steps=100"), tmp_path)
+                                      "train.cuda_graphs=false", "train.max_steps=100"), tmp_path)
         outputs = [double(x) for _ in range(2)]
         for step in (2, 3):
             trainer.train_step(step)

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compiled_steps import MIXED, STOCHASTIC, TINY, assert_identical, step_both
+from compiled_steps import (
+    MIXED,
+    STOCHASTIC,
+    TINY,
+    assert_identical,
+    assert_resume_is_exact,
+    step_both,
+)
 from torch._dynamo.utils import counters
 from torch.profiler import profile
 
@@ -88,33 +95,13 @@ def test_quantizer_ops_are_seen_when_a_step_runs_them_one_by_one(make_config, tm
     assert set(QUANTIZER_OPS) <= aten_ops(trainer, 2)
 
 
-class Interrupt(Exception):
-    """Stands in for a killed process: raised from the report callback mid-run."""
-
-
 def test_resume_with_the_compiled_step_is_bit_identical(make_config, tmp_path, monkeypatch):
     """Killed after step 8 and resumed from step 5's checkpoint, a compiled run ends where an
     uninterrupted eager one does, bit for bit -- its step graph taken from AOTAutograd's cache, as
     a later trial of a sweep takes it (the killed run compiled the same graph)."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
-    common = (*TINY, *MIXED, "train.max_steps=12", "train.checkpoint_interval=5")
-    straight = Trainer(make_config(*common, "train.compile=false"), tmp_path / "straight")
-    straight.fit()
-
-    def stop(metrics, ckpt):
-        if metrics["step"] == 8:
-            raise Interrupt
-
-    compiled = make_config(*common, "train.compile=true")
-    with pytest.raises(Interrupt):
-        Trainer(compiled, tmp_path / "resumed").fit(report=stop)
-    resumed = Trainer(compiled, tmp_path / "resumed")
-    hits = counters["aot_autograd"]["autograd_cache_hit"]
-    resumed.fit(resume=tmp_path / "resumed")
-    assert resumed.forward.graphs > 0 and counters["aot_autograd"]["autograd_cache_hit"] > hits
-    for (name, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(),
-                            strict=True):
-        assert torch.equal(p, q), name
+    resumed, cache_hits = assert_resume_is_exact(make_config, tmp_path, *TINY, *MIXED)
+    assert resumed.forward.graphs > 0 and cache_hits > 0
 
 
 def test_the_step_graph_has_a_cpp_wrapper_on_the_cpu_only():
@@ -132,6 +119,11 @@ def test_the_step_graph_has_a_cpp_wrapper_on_the_cpu_only():
         return {k: v for k, v in options.items() if not k.startswith("cpp_wrapper")}
 
     assert lowering(on_cpu) == lowering(elsewhere)  # the same kernels, bit for bit, either wrapper
+    # CUDA graphs where a run asks for them and the graph is on CUDA (tests/test_cuda.py replays them)
+    replayed = step_graph_options("cuda", cuda_graphs=True)
+    assert replayed["triton.cudagraphs"] and lowering(replayed) == {**lowering(elsewhere), "triton.cudagraphs": True}
+    assert not any(step_graph_options(device, cuda_graphs=device == "meta").get("triton.cudagraphs")
+                   for device in ("cpu", "meta", "cuda"))
 
 
 class UpsampledGradient(torch.autograd.Function):

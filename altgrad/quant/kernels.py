@@ -302,7 +302,7 @@ STEP_REALIZE_OPS = 8
 STEP_MIN_CHUNK = 4096
 
 
-def step_graph_options(device_type: str) -> dict[str, Any]:
+def step_graph_options(device_type: str, cuda_graphs: bool = False) -> dict[str, Any]:
     """Inductor options of a `StepGraph` on `device_type`: "lite" mode (every op falls back to its
     ATen kernel but those marked `compile_with_inductor`, which the kernels mark while traced), the
     kernels' `compile_options` and the two bounds above, and on the CPU a C++ wrapper. The wrapper
@@ -310,7 +310,8 @@ def step_graph_options(device_type: str) -> dict[str, Any]:
     Python each cost a few microseconds of interpreter (docs/design.md). Built separately from the
     kernels, the wrapper compiles at -O1: at -O3 one diagnostics graph took over ten minutes of g++.
     On CUDA the wrapper stays Python: there inductor's C++ wrapper did not build (docs/design.md,
-    "GPU runs"), and a failed build is g++ time every trial would pay. compile_fx keeps the traced
+    "GPU runs"), and a failed build is g++ time every trial would pay; with `cuda_graphs` inductor
+    records the graph as a CUDA graph and replays it (`StepGraph`). compile_fx keeps the traced
     nodes' annotations through AOTAutograd only with provenance tracking on
     (`trace.provenance_tracking_level` 1; it adds comments and compile-time bookkeeping); without
     them every op would fall back."""
@@ -319,7 +320,9 @@ def step_graph_options(device_type: str) -> dict[str, Any]:
     options = {**list_mode_options("lite"), **compile_options(),
                "realize_opcount_threshold": STEP_REALIZE_OPS, "cpp.min_chunk_size": STEP_MIN_CHUNK,
                "trace.provenance_tracking_level": 1, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
-    return options if device_type == "cpu" else python_wrapper(options)
+    if device_type == "cpu":
+        return options
+    return {**python_wrapper(options), "triton.cudagraphs": cuda_graphs and device_type == "cuda"}
 
 
 def python_wrapper(options: dict[str, Any]) -> dict[str, Any]:
@@ -374,10 +377,18 @@ class StepGraph(Compiled):
     backward arithmetic -- while a step makes one compiled call instead of one per quantized
     tensor. Where the C++ wrapper fails to build, the graph gets the Python one; where inductor
     fails altogether, or a new graph fails in its first run (rolled back first), the step
-    runs eager (`compile_status` says why)."""
+    runs eager (`compile_status` says why).
 
-    def __init__(self, fn: Callable[..., Any]):
+    With `cuda_graphs`, on CUDA, inductor records the forward and the backward graph as CUDA
+    graphs (its cudagraph trees: a first call warms up, the second records) and replays them: one
+    launch each instead of one per kernel. A replay's outputs live in the graphs' memory pool,
+    which the next replay overwrites, so each call marks a new step: the caller must be done with
+    the previous call's outputs -- the loss, and the gradients, which autograd takes from the
+    backward graph as `.grad` without a copy (the trainer sets them to None every step)."""
+
+    def __init__(self, fn: Callable[..., Any], cuda_graphs: bool = False):
         super().__init__(fn)
+        self.cuda_graphs = cuda_graphs
         self.graphs = 0  # graphs dynamo captured (diagnostics on / off, formats, models)
         self._ran = False  # compiled code has started to run in the current call
         self._rollback: Callable[[], None] | None = None  # undoes the current call's compiled code
@@ -388,6 +399,8 @@ class StepGraph(Compiled):
             try:
                 if self.compiled is None:
                     self.compiled = self._compile()
+                if self.cuda_graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 return self.compiled(*args, **kwargs)
             except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager
                 # Compiled code that failed while running may have changed what the step changes
@@ -446,7 +459,7 @@ class StepGraph(Compiled):
             # Compiled before it first runs: the state it will start from, unless a graph of this
             # call ran already (a graph break), which made the state no longer the call's own.
             self._rollback = None if self._ran else rollback_point(example_inputs, device_type)
-            options = step_graph_options(device_type)
+            options = step_graph_options(device_type, self.cuda_graphs)
             with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
                                                force_non_lazy_backward_lowering=True):
                 try:
