@@ -76,14 +76,12 @@ def stored(run: RunConfig, step_s: float) -> StepCost:
 def step_graph_keys(run: RunConfig) -> set[str]:
     """The step graphs a run compiles (none with `train.compile` off): one for its diagnostic steps
     and one for the others, where it has both kinds, each keyed by what it depends on -- the model,
-    the quantization settings, the batch shape, autocast and CUDA graphs. Not the seed, the
-    optimizer or its schedule: they act outside the graph, so trials that differ only in those
-    share one compile."""
+    the quantization settings, the batch shape and autocast. Not the seed, the optimizer or its
+    schedule: they act outside the graph, so trials that differ only in those share one compile."""
     t = run.train
     if not t.compile:
         return set()
-    shared = [run.model.model_dump(mode="json"), run.quant.model_dump(mode="json"), t.batch_size, t.autocast,
-              t.cuda_graphs]
+    shared = [run.model.model_dump(mode="json"), run.quant.model_dump(mode="json"), t.batch_size, t.autocast]
     kinds = {is_diagnostic_step(t, step) for step in range(1, t.max_steps + 1)}
     return {json.dumps([*shared, diagnostics], sort_keys=True) for diagnostics in kinds}
 
