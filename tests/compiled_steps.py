@@ -52,7 +52,7 @@ class Interrupt(Exception):
     """Stands in for a killed process: raised from the report callback mid-run."""
 
 
-def assert_resume_is_exact(make_config, tmp_path, *overrides: str) -> tuple[Trainer, int]:
+def assert_exact_resume(make_config, tmp_path, *overrides: str) -> tuple[Trainer, int]:
     """A compiled run killed after step 8 and resumed from step 5's checkpoint ends where an
     uninterrupted eager one does, bit for bit. Returns the resumed trainer and how many of its
     graphs it took from AOTAutograd's cache (the killed run compiled the same ones)."""

@@ -9,14 +9,7 @@ import math
 import pytest
 import torch
 from bitwise import edge_values, ordinal, random_values, same_values
-from compiled_steps import (
-    MIXED,
-    STOCHASTIC,
-    TINY,
-    assert_identical,
-    assert_resume_is_exact,
-    step_both,
-)
+from compiled_steps import MIXED, STOCHASTIC, TINY, assert_exact_resume, assert_identical, step_both
 from torch._dynamo.utils import counters
 
 from altgrad.experiment import read_jsonl
@@ -129,7 +122,7 @@ def test_a_run_with_cuda_graphs_resumes_exactly(make_config, tmp_path, monkeypat
     holds no tensor of the graphs' memory pool, and the resumed process records its own."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     skips = cudagraph_skips()
-    resumed, _ = assert_resume_is_exact(make_config, tmp_path, *TINY, *MIXED, "train.device=cuda",
+    resumed, _ = assert_exact_resume(make_config, tmp_path, *TINY, *MIXED, "train.device=cuda",
                                         "train.autocast=true", "train.cuda_graphs=true")
     assert resumed.forward.graphs == 1 and compile_status() == "compiled"
     assert cudagraph_skips() == skips

@@ -6,14 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compiled_steps import (
-    MIXED,
-    STOCHASTIC,
-    TINY,
-    assert_identical,
-    assert_resume_is_exact,
-    step_both,
-)
+from compiled_steps import MIXED, STOCHASTIC, TINY, assert_exact_resume, assert_identical, step_both
 from torch._dynamo.utils import counters
 from torch.profiler import profile
 
@@ -100,7 +93,7 @@ def test_resume_with_the_compiled_step_is_bit_identical(make_config, tmp_path, m
     uninterrupted eager one does, bit for bit -- its step graph taken from AOTAutograd's cache, as
     a later trial of a sweep takes it (the killed run compiled the same graph)."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
-    resumed, cache_hits = assert_resume_is_exact(make_config, tmp_path, *TINY, *MIXED)
+    resumed, cache_hits = assert_exact_resume(make_config, tmp_path, *TINY, *MIXED)
     assert resumed.forward.graphs > 0 and cache_hits > 0
 
 
