@@ -19,6 +19,7 @@ from altgrad.quant.scaling import TensorScaler
 from altgrad.quant.step import TensorStats
 from altgrad.scaling_policy import ScalingPolicy
 from altgrad.train import Trainer
+from altgrad.train.format_shift import shift_layers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -113,6 +114,30 @@ def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_pa
     launches = graph_launches(lambda: step_both(eager, compiled, 9))
     assert compiled.forward.graphs == 1 and compile_status() == "compiled"
     assert (launches >= 2) if cuda_graphs else (launches == 0), launches
+    assert cudagraph_skips() == skips
+
+
+def test_cuda_graphs_follow_the_step_graphs_of_a_run(make_config, tmp_path, monkeypatch):
+    """A run switches step graphs: diagnostics every other step (two graphs, replayed in turn) and an
+    emergency format shift, after which both compile anew. Against the eager model on the GPU, bit
+    for bit over 8 steps, with a new recording for each new graph and none skipped. (Added after
+    the third lease: it first runs at the next.)"""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    for name in ("eager", "compiled"):
+        (tmp_path / name).mkdir()
+    eager, compiled = (Trainer(make_config(*TINY, *MIXED, "train.diag_every=2", "train.max_steps=100",
+                                           "train.device=cuda", "train.autocast=true", f"train.compile={on}",
+                                           "train.cuda_graphs=true"), tmp_path / name)
+                       for name, on in (("eager", False), ("compiled", True)))
+    skips = cudagraph_skips()
+    for step in range(1, 13):
+        if step == 7:  # (steps 1-6: both graphs warmed up, recorded and replayed)
+            for trainer in (eager, compiled):
+                assert shift_layers(trainer.layers, [next(iter(trainer.layers))], "test")
+        a, b = step_both(eager, compiled, step)
+        assert_identical(eager, compiled, a, b, step)
+    assert compiled.forward.graphs == 4 and compile_status() == "compiled"  # (with, without diagnostics) x 2 formats
+    assert graph_launches(lambda: compiled.train_step(13)) >= 2
     assert cudagraph_skips() == skips
 
 
