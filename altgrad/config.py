@@ -268,10 +268,11 @@ class TrainConfig(StrictModel):
         "one call a step instead of one per quantized tensor. false: the eager model calling each "
         "kernel on its own (for debugging; ALTGRAD_NO_COMPILE=1 makes everything eager)")
     cuda_graphs: bool = Field(
-        True, description="on CUDA, the compiled step's forward and backward graphs are recorded "
-        "once as CUDA graphs and replayed every step after (inductor's cudagraph trees): the host "
-        "launches one graph instead of each kernel, which is what bounds a small model's step on a "
-        "GPU. Bit-identical to eager (tests/test_cuda.py). Ignored on the CPU and with compile off")
+        True, description="on CUDA, each compiled step graph (forward and backward) is recorded as "
+        "CUDA graphs at its second call and replayed after (inductor's cudagraph trees): the host "
+        "launches a few graphs instead of every kernel, whose launches are what bounds a small "
+        "model's step on a GPU. Bit-identical to eager (tests/test_cuda.py). Ignored on the CPU "
+        "and with compile off")
 
 
 class StabilityConfig(StrictModel):

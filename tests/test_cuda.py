@@ -5,6 +5,7 @@ Skipped without CUDA; run them on a GPU machine (`pytest tests/test_cuda.py`).""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -46,8 +47,9 @@ def graph_launches(fn) -> int:
 
 def cudagraph_skips() -> int:
     """Graphs inductor compiled without CUDA graphs that were asked for (a mutated input that is no
-    parameter or buffer, a CPU tensor, an op a graph cannot hold), so far in this process. A skip
-    is only a warning: without this count, a skipped backward would go unnoticed."""
+    parameter or buffer, an op a graph cannot hold), so far in this process. A skip is only a
+    warning, and the replayed forward alone would still launch graphs: with none skipped, the
+    backward (compiled with the forward) replays too."""
     return counters["inductor"]["cudagraph_skips"]
 
 
@@ -86,7 +88,8 @@ def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, re
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert compile_status() == "compiled"
     assert not compiled or trainer.forward.graphs == 1
-    # forward and backward, each one graph or more (inductor partitions a graph around its CPU ops)
+    # forward and backward, each one graph or more (inductor partitions a graph around its CPU ops;
+    # `cudagraph_skips` says the backward's are among them)
     assert (launches >= 2) if cuda_graphs else (launches == 0), launches
     assert cudagraph_skips() == skips
 
@@ -97,9 +100,9 @@ def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_pa
                                                              cuda_graphs):
     """The step graph on the GPU (Triton kernels, every other op its ATen kernel, a Python wrapper),
     its kernels launched one by one or replayed as CUDA graphs, bf16 autocast on, against the eager
-    model on the GPU: 8 steps (CUDA graphs: a warm-up, a recording, six replays, an evaluation
-    between them), diagnostics every step; with stochastic rounding both draw from the same CUDA
-    generator state."""
+    model on the GPU: 8 steps (CUDA graphs: a warm-up, a recording, six replays; the eager model
+    evaluates at 1, 4 and 8), diagnostics every step; with stochastic rounding both draw from the
+    same CUDA generator state."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     for name in ("eager", "compiled"):
         (tmp_path / name).mkdir()
@@ -118,10 +121,11 @@ def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_pa
 
 
 def test_cuda_graphs_follow_the_step_graphs_of_a_run(make_config, tmp_path, monkeypatch):
-    """A run switches step graphs: diagnostics every other step (two graphs, replayed in turn) and an
-    emergency format shift, after which both compile anew. Against the eager model on the GPU, bit
-    for bit over 8 steps, with a new recording for each new graph and none skipped. (Added after
-    the third lease: it first runs at the next.)"""
+    """A run switches step graphs: diagnostics every other step and at step 1 (two graphs, each
+    warmed up at its first call, recorded at its second and replayed in turn after), then an
+    emergency format shift, after which both compile and record anew. Against the eager model on
+    the GPU, bit for bit over 14 steps, every graph replayed, none skipped. (Added after the third
+    lease: it first runs at the next.)"""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     for name in ("eager", "compiled"):
         (tmp_path / name).mkdir()
@@ -130,26 +134,31 @@ def test_cuda_graphs_follow_the_step_graphs_of_a_run(make_config, tmp_path, monk
                                            "train.cuda_graphs=true"), tmp_path / name)
                        for name, on in (("eager", False), ("compiled", True)))
     skips = cudagraph_skips()
-    for step in range(1, 13):
-        if step == 7:  # (steps 1-6: both graphs warmed up, recorded and replayed)
+    # Diagnostic steps 1, 2, 4, 6, ...: that graph records at 2 and replays from 4; the other warms up
+    # at 3, records at 5 and replays at 7. Shifted before 9: warm-ups at 9 and 10, recordings at 11
+    # and 12, replays from 13.
+    for step in range(1, 15):
+        if step == 9:
             for trainer in (eager, compiled):
                 assert shift_layers(trainer.layers, [next(iter(trainer.layers))], "test")
         a, b = step_both(eager, compiled, step)
         assert_identical(eager, compiled, a, b, step)
     assert compiled.forward.graphs == 4 and compile_status() == "compiled"  # (with, without diagnostics) x 2 formats
-    assert graph_launches(lambda: compiled.train_step(13)) >= 2
+    assert all(graph_launches(partial(compiled.train_step, step)) >= 2 for step in (15, 16))  # without, with
     assert cudagraph_skips() == skips
 
 
 def test_a_run_with_cuda_graphs_resumes_exactly(make_config, tmp_path, monkeypatch):
     """Killed after step 8 and resumed from step 5's checkpoint, a run whose step replays CUDA
-    graphs ends where an uninterrupted eager one does on the GPU, bit for bit: the checkpoint
-    holds no tensor of the graphs' memory pool, and the resumed process records its own."""
+    graphs ends where an uninterrupted eager one does on the GPU, bit for bit: a checkpoint is
+    parameters, buffers and optimizer state, none of them in the graphs' memory pool, and the
+    resumed trainer (a new one, as in a restarted process) records graphs of its own."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     skips = cudagraph_skips()
     resumed, _ = assert_exact_resume(make_config, tmp_path, *TINY, *MIXED, "train.device=cuda",
                                         "train.autocast=true", "train.cuda_graphs=true")
     assert resumed.forward.graphs == 1 and compile_status() == "compiled"
+    assert graph_launches(lambda: resumed.train_step(13)) >= 2
     assert cudagraph_skips() == skips
 
 

@@ -380,11 +380,14 @@ class StepGraph(Compiled):
     runs eager (`compile_status` says why).
 
     With `cuda_graphs`, on CUDA, inductor records the forward and the backward graph as CUDA
-    graphs (its cudagraph trees: a first call warms up, the second records) and replays them: one
-    launch each instead of one per kernel. A replay's outputs live in the graphs' memory pool,
-    which the next replay overwrites, so each call marks a new step: the caller must be done with
-    the previous call's outputs -- the loss, and the gradients, which autograd takes from the
-    backward graph as `.grad` without a copy (the trainer sets them to None every step)."""
+    graphs (its cudagraph trees: a graph's first call warms up, the second records) and replays
+    them: a few launches instead of one per kernel. A replay's outputs live in the graphs' memory
+    pool, which the next replay overwrites, so each call marks a new step: the caller must be done
+    with the previous call's outputs -- the loss, and the gradients, which autograd takes from the
+    backward graph as `.grad` without a copy (the trainer sets them to None every step). A
+    recording that fails raises: it comes at a graph's second call, past the point the fallback can
+    roll back to, and the backward's inside `loss.backward()` (tests/test_cuda.py records every
+    kind of step graph the trainer makes)."""
 
     def __init__(self, fn: Callable[..., Any], cuda_graphs: bool = False):
         super().__init__(fn)
