@@ -28,16 +28,23 @@ STOCHASTIC = ("quant.format=e3m4", "quant.rounding=stochastic", "quant.master_we
               "quant.precision=[{pattern: '*.mlp.c_proj', format: '{fmt}'}]")
 
 
-def step_both(eager: Trainer, compiled: Trainer, step: int) -> tuple[dict, dict]:
-    """The same step on both trainers from the same generator states, the CPU's and those of the
-    trainers' device (stochastic rounding draws from them)."""
+def eager_and_compiled(make_config, tmp_path, *overrides: str) -> tuple[Trainer, Trainer]:
+    """Two trainers of one config, `train.compile` off and on, each in a run directory of its own
+    (made here: train_step without fit still writes bit positions there)."""
+    trainers = []
+    for name, on in (("eager", False), ("compiled", True)):
+        (tmp_path / name).mkdir(exist_ok=True)
+        trainers.append(Trainer(make_config(*overrides, f"train.compile={on}"), tmp_path / name))
+    return trainers[0], trainers[1]
+
+
+def assert_step_identical(eager: Trainer, compiled: Trainer, step: int) -> None:
+    """The same step on both trainers, from the same generator states (the CPU's and those of the
+    trainers' device: stochastic rounding draws from them), gives the same metrics and weights."""
     same_generators = rollback_point([], eager.device.type)
     a = eager.train_step(step).metrics
     same_generators()
-    return a, compiled.train_step(step).metrics
-
-
-def assert_identical(eager: Trainer, compiled: Trainer, a: dict, b: dict, step: int) -> None:
+    b = compiled.train_step(step).metrics
     assert a.keys() == b.keys()
     for key, value in a.items():
         if key.startswith(SUMMED):

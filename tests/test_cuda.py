@@ -10,7 +10,14 @@ from functools import partial
 import pytest
 import torch
 from bitwise import edge_values, ordinal, random_values, same_values
-from compiled_steps import MIXED, STOCHASTIC, TINY, assert_exact_resume, assert_identical, step_both
+from compiled_steps import (
+    MIXED,
+    STOCHASTIC,
+    TINY,
+    assert_exact_resume,
+    assert_step_identical,
+    eager_and_compiled,
+)
 from torch._dynamo.utils import counters
 
 from altgrad.experiment import read_jsonl
@@ -104,17 +111,13 @@ def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_pa
     evaluates at 1, 4 and 8), diagnostics every step; with stochastic rounding both draw from the
     same CUDA generator state."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
-    for name in ("eager", "compiled"):
-        (tmp_path / name).mkdir()
-    eager, compiled = (Trainer(make_config(*TINY, *quant, "train.max_steps=100", "train.device=cuda",
-                                           "train.autocast=true", f"train.compile={on}",
-                                           f"train.cuda_graphs={cuda_graphs}"), tmp_path / name)
-                       for name, on in (("eager", False), ("compiled", True)))
+    eager, compiled = eager_and_compiled(make_config, tmp_path, *TINY, *quant, "train.max_steps=100",
+                                         "train.device=cuda", "train.autocast=true",
+                                         f"train.cuda_graphs={cuda_graphs}")
     skips = cudagraph_skips()
     for step in range(1, 9):
-        a, b = step_both(eager, compiled, step)
-        assert_identical(eager, compiled, a, b, step)
-    launches = graph_launches(lambda: step_both(eager, compiled, 9))
+        assert_step_identical(eager, compiled, step)
+    launches = graph_launches(lambda: assert_step_identical(eager, compiled, 9))
     assert compiled.forward.graphs == 1 and compile_status() == "compiled"
     assert (launches >= 2) if cuda_graphs else (launches == 0), launches
     assert cudagraph_skips() == skips
@@ -127,12 +130,9 @@ def test_cuda_graphs_follow_the_step_graphs_of_a_run(make_config, tmp_path, monk
     the GPU, bit for bit over 14 steps, every graph replayed, none skipped. (Added after the third
     lease: it first runs at the next.)"""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
-    for name in ("eager", "compiled"):
-        (tmp_path / name).mkdir()
-    eager, compiled = (Trainer(make_config(*TINY, *MIXED, "train.diag_every=2", "train.max_steps=100",
-                                           "train.device=cuda", "train.autocast=true", f"train.compile={on}",
-                                           "train.cuda_graphs=true"), tmp_path / name)
-                       for name, on in (("eager", False), ("compiled", True)))
+    eager, compiled = eager_and_compiled(make_config, tmp_path, *TINY, *MIXED, "train.diag_every=2",
+                                         "train.max_steps=100", "train.device=cuda", "train.autocast=true",
+                                         "train.cuda_graphs=true")
     skips = cudagraph_skips()
     # Diagnostic steps 1, 2, 4, 6, ...: that graph records at 2 and replays from 4; the other warms up
     # at 3, records at 5 and replays at 7. Shifted before 9: warm-ups at 9 and 10, recordings at 11
@@ -141,8 +141,7 @@ def test_cuda_graphs_follow_the_step_graphs_of_a_run(make_config, tmp_path, monk
         if step == 9:
             for trainer in (eager, compiled):
                 assert shift_layers(trainer.layers, [next(iter(trainer.layers))], "test")
-        a, b = step_both(eager, compiled, step)
-        assert_identical(eager, compiled, a, b, step)
+        assert_step_identical(eager, compiled, step)
     assert compiled.forward.graphs == 4 and compile_status() == "compiled"  # (with, without diagnostics) x 2 formats
     assert all(graph_launches(partial(compiled.train_step, step)) >= 2 for step in (15, 16))  # without, with
     assert cudagraph_skips() == skips

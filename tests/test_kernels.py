@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compiled_steps import MIXED, STOCHASTIC, TINY, assert_exact_resume, assert_identical, step_both
+from compiled_steps import (
+    MIXED,
+    STOCHASTIC,
+    TINY,
+    assert_exact_resume,
+    assert_step_identical,
+    eager_and_compiled,
+)
 from torch._dynamo.utils import counters
 from torch.profiler import profile
 
@@ -32,13 +39,6 @@ def fresh_counters():
     counters.clear()
 
 
-@pytest.fixture(autouse=True)
-def run_dirs(tmp_path):
-    """train_step without fit writes bit positions to the run directory: make the ones used here."""
-    for name in ("eager", "compiled"):
-        (tmp_path / name).mkdir()
-
-
 # Ops the quantizers compute with and the rest of a step does not: called as ATen ops, a kernel ran
 # op by op instead of lowered into the graph's fused loops.
 QUANTIZER_OPS = ("aten::copysign", "aten::aminmax")
@@ -58,12 +58,9 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
     kernels' ops are lowered, not called one by one. Then the recompile guard: 20 more steps, each
     with its own lr, compile nothing new, and an emergency format shift at most one more graph."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
-    eager, compiled = (Trainer(make_config(*TINY, *quant, "train.max_steps=100", f"train.compile={on}"),
-                               tmp_path / name)
-                       for name, on in (("eager", False), ("compiled", True)))
+    eager, compiled = eager_and_compiled(make_config, tmp_path, *TINY, *quant, "train.max_steps=100")
     for step in range(1, 11):  # diagnostics every step, an evaluation (eager) at 1, 4 and 8
-        a, b = step_both(eager, compiled, step)
-        assert_identical(eager, compiled, a, b, step)
+        assert_step_identical(eager, compiled, step)
     assert compile_status() == "compiled"
     assert counters["graph_break"] == {}
 
@@ -84,7 +81,8 @@ def test_quantizer_ops_are_seen_when_a_step_runs_them_one_by_one(make_config, tm
     profile (here with compiling off; a step graph whose kernels inductor did not lower calls the
     same ATen ops from its C++ wrapper, which the profiler records too: docs/design.md)."""
     monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
-    trainer = Trainer(make_config(*TINY, *MIXED, "train.max_steps=100", "train.compile=true"), tmp_path / "eager")
+    (tmp_path / "run").mkdir()  # (train_step without fit writes bit positions there)
+    trainer = Trainer(make_config(*TINY, *MIXED, "train.max_steps=100", "train.compile=true"), tmp_path / "run")
     assert set(QUANTIZER_OPS) <= aten_ops(trainer, 2)
 
 
