@@ -44,14 +44,15 @@ bench: venv
 	$(PY) benchmarks/record.py
 
 # On a GPU machine, with whatever Python has torch there (`make gpu-check GPU_PY=python3`; no Ray
-# needed): the CUDA tests, the gpu preset's step (bf16 and e4m3 only: each variant is a step graph
-# to compile, the slow part there), with CUDA graphs and without, and four trainers sharing the GPU
+# needed): the CUDA tests, the gpu preset's step (bf16, e4m3 and e4m3 with its diagnostics every
+# step, the step a sweep trial takes by default; not the other variants: each is a step graph to
+# compile, the slow part there), with CUDA graphs and without, and four trainers sharing the GPU
 # against one alone (docs/design.md, "GPU runs", has what such a run took).
 GPU_PY ?= $(PY)
 gpu-check:
 	$(GPU_PY) -m pytest tests/test_cuda.py -p no:cacheprovider -n 8
-	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3
-	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3 --set train.cuda_graphs=false
+	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3,e4m3+diag
+	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3,e4m3+diag --set train.cuda_graphs=false
 	$(GPU_PY) benchmarks/gpu_sharing.py --preset gpu
 
 lint: venv
