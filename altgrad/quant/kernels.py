@@ -387,7 +387,8 @@ class StepGraph(Compiled):
     backward graph as `.grad` without a copy (the trainer sets them to None every step). A
     recording that fails raises: it comes at a graph's second call, past the point the fallback can
     roll back to, and the backward's inside `loss.backward()` (tests/test_cuda.py records every
-    kind of step graph the trainer makes)."""
+    kind of step graph the trainer makes). On any other device `step_graph_options` records
+    nothing, so the option does nothing there (marking a step only advances a counter)."""
 
     def __init__(self, fn: Callable[..., Any], cuda_graphs: bool = False):
         super().__init__(fn)

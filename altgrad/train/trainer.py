@@ -155,9 +155,7 @@ class Trainer:
 
         torch.manual_seed(t.seed)
         self.model = build_model(cfg).to(self.device)
-        # training: (x, y) -> (logits, loss)
-        self.forward = (StepGraph(self.model, cuda_graphs=t.cuda_graphs and self.device.type == "cuda")
-                        if t.compile else self.model)
+        self.forward = StepGraph(self.model, t.cuda_graphs) if t.compile else self.model  # (x, y) -> (logits, loss)
         self.optimizer = build_optimizer(cfg.optim.name, self.model, cfg.optim)
         self.params = list(self.model.parameters())  # walked every step: listed once
         if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
