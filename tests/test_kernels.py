@@ -113,8 +113,9 @@ def test_the_step_graph_has_a_cpp_wrapper_on_the_cpu_only():
     # CUDA graphs where a run asks for them and the graph is on CUDA (tests/test_cuda.py replays them)
     replayed = step_graph_options("cuda", cuda_graphs=True)
     assert replayed["triton.cudagraphs"] and lowering(replayed) == {**lowering(elsewhere), "triton.cudagraphs": True}
-    assert not any(step_graph_options(device, cuda_graphs=device == "meta").get("triton.cudagraphs")
-                   for device in ("cpu", "meta", "cuda"))
+    # ... and nowhere else: the trainer passes train.cuda_graphs whatever its device
+    assert not any(step_graph_options(device, cuda_graphs=asked)["triton.cudagraphs"]
+                   for device, asked in (("cpu", True), ("meta", True), ("cuda", False)))
 
 
 class UpsampledGradient(torch.autograd.Function):
