@@ -4,6 +4,7 @@ reports (rebuilt exactly on resume) and which reports carry checkpoints."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +85,26 @@ def test_signals_report_inf_for_broken_steps():
     assert nan["val/loss"] == math.inf and nan[STABLE_LR] == 0.0
     learning = s.observe({"step": 3.0, "val/loss": 4.0, "val/step": 3.0})
     assert learning[STABLE_LR] == 1e-2
+
+
+def test_a_run_dir_whose_checkpoint_never_arrived_resumes_from_tunes(monkeypatch, tmp_path):
+    """A run dir fetched from the bucket of a machine killed mid-upload holds the checkpoint's
+    directory but not its file: the trial resumes from Tune's checkpoint, not from nothing (and
+    not into an error). With a file, the run dir (newer after a driver kill) comes first."""
+    import torch
+    from ray import tune
+
+    from altgrad.train.checkpoint import save_checkpoint
+    from altgrad.tune import trainable
+
+    tune_checkpoint = save_checkpoint(tmp_path / "tune" / "checkpoint_000000", {"step": 5, "model": {}})
+    monkeypatch.setattr(trainable.tune, "get_checkpoint",
+                        lambda: tune.Checkpoint.from_directory(str(tune_checkpoint)))
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000005").mkdir(parents=True)  # its file never arrived
+    with trainable.resume_point(run_dir) as resume:
+        assert resume is not None and torch.load(Path(resume) / "checkpoint.pt")["step"] == 5
+
+    save_checkpoint(run_dir / "checkpoints" / "step_00000010", {"step": 10, "model": {}})
+    with trainable.resume_point(run_dir) as resume:
+        assert resume == run_dir

@@ -33,6 +33,7 @@ from ray import tune
 
 from altgrad.config import RunConfig
 from altgrad.experiment import (
+    CHECKPOINT_FILE,
     COMPILE_CACHE_DIR,
     METRICS_FILE,
     RUN_DIR,
@@ -151,10 +152,17 @@ def trial_log(path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def resume_point(run_dir: Path) -> Iterator[Path | None]:
-    """The run dir if it holds a checkpoint, else Tune's latest checkpoint (if any)."""
-    if resume_candidates(run_dir):
+    """The run dir if it holds a checkpoint file, else Tune's latest checkpoint (if any).
+
+    A checkpoint directory without its file is what a run dir fetched from remote storage holds
+    when its machine died while Tune was uploading it (the directory is made before the file is
+    sent): such a run dir is no resume point, while Tune's own checkpoint, reported before, is."""
+    candidates = resume_candidates(run_dir)
+    if any((c / CHECKPOINT_FILE).is_file() for c in candidates):
         yield run_dir
         return
+    if candidates:
+        log.info("%s: no checkpoint file in %s", run_dir, ", ".join(c.name for c in candidates))
     checkpoint = tune.get_checkpoint()
     if checkpoint is None:
         yield None
