@@ -83,7 +83,10 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     experiments = kind.experiments(cfg)  # builds and validates every trial's run config
     if args.dry_run:
         _warn(cfg)
-        print(kind.describe(cfg, experiments))
+        try:
+            print(kind.describe(cfg, experiments))
+        except DataError as e:  # a measured estimate trains on the data
+            raise ConfigError(str(e)) from None
         return 0
     mode = "resume" if args.resume else "fresh" if args.fresh else "auto"
     stored = next((doc for e in experiments if (doc := stored_sweep(e.path))), None)

@@ -323,8 +323,9 @@ class EstimateSettings(StrictModel):
     """`--dry-run`'s time and cost estimate."""
 
     measure_steps: int = Field(
-        12, ge=0, description="steps of the slowest trial timed in-process on this machine; 0 = use "
-                              "step_time_s")
+        12, ge=0, description="steps of a bf16 and the slowest quantized trial timed on this machine, "
+        "each in a fresh process (one that compiles step graphs twice: cold, then warm from the "
+        "first run's cache, which times the compiling apart); 0 = use step_time_s")
     step_time_s: dict[Literal["cpu", "gpu"], float] = Field(
         default_factory=dict, description="stored seconds per step of one trial, per preset, used when "
                                           "the preset cannot be measured here (gpu on a cpu machine)")

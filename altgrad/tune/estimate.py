@@ -1,30 +1,40 @@
 """`--dry-run`'s time and cost estimate: how long the grid takes here, and what it costs on GPUs.
 
 Per-step time comes from one of two sources, and the output says which:
-- **measured**: a short in-process warm-up of the grid's own runs on this machine (one bf16 and
-  the slowest quantized point, torch held to the trial's CPU share), timed per step after the first
-  two (which compile), plus the final evaluation's extra time;
+- **measured**: a short run of the grid's own trials on this machine (one bf16 and the slowest
+  quantized point), each in a fresh process as a trial is, torch held to the trial's CPU share,
+  timed per step after the first two of each kind (with and without diagnostics), plus the final
+  evaluation's extra time. A run that compiles step graphs runs twice from one compile cache of its
+  own: cold, then warm. The warm run's start-up is what every trial pays; the difference, the
+  compiling, is paid once per distinct step graph of the grid (`step_graph_keys`): later trials
+  load it from the experiment's compile cache;
 - **stored**: `estimate.step_time_s[<preset>]` from the config, when the preset cannot run here (the
   gpu preset on a machine without CUDA); an evaluation batch is then taken as a third of a step
-  (forward only), and each distinct step graph of the grid (`step_graph_keys`) costs
-  `estimate.compile_s[<preset>]` once: later trials load it from the experiment's compile cache.
+  (forward only), and each distinct step graph costs `estimate.compile_s[<preset>]` once.
 A trial costs start-up + steps × step time + evaluations × evaluation time, every trial is assumed
 to run its full budget (early stops only shorten it), and trials run `concurrency` at a time.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from altgrad.config import RunConfig, deep_merge
+import altgrad
+from altgrad.config import RunConfig, TrainConfig, deep_merge
 from altgrad.metrics import is_diagnostic_step, is_eval_step
 from altgrad.precision import BASELINE
+from altgrad.tune.compile_cache import CACHE_ENV
 from altgrad.tune.config import SweepConfig
 
 QUANTIZED = "quantized"  # the step cost of the grid's quantized runs (the slowest one's), by BASELINE's
@@ -34,8 +44,9 @@ QUANTIZED = "quantized"  # the step cost of the grid's quantized runs (the slowe
 class StepCost:
     step_s: float  # one training step, diagnostics and shadow steps averaged in
     eval_s: float  # one evaluation
-    startup_s: float  # building the trial and its first (compiling) steps
+    startup_s: float  # building the trial and its first steps, its step graphs loaded from the cache
     source: str  # how these were obtained
+    compile_s: float | None = 0.0  # compiling one of its step graphs, once per graph (None: unknown)
 
     def trial_s(self, run: RunConfig, overhead_s: float) -> float:
         t = run.train
@@ -43,34 +54,89 @@ class StepCost:
         return overhead_s + self.startup_s + t.max_steps * self.step_s + evals * self.eval_s
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One timed run: its steady step, its final evaluation's extra time and its start-up."""
+
+    step_s: float
+    eval_s: float
+    startup_s: float
+
+
 def measure(run: RunConfig, steps: int, threads: int) -> StepCost:
-    """Train `steps` steps of `run` here in a temporary directory and time them."""
+    """Time `steps` steps of `run` on this machine as a trial takes them: in a fresh process, torch
+    held to `threads`, with a compile cache of its own, first empty. A run that compiles step graphs
+    runs again from that cache, as a later trial of the same graphs does: its steps and start-up
+    are a trial's, and what the cold run's start-up took longer is the compiling, split evenly over
+    its graphs."""
+    from altgrad.data import prepare_dataset
+
+    steps = max(steps, 6)
+    short = RunConfig.model_validate(deep_merge(run.model_dump(mode="json"), {"train": {
+        "max_steps": steps, "warmup_steps": 1, "eval_interval": steps + 1, "log_interval": 1,
+        "checkpoint_interval": steps + 1}}))
+    prepare_dataset(short.data)  # before the clock: a sweep prepares the data once, not per trial
+    graphs = len(step_graph_keys(short))
+    with tempfile.TemporaryDirectory() as tmp:
+        cold = timed_run(short, Path(tmp) / "cold", Path(tmp) / "compile_cache", threads)
+        warm = timed_run(short, Path(tmp) / "warm", Path(tmp) / "compile_cache", threads) if graphs else cold
+    compile_s = max(cold.startup_s - warm.startup_s, 0.0) / graphs if graphs else 0.0
+    return StepCost(warm.step_s, warm.eval_s, warm.startup_s, "measured", compile_s)
+
+
+def timed_run(run: RunConfig, workdir: Path, cache: Path, threads: int) -> Timing:
+    """`run` (every step reported, the last one evaluating) trained in a child process (`python -m
+    altgrad.tune.estimate`) with the compile cache `cache`, timed by `timing`."""
+    workdir.mkdir(parents=True)
+    config = workdir / "run.json"
+    config.write_text(json.dumps(run.model_dump(mode="json")))
+    package_root = str(Path(altgrad.__file__).resolve().parents[1])  # the child imports this altgrad
+    env = {**os.environ, CACHE_ENV: str(cache),
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "altgrad.tune.estimate", str(config), str(workdir / "run"),
+                           str(threads)], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"timing {run.quant.format} for the estimate failed (exit {done.returncode}):\n"
+                           + "\n".join(done.stderr.strip().splitlines()[-15:]))
+    return timing(json.loads(done.stdout.strip().splitlines()[-1]), run.train)
+
+
+def timing(ends: list[float], train: TrainConfig) -> Timing:
+    """A run's timing from the seconds at which each of its steps ended, counted from the start of
+    its construction (the last step evaluates). The steady step is the mean of the steps after the
+    first two of each kind, with diagnostics and without: the first compiles (or loads) that kind's
+    step graph, and the diagnostics' kernels; the second records a step graph's CUDA graph. The
+    start-up is everything else before the last step, construction included."""
+    durations = [b - a for a, b in zip([0.0, *ends], ends, strict=False)]
+    seen: collections.Counter[bool] = collections.Counter()
+    settled = []
+    for step, duration in enumerate(durations[:-1], start=1):
+        kind = is_diagnostic_step(train, step)
+        seen[kind] += 1
+        if seen[kind] > 2:
+            settled.append(duration)
+    step_s = statistics.fmean(settled or durations[1:-1])
+    return Timing(step_s, max(durations[-1] - step_s, 0.0), ends[-2] - (len(ends) - 1) * step_s)
+
+
+def _time_run(argv: list[str]) -> None:
+    """The child of `timed_run`: train the run and print the seconds from the start of the
+    trainer's construction to each reported step, as one JSON list."""
     import torch
 
     from altgrad.train import Trainer
 
-    steps = max(steps, 6)
-    short = RunConfig.model_validate(deep_merge(run.model_dump(mode="json"), {"train": {
-        "max_steps": steps, "warmup_steps": 1, "eval_interval": steps + 1,
-        "checkpoint_interval": steps + 1}}))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    stamps: list[float] = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            begin = time.perf_counter()
-            trainer = Trainer(short, Path(tmp) / "run")
-            trainer.fit(report=lambda metrics, ckpt: stamps.append(time.perf_counter()))
-    finally:
-        torch.set_num_threads(previous)
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    step_s = statistics.fmean(gaps[1:-1])  # after the compiling steps, before the final evaluation
-    eval_s = max(gaps[-1] - step_s, 0.0)
-    return StepCost(step_s, eval_s, stamps[1] - begin - step_s, "measured")
+    config, run_dir, threads = argv
+    torch.set_num_threads(int(threads))
+    run = RunConfig.model_validate(json.loads(Path(config).read_text()))
+    begin = time.perf_counter()
+    ends: list[float] = []
+    Trainer(run, run_dir).fit(report=lambda metrics, ckpt: ends.append(time.perf_counter() - begin))
+    print(json.dumps(ends))
 
 
-def stored(run: RunConfig, step_s: float) -> StepCost:
-    return StepCost(step_s, run.train.eval_iters * step_s / 3, 0.0, "stored")
+def stored(run: RunConfig, step_s: float, compile_s: float | None) -> StepCost:
+    return StepCost(step_s, run.train.eval_iters * step_s / 3, 0.0, "stored", compile_s)
 
 
 def step_graph_keys(run: RunConfig) -> set[str]:
@@ -86,16 +152,15 @@ def step_graph_keys(run: RunConfig) -> set[str]:
     return {json.dumps([*shared, diagnostics], sort_keys=True) for diagnostics in kinds}
 
 
-def compiling(cfg: SweepConfig, runs: list[RunConfig]) -> tuple[float, str]:
-    """Seconds the grid's distinct step graphs take to compile, once each, at the stored
-    `estimate.compile_s`, and how the estimate line says so ("" when no run compiles one)."""
-    graphs = len(set().union(*map(step_graph_keys, runs)))
-    graph_s = cfg.estimate.compile_s.get(cfg.preset)
-    if not graphs:
-        return 0.0, ""
-    if graph_s is None:
-        return 0.0, f"; compiling its {graphs} step graphs not counted (no estimate.compile_s.{cfg.preset})"
-    return graphs * graph_s, f"; {graphs} step graphs compiled once each at {graph_s:g} s (estimate.compile_s)"
+def compiling(runs: list[RunConfig], cost_of: Callable[[RunConfig], StepCost]) -> tuple[float, int, bool]:
+    """The grid's distinct step graphs: seconds to compile them, once each, at the `compile_s` of
+    the first run that compiles each; how many there are; whether every one's cost is known."""
+    graphs: dict[str, StepCost] = {}
+    for run in runs:
+        for key in step_graph_keys(run):
+            graphs.setdefault(key, cost_of(run))
+    known = [c.compile_s for c in graphs.values() if c.compile_s is not None]
+    return sum(known), len(graphs), len(known) == len(graphs)
 
 
 def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, can_measure: bool) -> list[str]:
@@ -104,28 +169,37 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
     if not runs or concurrency < 1:
         return []
     stored_step = e.step_time_s.get(cfg.preset)
-    compiling_s = 0.0  # measured: inside each trial's start-up
-    if can_measure and e.measure_steps:
+    measured = bool(can_measure and e.measure_steps)
+    if measured:
         quantized = [r for r in runs if r.quant.format != BASELINE]
         slowest = max(quantized, key=lambda r: r.quant.precision == "all", default=None)
         baseline = next((r for r in runs if r.quant.format == BASELINE), None)
         costs = {k: measure(r, e.measure_steps, cfg.resources.cpus_per_trial)
                  for k, r in ((BASELINE, baseline), (QUANTIZED, slowest)) if r is not None}
-        how = "; ".join(f"{k} {c.step_s * 1e3:.0f} ms/step, eval {c.eval_s:.2f} s, start-up "
-                        f"{c.startup_s:.1f} s" for k, c in costs.items())
-        source = f"measured here over {max(e.measure_steps, 6)} steps ({how})"
     elif stored_step is not None:
-        costs = {BASELINE: stored(runs[0], stored_step), QUANTIZED: stored(runs[0], stored_step)}
-        why = "estimate.measure_steps = 0" if can_measure else "this machine cannot run the preset"
-        compiling_s, how = compiling(cfg, runs)
-        source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step ({why}){how}"
+        costs = {k: stored(runs[0], stored_step, e.compile_s.get(cfg.preset)) for k in (BASELINE, QUANTIZED)}
     else:
         return [f"time estimate: n/a (preset {cfg.preset} cannot run here and the config has no "
                 f"estimate.step_time_s.{cfg.preset})"]
-    per_trial = [(costs.get(BASELINE) if r.quant.format == BASELINE else None)
-                 or costs.get(QUANTIZED) or costs[BASELINE] for r in runs]
-    total_s = compiling_s + sum(c.trial_s(r, e.trial_overhead_s)
-                                for c, r in zip(per_trial, runs, strict=True))
+
+    def cost_of(run: RunConfig) -> StepCost:
+        return (costs.get(BASELINE) if run.quant.format == BASELINE else None) or costs.get(QUANTIZED) \
+            or costs[BASELINE]
+
+    compiling_s, graphs, known = compiling(runs, cost_of)
+    if measured:
+        how = "; ".join(f"{k} {c.step_s * 1e3:.0f} ms/step, eval {c.eval_s:.2f} s, start-up {c.startup_s:.1f} s"
+                        + (f", compiling {c.compile_s:.1f} s per step graph" if c.compile_s else "")
+                        for k, c in costs.items())
+        compiled = f"; {graphs} step graphs compiled once each, {compiling_s:.0f} s in all" if graphs else ""
+        source = f"measured here over {max(e.measure_steps, 6)} steps ({how}){compiled}"
+    else:
+        why = "estimate.measure_steps = 0" if can_measure else "this machine cannot run the preset"
+        compiled = "" if not graphs else (
+            f"; {graphs} step graphs compiled once each at {e.compile_s[cfg.preset]:g} s (estimate.compile_s)"
+            if known else f"; compiling its {graphs} step graphs not counted (no estimate.compile_s.{cfg.preset})")
+        source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step ({why}){compiled}"
+    total_s = compiling_s + sum(cost_of(r).trial_s(r, e.trial_overhead_s) for r in runs)
     wall_s = total_s / min(concurrency, len(runs))
     lines = [f"estimated wall time: {_duration(wall_s)} for {len(runs)} trials at full budget, "
              f"{min(concurrency, len(runs))} at a time (+{e.trial_overhead_s:g} s per trial for "
@@ -144,3 +218,7 @@ def _duration(seconds: float) -> str:
         return f"{seconds:.0f} s"
     minutes = seconds / 60
     return f"{minutes:.0f} min" if minutes < 120 else f"{minutes / 60:.1f} h ({math.ceil(minutes)} min)"
+
+
+if __name__ == "__main__":  # `timed_run`'s child
+    _time_run(sys.argv[1:])
