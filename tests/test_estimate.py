@@ -8,22 +8,24 @@ from sweep_helpers import ablation, dry_run
 
 
 def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
-    """Wall time = sum over trials of (overhead + start-up + steps x step + evals x eval) / trials
-    at a time; GPU-hours = trial time x GPU per trial; with known per-step costs."""
+    """Wall time = sum over trials of (overhead + start-up + steps x step + evals x eval + shadow
+    comparisons x shadow + checkpoints x checkpoint) / trials at a time; GPU-hours = trial time x
+    GPU per trial; with known per-step costs."""
     from altgrad.tune import estimate
 
-    costs = {"bf16": estimate.StepCost(0.1, 1.0, 5.0, "measured"),
-             "e4m3": estimate.StepCost(0.2, 2.0, 7.0, "measured")}
-    monkeypatch.setattr(estimate, "measure", lambda run, steps, threads: costs[
+    costs = {"bf16": estimate.StepCost(0.1, 1.0, 5.0, "measured", shadow_s=0.05, checkpoint_s=0.5),
+             "e4m3": estimate.StepCost(0.2, 2.0, 7.0, "measured", shadow_s=0.08, checkpoint_s=0.25)}
+    monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, gpu_fraction: costs[
         "bf16" if run.quant.format == "bf16" else "e4m3"])
     out = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
                   "--set", "preset=cpu", "--set", "grid.formats=[bf16, e4m3, e5m2]")
     # smoke: 20 steps, evaluated at steps 1, 5, 10, 15 and 20 (the last is an eval_interval step
-    # too: counted once); 2 trials at a time on 2 cores
-    bf16 = 3 + 5 + 20 * 0.1 + 5 * 1.0
-    quantized = 3 + 7 + 20 * 0.2 + 5 * 2.0
+    # too: counted once), compared with the shadow at steps 1, 10 and 20 (shadow_every 10),
+    # checkpointed at 10 and 20; 2 trials at a time on 2 cores
+    bf16 = 3 + 5 + 20 * 0.1 + 5 * 1.0 + 3 * 0.05 + 2 * 0.5
+    quantized = 3 + 7 + 20 * 0.2 + 5 * 2.0 + 3 * 0.08 + 2 * 0.25
     assert f"estimated wall time: {(bf16 + 2 * quantized) / 2:.0f} s for 3 trials" in out
-    assert "measured here over 6 steps (bf16 100 ms/step, eval 1.00 s" in out
+    assert "measured here, a short run of each (bf16 100 ms/step, eval 1.00 s, checkpoint 0.50 s" in out
 
     gpu = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                   "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
@@ -54,7 +56,7 @@ def test_measured_compiling_is_charged_once_per_step_graph(monkeypatch, capsys):
 
     costs = {"bf16": estimate.StepCost(0.1, 1.0, 2.0, "measured", compile_s=4.0),
              "e4m3": estimate.StepCost(0.2, 2.0, 3.0, "measured", compile_s=7.0)}
-    monkeypatch.setattr(estimate, "measure", lambda run, steps, threads: costs[
+    monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, gpu_fraction: costs[
         "bf16" if run.quant.format == "bf16" else "e4m3"])
     out = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
                   "--set", "preset=cpu", "--set", "base.train.compile=true", "--set", "grid.formats=[bf16, e4m3, e5m2]",
@@ -64,31 +66,46 @@ def test_measured_compiling_is_charged_once_per_step_graph(monkeypatch, capsys):
     # per format a graph with diagnostics and one without (diag_every: 2), each once for both seeds
     graphs = 2 * 4 + 2 * 2 * 7
     assert f"estimated wall time: {(2 * bf16 + 4 * quantized + graphs) / 2:.0f} s for 6 trials" in out
-    assert "quantized 200 ms/step, eval 2.00 s, start-up 3.0 s, compiling 7.0 s per step graph" in out
+    assert "quantized 200 ms/step, eval 2.00 s, checkpoint 0.00 s, start-up 3.0 s, compiling 7.0 s per step graph" in out
     assert f"; 6 step graphs compiled once each, {graphs} s in all" in out
 
 
-def test_measured_step_cost_is_timed_here(make_config, monkeypatch):
-    """Timed in a child process, as a trial runs: eager, nothing to compile; compiled, a warm
-    start-up and the compiling measured apart -- from a cache of the measurement's own, so a
-    second measurement compiles again (it does not find the first one's graphs) -- at any
-    log_interval."""
+def test_measured_step_cost_is_timed_here(make_config):
+    """Timed in a child process, as a trial runs: a run that does not compile, once, with nothing
+    to compile; a compiled one twice, its warm start-up and its compiling measured apart -- from a
+    cache of the measurement's own, so a second measurement compiles again (it does not find the
+    first one's graphs) -- at any log_interval."""
     from altgrad.tune.estimate import measure
 
-    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
-    eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5"), steps=6, threads=1)
-    assert eager.source == "measured" and 0 < eager.step_s < 5 and eager.eval_s >= 0 and eager.startup_s > 0
+    eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5"), steps=6, cpus=1)
+    assert eager.source == "measured" and 0 < eager.step_s < 5 and eager.eval_s > 0 and eager.startup_s > 0
     assert eager.compile_s == 0
 
-    monkeypatch.delenv("ALTGRAD_NO_COMPILE")
-    # diagnostics on steps 1, 2, 4, 6: step 3 compiles the graph without them (~15 s cold), which is
-    # not a step's time
+    # diagnostics every other step in the timed run: a graph with them and one without, ~15 s each
+    # to compile cold
     tiny = make_config("quant.format=bf16", "train.compile=true", "model.n_layer=1", "model.n_head=1",
-                       "model.n_embd=16", "train.log_interval=5", "train.diag_every=2")
-    first, second = (measure(tiny, steps=6, threads=1) for _ in range(2))
+                       "model.n_embd=16", "train.log_interval=5", "train.diag_every=4")
+    first, second = (measure(tiny, steps=6, cpus=1) for _ in range(2))
     for cost in (first, second):  # compiling a step graph here takes seconds; loading it, less
-        assert 0 < cost.startup_s < cost.compile_s and 0 < cost.step_s < 0.2
+        assert 0 < cost.startup_s < cost.compile_s and 0 < cost.step_s < 0.2 and cost.eval_s > 0
     assert second.compile_s > first.compile_s / 3  # cold again, not a hit in the first one's cache
+
+
+def test_measured_cost_weighs_the_kinds_of_step_and_splits_the_compiling(make_config, monkeypatch):
+    """A step costs the steady steps with and without diagnostics in the proportion the full run
+    has them; the cold run's longer start-up is the compiling of its step graphs, split evenly."""
+    from altgrad.tune import estimate
+    from altgrad.tune.timed_run import Timing
+
+    timings = iter([Timing({True: 0.3, False: 0.1}, 0.02, 1.0, 2.0, startup_s=50.0),   # cold
+                    Timing({True: 0.32, False: 0.12}, 0.04, 1.5, 2.5, startup_s=10.0)])  # warm
+    monkeypatch.setattr(estimate, "timed_run", lambda run, workdir, cache, cpus, gpu_fraction: next(timings))
+    run = make_config("train.compile=true", "train.diag_every=4", "train.max_steps=20")
+    cost = estimate.measure(run, steps=6, cpus=1)
+    diagnostic = 6 / 20  # steps 1, 4, 8, 12, 16 and 20
+    assert cost.step_s == pytest.approx(diagnostic * 0.32 + (1 - diagnostic) * 0.12)
+    assert cost.compile_s == pytest.approx((50.0 - 10.0) / 2)  # two graphs: with and without diagnostics
+    assert (cost.shadow_s, cost.eval_s, cost.checkpoint_s, cost.startup_s) == (0.04, 1.5, 2.5, 10.0)
 
 
 def test_measured_dry_run_without_its_data_says_so(capsys, tmp_path):
@@ -98,16 +115,24 @@ def test_measured_dry_run_without_its_data_says_so(capsys, tmp_path):
     assert code == 2 and "missing does not exist" in capsys.readouterr().err
 
 
-def test_a_steady_step_leaves_out_the_first_two_of_each_kind(make_config):
-    """Diagnostics on steps 1, 2, 4, 6, 8: the first two steps of each kind (1, 2; 3, 5) compile,
-    load or record their graphs and count as start-up; the rest are the step time; the last step's
-    excess is its evaluation."""
-    from altgrad.tune.estimate import timing
+def test_timing_separates_start_up_steps_shadow_evaluation_and_checkpoint(make_config):
+    """A short run of a config with diagnostics every 5th step and the shadow every 10th has them
+    every 2nd and 4th step, 12 steps: diagnostics on 1, 2, 4, ..., 12, shadow on 1, 4, 8, 12,
+    evaluations on 1, 11, 12, a checkpoint on 12. The first two steps of each kind and what step
+    1 evaluates are start-up; the rest comes apart exactly."""
+    from altgrad.tune.timed_run import short_run, timing
 
-    train = make_config("train.diag_every=2", "train.max_steps=8").train
-    durations = [30.0, 2.0, 9.0, 0.1, 1.0, 0.3, 0.2, 0.5]  # steps 1-8: the slow ones compile
-    ends = [sum(durations[:i + 1]) for i in range(len(durations))]
-    t = timing(ends, train)
-    assert t.step_s == pytest.approx((0.1 + 0.3 + 0.2) / 3)  # steps 4, 6 (diagnostics) and 7
-    assert t.eval_s == pytest.approx(0.5 - t.step_s)
-    assert t.startup_s == pytest.approx(sum(durations[:-1]) - 7 * t.step_s)
+    run = short_run(make_config("train.diag_every=5", "train.shadow_every=10", "train.log_interval=5",
+                                "stability.nan_patience=2"), steps=6)
+    t = run.train
+    assert (t.max_steps, t.diag_every, t.shadow_every, t.log_interval, t.eval_interval) == (12, 2, 4, 1, 11)
+    assert run.stability.nan_patience > t.max_steps and run.stability.shift_patience is None
+    diag, plain, shadow, evaluation, checkpoint = 0.3, 0.1, 0.05, 1.0, 2.0
+    extra = {1: 30.0 + shadow + evaluation, 2: 5.0, 3: 9.0, 4: shadow, 5: 0.7, 8: shadow, 11: evaluation,
+             12: shadow + evaluation + checkpoint}  # 30 + 5 + 9 + 0.7 of it start-up
+    durations = [(diag if step % 2 == 0 or step == 1 else plain) + extra.get(step, 0.0) for step in range(1, 13)]
+    ends = [sum(durations[:i + 1]) for i in range(12)]
+    timed = timing(ends, t)
+    assert timed.step_s == pytest.approx({True: diag, False: plain})
+    assert (timed.shadow_s, timed.eval_s, timed.checkpoint_s) == pytest.approx((shadow, evaluation, checkpoint))
+    assert timed.startup_s == pytest.approx(30 + 5 + 9 + 0.7)

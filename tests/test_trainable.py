@@ -88,23 +88,34 @@ def test_signals_report_inf_for_broken_steps():
 
 
 def test_a_run_dir_whose_checkpoint_never_arrived_resumes_from_tunes(monkeypatch, tmp_path):
-    """A run dir fetched from the bucket of a machine killed mid-upload holds the checkpoint's
-    directory but not its file: the trial resumes from Tune's checkpoint, not from nothing (and
-    not into an error). With a file, the run dir (newer after a driver kill) comes first."""
-    import torch
+    """A run dir fetched from the bucket of a machine killed mid-upload holds its newest
+    checkpoint's directory but not its file: the trial resumes from Tune's checkpoint of that step,
+    not from nothing (an error) nor from an older one. With its file, the run dir (newer after a
+    driver kill) comes first; without Tune's, the trainer falls back to the run dir's older ones."""
     from ray import tune
 
     from altgrad.train.checkpoint import save_checkpoint
     from altgrad.tune import trainable
 
-    tune_checkpoint = save_checkpoint(tmp_path / "tune" / "checkpoint_000000", {"step": 5, "model": {}})
+    tune_checkpoint = save_checkpoint(tmp_path / "tune" / "checkpoint_000001", {"step": 10, "model": {}})
     monkeypatch.setattr(trainable.tune, "get_checkpoint",
                         lambda: tune.Checkpoint.from_directory(str(tune_checkpoint)))
     run_dir = tmp_path / "run"
-    (run_dir / "checkpoints" / "step_00000005").mkdir(parents=True)  # its file never arrived
+    (run_dir / "checkpoints" / "step_00000010").mkdir(parents=True)  # its file never arrived
     with trainable.resume_point(run_dir) as resume:
-        assert resume is not None and torch.load(Path(resume) / "checkpoint.pt")["step"] == 5
+        assert Path(resume) == tune_checkpoint
+    save_checkpoint(run_dir / "checkpoints" / "step_00000005", {"step": 5, "model": {}})  # an older one, whole
+    with trainable.resume_point(run_dir) as resume:
+        assert Path(resume) == tune_checkpoint
 
-    save_checkpoint(run_dir / "checkpoints" / "step_00000010", {"step": 10, "model": {}})
+    monkeypatch.setattr(trainable.tune, "get_checkpoint", lambda: None)
+    with trainable.resume_point(run_dir) as resume:
+        assert resume == run_dir
+    with trainable.resume_point(tmp_path / "fresh") as resume:
+        assert resume is None
+
+    save_checkpoint(run_dir / "checkpoints" / "step_00000015", {"step": 15, "model": {}})
+    monkeypatch.setattr(trainable.tune, "get_checkpoint",
+                        lambda: tune.Checkpoint.from_directory(str(tune_checkpoint)))
     with trainable.resume_point(run_dir) as resume:
         assert resume == run_dir

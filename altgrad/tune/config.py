@@ -323,9 +323,10 @@ class EstimateSettings(StrictModel):
     """`--dry-run`'s time and cost estimate."""
 
     measure_steps: int = Field(
-        12, ge=0, description="steps of a bf16 and the slowest quantized trial timed on this machine, "
-        "each in a fresh process (one that compiles step graphs twice: cold, then warm from the "
-        "first run's cache, which times the compiling apart); 0 = use step_time_s")
+        12, ge=0, description="steps of a bf16 and the slowest quantized trial timed on this machine "
+        "(at least 6; 12 with diagnostics or the shadow on some steps only), each in a fresh process "
+        "(one that compiles step graphs twice: cold, then warm from the first run's cache, which "
+        "times the compiling apart); 0 = use step_time_s")
     step_time_s: dict[Literal["cpu", "gpu"], float] = Field(
         default_factory=dict, description="stored seconds per step of one trial, per preset, used when "
                                           "the preset cannot be measured here (gpu on a cpu machine)")
@@ -335,8 +336,10 @@ class EstimateSettings(StrictModel):
         "per distinct graph of the grid (estimate.step_graph_keys): a "
         "later trial with the same graph loads it from the experiment's compile cache. Used with "
         "step_time_s")
-    trial_overhead_s: float = Field(10.0, ge=0, description="start-up (with a step graph from the "
-                                    "compile cache) and final save per trial")
+    trial_overhead_s: float = Field(10.0, ge=0, description="per trial, what no timing here covers: "
+                                    "Ray's process and its imports, W&B, the final save; with stored "
+                                    "step times also building the trial and loading its step graphs "
+                                    "from the compile cache (measured ones time that)")
     usd_per_gpu_hour: float = Field(2.5, ge=0, description="price of one GPU-hour for the cost line")
 
 

@@ -2,137 +2,81 @@
 
 Per-step time comes from one of two sources, and the output says which:
 - **measured**: a short run of the grid's own trials on this machine (one bf16 and the slowest
-  quantized point), each in a fresh process as a trial is, torch held to the trial's CPU share,
-  timed per step after the first two of each kind (with and without diagnostics), plus the final
-  evaluation's extra time. A run that compiles step graphs runs twice from one compile cache of its
-  own: cold, then warm. The warm run's start-up is what every trial pays; the difference, the
-  compiling, is paid once per distinct step graph of the grid (`step_graph_keys`): later trials
-  load it from the experiment's compile cache;
+  quantized point), each in a fresh process holding a trial's share of the machine (`timed_run`):
+  its steady steps with and without diagnostics, weighed as a trial has them, and what a shadow
+  comparison, an evaluation and a checkpoint add. A run that compiles step graphs runs twice from
+  one compile cache of its own: cold, then warm. The warm run's start-up is what every trial
+  pays; the difference, the compiling, is paid once per distinct step graph of the grid
+  (`step_graph_keys`): later trials load it from the experiment's compile cache;
 - **stored**: `estimate.step_time_s[<preset>]` from the config, when the preset cannot run here (the
   gpu preset on a machine without CUDA); an evaluation batch is then taken as a third of a step
   (forward only), and each distinct step graph costs `estimate.compile_s[<preset>]` once.
-A trial costs start-up + steps × step time + evaluations × evaluation time, every trial is assumed
-to run its full budget (early stops only shorten it), and trials run `concurrency` at a time.
+A trial costs start-up + its steps, evaluations, shadow comparisons and checkpoints, each at its
+cost; every trial is assumed to run its full budget (early stops only shorten it), and trials run
+`concurrency` at a time.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import math
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import altgrad
-from altgrad.config import RunConfig, TrainConfig, deep_merge
-from altgrad.metrics import is_diagnostic_step, is_eval_step
+from altgrad.config import RunConfig
+from altgrad.metrics import is_diagnostic_step, is_eval_step, is_shadow_step
 from altgrad.precision import BASELINE
-from altgrad.tune.compile_cache import CACHE_ENV
 from altgrad.tune.config import SweepConfig
+from altgrad.tune.timed_run import short_run, timed_run
 
 QUANTIZED = "quantized"  # the step cost of the grid's quantized runs (the slowest one's), by BASELINE's
 
 
 @dataclass(frozen=True)
 class StepCost:
-    step_s: float  # one training step, diagnostics and shadow steps averaged in
+    """What one trial of a kind (bf16, or quantized) costs, part by part."""
+
+    step_s: float  # one training step, diagnostic steps weighed in as the trial has them
     eval_s: float  # one evaluation
     startup_s: float  # building the trial and its first steps, its step graphs loaded from the cache
     source: str  # how these were obtained
     compile_s: float | None = 0.0  # compiling one of its step graphs, once per graph (None: unknown)
+    shadow_s: float = 0.0  # what a step comparing with the FP32 shadow adds
+    checkpoint_s: float = 0.0  # one checkpoint
 
     def trial_s(self, run: RunConfig, overhead_s: float) -> float:
         t = run.train
-        evals = sum(is_eval_step(t, s) for s in range(1, t.max_steps + 1))
-        return overhead_s + self.startup_s + t.max_steps * self.step_s + evals * self.eval_s
+        steps = range(1, t.max_steps + 1)
+        evals = sum(is_eval_step(t, s) for s in steps)
+        shadows = sum(is_shadow_step(t, s) for s in steps) if t.shadow_every > 1 else 0
+        checkpoints = sum(s % t.checkpoint_interval == 0 or s == t.max_steps for s in steps)
+        return (overhead_s + self.startup_s + t.max_steps * self.step_s + evals * self.eval_s
+                + shadows * self.shadow_s + checkpoints * self.checkpoint_s)
 
 
-@dataclass(frozen=True)
-class Timing:
-    """One timed run: its steady step, its final evaluation's extra time and its start-up."""
-
-    step_s: float
-    eval_s: float
-    startup_s: float
-
-
-def measure(run: RunConfig, steps: int, threads: int) -> StepCost:
-    """Time `steps` steps of `run` on this machine as a trial takes them: in a fresh process, torch
-    held to `threads`, with a compile cache of its own, first empty. A run that compiles step graphs
-    runs again from that cache, as a later trial of the same graphs does: its steps and start-up
-    are a trial's, and what the cold run's start-up took longer is the compiling, split evenly over
-    its graphs."""
+def measure(run: RunConfig, steps: int, cpus: int, gpu_fraction: float = 0.0) -> StepCost:
+    """Time a short run of `run` (`timed_run.short_run`, at least `steps` steps) on this machine as a
+    trial takes it: a fresh process holding the trial's `cpus` and `gpu_fraction`, with a compile
+    cache of its own, first empty. A run that compiles step graphs runs again from that cache, as a
+    later trial of the same graphs does: its steps and start-up are a trial's, and what the cold
+    run's start-up took longer is the compiling, split evenly over its graphs. A step costs the
+    steady steps of both kinds, weighed by how many of `run`'s steps have diagnostics."""
     from altgrad.data import prepare_dataset
 
-    steps = max(steps, 6)
-    short = RunConfig.model_validate(deep_merge(run.model_dump(mode="json"), {"train": {
-        "max_steps": steps, "warmup_steps": 1, "eval_interval": steps + 1, "log_interval": 1,
-        "checkpoint_interval": steps + 1}}))
+    short = short_run(run, steps)
     prepare_dataset(short.data)  # before the clock: a sweep prepares the data once, not per trial
     graphs = len(step_graph_keys(short))
     with tempfile.TemporaryDirectory() as tmp:
-        cold = timed_run(short, Path(tmp) / "cold", Path(tmp) / "compile_cache", threads)
-        warm = timed_run(short, Path(tmp) / "warm", Path(tmp) / "compile_cache", threads) if graphs else cold
+        cache = Path(tmp) / "compile_cache"
+        cold = timed_run(short, Path(tmp) / "cold", cache, cpus, gpu_fraction)
+        warm = timed_run(short, Path(tmp) / "warm", cache, cpus, gpu_fraction) if graphs else cold
+    t = run.train
+    diagnostic = sum(is_diagnostic_step(t, s) for s in range(1, t.max_steps + 1)) / t.max_steps
+    step_s = sum(s * (diagnostic if kind else 1 - diagnostic) for kind, s in warm.step_s.items())
     compile_s = max(cold.startup_s - warm.startup_s, 0.0) / graphs if graphs else 0.0
-    return StepCost(warm.step_s, warm.eval_s, warm.startup_s, "measured", compile_s)
-
-
-def timed_run(run: RunConfig, workdir: Path, cache: Path, threads: int) -> Timing:
-    """`run` (every step reported, the last one evaluating) trained in a child process (`python -m
-    altgrad.tune.estimate`) with the compile cache `cache`, timed by `timing`."""
-    workdir.mkdir(parents=True)
-    config = workdir / "run.json"
-    config.write_text(json.dumps(run.model_dump(mode="json")))
-    package_root = str(Path(altgrad.__file__).resolve().parents[1])  # the child imports this altgrad
-    env = {**os.environ, CACHE_ENV: str(cache),
-           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "altgrad.tune.estimate", str(config), str(workdir / "run"),
-                           str(threads)], env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"timing {run.quant.format} for the estimate failed (exit {done.returncode}):\n"
-                           + "\n".join(done.stderr.strip().splitlines()[-15:]))
-    return timing(json.loads(done.stdout.strip().splitlines()[-1]), run.train)
-
-
-def timing(ends: list[float], train: TrainConfig) -> Timing:
-    """A run's timing from the seconds at which each of its steps ended, counted from the start of
-    its construction (the last step evaluates). The steady step is the mean of the steps after the
-    first two of each kind, with diagnostics and without: the first compiles (or loads) that kind's
-    step graph, and the diagnostics' kernels; the second records a step graph's CUDA graph. The
-    start-up is everything else before the last step, construction included."""
-    durations = [b - a for a, b in zip([0.0, *ends], ends, strict=False)]
-    seen: collections.Counter[bool] = collections.Counter()
-    settled = []
-    for step, duration in enumerate(durations[:-1], start=1):
-        kind = is_diagnostic_step(train, step)
-        seen[kind] += 1
-        if seen[kind] > 2:
-            settled.append(duration)
-    step_s = statistics.fmean(settled or durations[1:-1])
-    return Timing(step_s, max(durations[-1] - step_s, 0.0), ends[-2] - (len(ends) - 1) * step_s)
-
-
-def _time_run(argv: list[str]) -> None:
-    """The child of `timed_run`: train the run and print the seconds from the start of the
-    trainer's construction to each reported step, as one JSON list."""
-    import torch
-
-    from altgrad.train import Trainer
-
-    config, run_dir, threads = argv
-    torch.set_num_threads(int(threads))
-    run = RunConfig.model_validate(json.loads(Path(config).read_text()))
-    begin = time.perf_counter()
-    ends: list[float] = []
-    Trainer(run, run_dir).fit(report=lambda metrics, ckpt: ends.append(time.perf_counter() - begin))
-    print(json.dumps(ends))
+    return StepCost(step_s, warm.eval_s, warm.startup_s, "measured", compile_s, warm.shadow_s, warm.checkpoint_s)
 
 
 def stored(run: RunConfig, step_s: float, compile_s: float | None) -> StepCost:
@@ -174,7 +118,7 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
         quantized = [r for r in runs if r.quant.format != BASELINE]
         slowest = max(quantized, key=lambda r: r.quant.precision == "all", default=None)
         baseline = next((r for r in runs if r.quant.format == BASELINE), None)
-        costs = {k: measure(r, e.measure_steps, cfg.resources.cpus_per_trial)
+        costs = {k: measure(r, e.measure_steps, cfg.resources.cpus_per_trial, cfg.resources.gpu_per_trial)
                  for k, r in ((BASELINE, baseline), (QUANTIZED, slowest)) if r is not None}
     elif stored_step is not None:
         costs = {k: stored(runs[0], stored_step, e.compile_s.get(cfg.preset)) for k in (BASELINE, QUANTIZED)}
@@ -188,11 +132,13 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
 
     compiling_s, graphs, known = compiling(runs, cost_of)
     if measured:
-        how = "; ".join(f"{k} {c.step_s * 1e3:.0f} ms/step, eval {c.eval_s:.2f} s, start-up {c.startup_s:.1f} s"
+        how = "; ".join(f"{k} {c.step_s * 1e3:.0f} ms/step, eval {c.eval_s:.2f} s, checkpoint "
+                        f"{c.checkpoint_s:.2f} s, start-up {c.startup_s:.1f} s"
+                        + (f", shadow comparison {c.shadow_s * 1e3:.0f} ms" if c.shadow_s else "")
                         + (f", compiling {c.compile_s:.1f} s per step graph" if c.compile_s else "")
                         for k, c in costs.items())
         compiled = f"; {graphs} step graphs compiled once each, {compiling_s:.0f} s in all" if graphs else ""
-        source = f"measured here over {max(e.measure_steps, 6)} steps ({how}){compiled}"
+        source = f"measured here, a short run of each ({how}){compiled}"
     else:
         why = "estimate.measure_steps = 0" if can_measure else "this machine cannot run the preset"
         compiled = "" if not graphs else (
@@ -219,6 +165,3 @@ def _duration(seconds: float) -> str:
     minutes = seconds / 60
     return f"{minutes:.0f} min" if minutes < 120 else f"{minutes / 60:.1f} h ({math.ceil(minutes)} min)"
 
-
-if __name__ == "__main__":  # `timed_run`'s child
-    _time_run(sys.argv[1:])

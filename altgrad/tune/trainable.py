@@ -152,21 +152,23 @@ def trial_log(path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def resume_point(run_dir: Path) -> Iterator[Path | None]:
-    """The run dir if it holds a checkpoint file, else Tune's latest checkpoint (if any).
+    """The run dir if its newest checkpoint has its file, else Tune's latest checkpoint, else the
+    run dir if it has any checkpoint (the trainer falls back to an older one), else None.
 
     A checkpoint directory without its file is what a run dir fetched from remote storage holds
     when its machine died while Tune was uploading it (the directory is made before the file is
-    sent): such a run dir is no resume point, while Tune's own checkpoint, reported before, is."""
+    sent). Tune's own checkpoint of that step went up whole, before: the trial resumes from there,
+    not from an older one or from nothing."""
     candidates = resume_candidates(run_dir)
-    if any((c / CHECKPOINT_FILE).is_file() for c in candidates):
+    if candidates and (candidates[0] / CHECKPOINT_FILE).is_file():
         yield run_dir
         return
-    if candidates:
-        log.info("%s: no checkpoint file in %s", run_dir, ", ".join(c.name for c in candidates))
     checkpoint = tune.get_checkpoint()
     if checkpoint is None:
-        yield None
+        yield run_dir if candidates else None
         return
+    if candidates:
+        log.info("%s: no checkpoint file in %s; resuming from Tune's checkpoint", run_dir, candidates[0].name)
     with checkpoint.as_directory() as path:
         yield Path(path)
 
