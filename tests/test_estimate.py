@@ -8,24 +8,28 @@ from sweep_helpers import ablation, dry_run
 
 
 def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
-    """Wall time = sum over trials of (overhead + start-up + steps x step + evals x eval + shadow
-    comparisons x shadow + checkpoints x checkpoint) / trials at a time; GPU-hours = trial time x
-    GPU per trial; with known per-step costs."""
+    """Wall time = sum over trials of (overhead + start-up + each step at its kind's cost + evals x
+    eval + shadow comparisons x shadow + checkpoints x checkpoint) / trials at a time; GPU-hours =
+    trial time x GPU per trial; with known per-step costs."""
     from altgrad.tune import estimate
 
-    costs = {"bf16": estimate.StepCost(0.1, 1.0, 5.0, "measured", shadow_s=0.05, checkpoint_s=0.5),
-             "e4m3": estimate.StepCost(0.2, 2.0, 7.0, "measured", shadow_s=0.08, checkpoint_s=0.25)}
+    costs = {"bf16": estimate.StepCost({False: 0.1, True: 0.3}, 1.0, 5.0, "measured", shadow_s=0.05,
+                                       checkpoint_s=0.5),
+             "e4m3": estimate.StepCost({False: 0.2, True: 0.4}, 2.0, 7.0, "measured", shadow_s=0.08,
+                                       checkpoint_s=0.25)}
     monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, gpu_fraction: costs[
         "bf16" if run.quant.format == "bf16" else "e4m3"])
     out = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
                   "--set", "preset=cpu", "--set", "grid.formats=[bf16, e4m3, e5m2]")
-    # smoke: 20 steps, evaluated at steps 1, 5, 10, 15 and 20 (the last is an eval_interval step
-    # too: counted once), compared with the shadow at steps 1, 10 and 20 (shadow_every 10),
-    # checkpointed at 10 and 20; 2 trials at a time on 2 cores
-    bf16 = 3 + 5 + 20 * 0.1 + 5 * 1.0 + 3 * 0.05 + 2 * 0.5
-    quantized = 3 + 7 + 20 * 0.2 + 5 * 2.0 + 3 * 0.08 + 2 * 0.25
+    # smoke: 20 steps, diagnostics on step 1 and every 2nd (11 of them), evaluated at steps 1, 5,
+    # 10, 15 and 20 (the last is an eval_interval step too: counted once), compared with the shadow
+    # at steps 1, 10 and 20 (shadow_every 10), checkpointed at 10 and 20; 2 trials at a time on 2
+    # cores
+    bf16 = 3 + 5 + 11 * 0.3 + 9 * 0.1 + 5 * 1.0 + 3 * 0.05 + 2 * 0.5
+    quantized = 3 + 7 + 11 * 0.4 + 9 * 0.2 + 5 * 2.0 + 3 * 0.08 + 2 * 0.25
     assert f"estimated wall time: {(bf16 + 2 * quantized) / 2:.0f} s for 3 trials" in out
-    assert "measured here, a short run of each (bf16 100 ms/step, eval 1.00 s, checkpoint 0.50 s" in out
+    assert ("measured here, a short run of each (bf16 100 ms/step (300 with diagnostics), eval 1.00 s, "
+            "checkpoint 0.50 s") in out
 
     gpu = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                   "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
@@ -54,8 +58,8 @@ def test_measured_compiling_is_charged_once_per_step_graph(monkeypatch, capsys):
     at the compile time measured for its kind of run, however many trials (seeds) share it."""
     from altgrad.tune import estimate
 
-    costs = {"bf16": estimate.StepCost(0.1, 1.0, 2.0, "measured", compile_s=4.0),
-             "e4m3": estimate.StepCost(0.2, 2.0, 3.0, "measured", compile_s=7.0)}
+    costs = {"bf16": estimate.StepCost({False: 0.1, True: 0.1}, 1.0, 2.0, "measured", compile_s=4.0),
+             "e4m3": estimate.StepCost({False: 0.2, True: 0.2}, 2.0, 3.0, "measured", compile_s=7.0)}
     monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, gpu_fraction: costs[
         "bf16" if run.quant.format == "bf16" else "e4m3"])
     out = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
@@ -66,7 +70,8 @@ def test_measured_compiling_is_charged_once_per_step_graph(monkeypatch, capsys):
     # per format a graph with diagnostics and one without (diag_every: 2), each once for both seeds
     graphs = 2 * 4 + 2 * 2 * 7
     assert f"estimated wall time: {(2 * bf16 + 4 * quantized + graphs) / 2:.0f} s for 6 trials" in out
-    assert "quantized 200 ms/step, eval 2.00 s, checkpoint 0.00 s, start-up 3.0 s, compiling 7.0 s per step graph" in out
+    assert ("quantized 200 ms/step (200 with diagnostics), eval 2.00 s, checkpoint 0.00 s, start-up 3.0 s, "
+            "compiling 7.0 s per step graph") in out
     assert f"; 6 step graphs compiled once each, {graphs} s in all" in out
 
 
@@ -78,7 +83,8 @@ def test_measured_step_cost_is_timed_here(make_config):
     from altgrad.tune.estimate import measure
 
     eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5"), steps=6, cpus=1)
-    assert eager.source == "measured" and 0 < eager.step_s < 5 and eager.eval_s > 0 and eager.startup_s > 0
+    assert eager.source == "measured" and eager.eval_s > 0 and eager.startup_s > 0
+    assert all(0 < step < 5 for step in eager.step_s.values())
     assert eager.compile_s == 0
 
     # diagnostics every other step in the timed run: a graph with them and one without, ~15 s each
@@ -87,25 +93,34 @@ def test_measured_step_cost_is_timed_here(make_config):
                        "model.n_embd=16", "train.log_interval=5", "train.diag_every=4")
     first, second = (measure(tiny, steps=6, cpus=1) for _ in range(2))
     for cost in (first, second):  # compiling a step graph here takes seconds; loading it, less
-        assert 0 < cost.startup_s < cost.compile_s and 0 < cost.step_s < 0.2 and cost.eval_s > 0
+        assert 0 < cost.startup_s < cost.compile_s and cost.eval_s > 0
+        assert set(cost.step_s) == {True, False} and all(0 < step < 0.2 for step in cost.step_s.values())
     assert second.compile_s > first.compile_s / 3  # cold again, not a hit in the first one's cache
 
 
-def test_measured_cost_weighs_the_kinds_of_step_and_splits_the_compiling(make_config, monkeypatch):
-    """A step costs the steady steps with and without diagnostics in the proportion the full run
-    has them; the cold run's longer start-up is the compiling of its step graphs, split evenly."""
+def test_measured_cost_charges_each_trial_its_kinds_of_step_and_splits_the_compiling(make_config, monkeypatch):
+    """The warm run's steady steps, with and without diagnostics, are charged to each trial for the
+    steps it has of each kind (a kind not timed costs what the other does); the cold run's longer
+    start-up is the compiling of its step graphs, split evenly."""
     from altgrad.tune import estimate
     from altgrad.tune.timed_run import Timing
 
     timings = iter([Timing({True: 0.3, False: 0.1}, 0.02, 1.0, 2.0, startup_s=50.0),   # cold
                     Timing({True: 0.32, False: 0.12}, 0.04, 1.5, 2.5, startup_s=10.0)])  # warm
     monkeypatch.setattr(estimate, "timed_run", lambda run, workdir, cache, cpus, gpu_fraction: next(timings))
-    run = make_config("train.compile=true", "train.diag_every=4", "train.max_steps=20")
-    cost = estimate.measure(run, steps=6, cpus=1)
-    diagnostic = 6 / 20  # steps 1, 4, 8, 12, 16 and 20
-    assert cost.step_s == pytest.approx(diagnostic * 0.32 + (1 - diagnostic) * 0.12)
+    cost = estimate.measure(make_config("train.compile=true", "train.diag_every=4", "train.max_steps=20"),
+                            steps=6, cpus=1)
     assert cost.compile_s == pytest.approx((50.0 - 10.0) / 2)  # two graphs: with and without diagnostics
-    assert (cost.shadow_s, cost.eval_s, cost.checkpoint_s, cost.startup_s) == (0.04, 1.5, 2.5, 10.0)
+    assert (cost.step_s, cost.shadow_s, cost.eval_s, cost.checkpoint_s, cost.startup_s) == (
+        {True: 0.32, False: 0.12}, 0.04, 1.5, 2.5, 10.0)
+
+    def trial(diag_every: int, timed: estimate.StepCost = cost) -> float:
+        return timed.trial_s(make_config(f"train.diag_every={diag_every}", "train.max_steps=20"), overhead_s=0)
+
+    assert trial(4) - trial(0) == pytest.approx(6 * (0.32 - 0.12))  # steps 1, 4, 8, 12, 16, 20
+    assert trial(1) - trial(0) == pytest.approx(20 * (0.32 - 0.12))
+    only_plain = estimate.StepCost({False: 0.12}, 1.5, 10.0, "measured")
+    assert trial(1, only_plain) == pytest.approx(trial(0, only_plain))
 
 
 def test_measured_dry_run_without_its_data_says_so(capsys, tmp_path):
@@ -115,15 +130,16 @@ def test_measured_dry_run_without_its_data_says_so(capsys, tmp_path):
     assert code == 2 and "missing does not exist" in capsys.readouterr().err
 
 
-def test_timing_separates_start_up_steps_shadow_evaluation_and_checkpoint(make_config):
-    """A short run of a config with diagnostics every 5th step and the shadow every 10th has them
+@pytest.mark.parametrize("every", [("train.diag_every=5", "train.shadow_every=10"),
+                                   ("train.diag_every=3", "train.shadow_every=2")])
+def test_timing_separates_start_up_steps_shadow_evaluation_and_checkpoint(make_config, every):
+    """A short run of a config with diagnostics and shadow comparisons on some steps only has them
     every 2nd and 4th step, 12 steps: diagnostics on 1, 2, 4, ..., 12, shadow on 1, 4, 8, 12,
     evaluations on 1, 11, 12, a checkpoint on 12. The first two steps of each kind and what step
     1 evaluates are start-up; the rest comes apart exactly."""
     from altgrad.tune.timed_run import short_run, timing
 
-    run = short_run(make_config("train.diag_every=5", "train.shadow_every=10", "train.log_interval=5",
-                                "stability.nan_patience=2"), steps=6)
+    run = short_run(make_config(*every, "train.log_interval=5", "stability.nan_patience=2"), steps=6)
     t = run.train
     assert (t.max_steps, t.diag_every, t.shadow_every, t.log_interval, t.eval_interval) == (12, 2, 4, 1, 11)
     assert run.stability.nan_patience > t.max_steps and run.stability.shift_patience is None

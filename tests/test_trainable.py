@@ -90,8 +90,8 @@ def test_signals_report_inf_for_broken_steps():
 def test_a_run_dir_whose_checkpoint_never_arrived_resumes_from_tunes(monkeypatch, tmp_path):
     """A run dir fetched from the bucket of a machine killed mid-upload holds its newest
     checkpoint's directory but not its file: the trial resumes from Tune's checkpoint of that step,
-    not from nothing (an error) nor from an older one. With its file, the run dir (newer after a
-    driver kill) comes first; without Tune's, the trainer falls back to the run dir's older ones."""
+    not into an error nor from an older one. Without Tune's, from an older whole one, and with none
+    it starts over. With its file, the run dir (newer after a driver kill) comes first."""
     from ray import tune
 
     from altgrad.train.checkpoint import save_checkpoint
@@ -108,13 +108,16 @@ def test_a_run_dir_whose_checkpoint_never_arrived_resumes_from_tunes(monkeypatch
     with trainable.resume_point(run_dir) as resume:
         assert Path(resume) == tune_checkpoint
 
-    monkeypatch.setattr(trainable.tune, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(trainable.tune, "get_checkpoint", lambda: None)  # the driver died before recording it
     with trainable.resume_point(run_dir) as resume:
         assert resume == run_dir
+    (run_dir / "checkpoints" / "step_00000005" / "checkpoint.pt").unlink()  # nothing whole: start over
+    with trainable.resume_point(run_dir) as resume:
+        assert resume is None
     with trainable.resume_point(tmp_path / "fresh") as resume:
         assert resume is None
 
-    save_checkpoint(run_dir / "checkpoints" / "step_00000015", {"step": 15, "model": {}})
+    save_checkpoint(run_dir / "checkpoints" / "step_00000015", {"step": 15, "model": {}})  # a driver kill
     monkeypatch.setattr(trainable.tune, "get_checkpoint",
                         lambda: tune.Checkpoint.from_directory(str(tune_checkpoint)))
     with trainable.resume_point(run_dir) as resume:

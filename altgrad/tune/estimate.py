@@ -3,8 +3,8 @@
 Per-step time comes from one of two sources, and the output says which:
 - **measured**: a short run of the grid's own trials on this machine (one bf16 and the slowest
   quantized point), each in a fresh process holding a trial's share of the machine (`timed_run`):
-  its steady steps with and without diagnostics, weighed as a trial has them, and what a shadow
-  comparison, an evaluation and a checkpoint add. A run that compiles step graphs runs twice from
+  its steady steps with and without diagnostics, each trial charged for the steps of each kind it
+  has, and what a shadow comparison, an evaluation and a checkpoint add. A run that compiles step graphs runs twice from
   one compile cache of its own: cold, then warm. The warm run's start-up is what every trial
   pays; the difference, the compiling, is paid once per distinct step graph of the grid
   (`step_graph_keys`): later trials load it from the experiment's compile cache;
@@ -38,7 +38,7 @@ QUANTIZED = "quantized"  # the step cost of the grid's quantized runs (the slowe
 class StepCost:
     """What one trial of a kind (bf16, or quantized) costs, part by part."""
 
-    step_s: float  # one training step, diagnostic steps weighed in as the trial has them
+    step_s: dict[bool, float]  # a steady step with diagnostics (True) and without (False)
     eval_s: float  # one evaluation
     startup_s: float  # building the trial and its first steps, its step graphs loaded from the cache
     source: str  # how these were obtained
@@ -46,14 +46,20 @@ class StepCost:
     shadow_s: float = 0.0  # what a step comparing with the FP32 shadow adds
     checkpoint_s: float = 0.0  # one checkpoint
 
+    def step(self, diagnostic: bool) -> float:
+        """A steady step of that kind; of the other kind where only that one was timed."""
+        return self.step_s.get(diagnostic, self.step_s.get(not diagnostic, 0.0))
+
     def trial_s(self, run: RunConfig, overhead_s: float) -> float:
+        """A trial of `run` at full budget: its start-up and each of its steps, evaluations, shadow
+        comparisons and checkpoints, as the trainer schedules them."""
         t = run.train
         steps = range(1, t.max_steps + 1)
         evals = sum(is_eval_step(t, s) for s in steps)
         shadows = sum(is_shadow_step(t, s) for s in steps) if t.shadow_every > 1 else 0
         checkpoints = sum(s % t.checkpoint_interval == 0 or s == t.max_steps for s in steps)
-        return (overhead_s + self.startup_s + t.max_steps * self.step_s + evals * self.eval_s
-                + shadows * self.shadow_s + checkpoints * self.checkpoint_s)
+        return (overhead_s + self.startup_s + sum(self.step(is_diagnostic_step(t, s)) for s in steps)
+                + evals * self.eval_s + shadows * self.shadow_s + checkpoints * self.checkpoint_s)
 
 
 def measure(run: RunConfig, steps: int, cpus: int, gpu_fraction: float = 0.0) -> StepCost:
@@ -61,8 +67,7 @@ def measure(run: RunConfig, steps: int, cpus: int, gpu_fraction: float = 0.0) ->
     trial takes it: a fresh process holding the trial's `cpus` and `gpu_fraction`, with a compile
     cache of its own, first empty. A run that compiles step graphs runs again from that cache, as a
     later trial of the same graphs does: its steps and start-up are a trial's, and what the cold
-    run's start-up took longer is the compiling, split evenly over its graphs. A step costs the
-    steady steps of both kinds, weighed by how many of `run`'s steps have diagnostics."""
+    run's start-up took longer is the compiling, split evenly over its graphs."""
     from altgrad.data import prepare_dataset
 
     short = short_run(run, steps)
@@ -72,15 +77,14 @@ def measure(run: RunConfig, steps: int, cpus: int, gpu_fraction: float = 0.0) ->
         cache = Path(tmp) / "compile_cache"
         cold = timed_run(short, Path(tmp) / "cold", cache, cpus, gpu_fraction)
         warm = timed_run(short, Path(tmp) / "warm", cache, cpus, gpu_fraction) if graphs else cold
-    t = run.train
-    diagnostic = sum(is_diagnostic_step(t, s) for s in range(1, t.max_steps + 1)) / t.max_steps
-    step_s = sum(s * (diagnostic if kind else 1 - diagnostic) for kind, s in warm.step_s.items())
     compile_s = max(cold.startup_s - warm.startup_s, 0.0) / graphs if graphs else 0.0
-    return StepCost(step_s, warm.eval_s, warm.startup_s, "measured", compile_s, warm.shadow_s, warm.checkpoint_s)
+    return StepCost(warm.step_s, warm.eval_s, warm.startup_s, "measured", compile_s, warm.shadow_s, warm.checkpoint_s)
 
 
 def stored(run: RunConfig, step_s: float, compile_s: float | None) -> StepCost:
-    return StepCost(step_s, run.train.eval_iters * step_s / 3, 0.0, "stored", compile_s)
+    """The stored per-preset step time, the same for every kind of step (an evaluation batch a
+    third of it)."""
+    return StepCost({False: step_s, True: step_s}, run.train.eval_iters * step_s / 3, 0.0, "stored", compile_s)
 
 
 def step_graph_keys(run: RunConfig) -> set[str]:
@@ -132,7 +136,8 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
 
     compiling_s, graphs, known = compiling(runs, cost_of)
     if measured:
-        how = "; ".join(f"{k} {c.step_s * 1e3:.0f} ms/step, eval {c.eval_s:.2f} s, checkpoint "
+        how = "; ".join(f"{k} {c.step(False) * 1e3:.0f} ms/step ({c.step(True) * 1e3:.0f} with diagnostics), "
+                        f"eval {c.eval_s:.2f} s, checkpoint "
                         f"{c.checkpoint_s:.2f} s, start-up {c.startup_s:.1f} s"
                         + (f", shadow comparison {c.shadow_s * 1e3:.0f} ms" if c.shadow_s else "")
                         + (f", compiling {c.compile_s:.1f} s per step graph" if c.compile_s else "")

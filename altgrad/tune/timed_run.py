@@ -43,11 +43,14 @@ def short_run(run: RunConfig, steps: int) -> RunConfig:
     """`run` cut to a timed run of at least `steps` steps: every step reported, an evaluation at
     the step before the last and at the last (which also checkpoints), nothing that stops the run
     or shifts a format. Diagnostics on some steps only are on every other step here, and shadow
-    steps every 4th, so that each gets settled steps to time (the estimate weighs them as the full
-    run has them): that takes 12 steps, a run without either 6."""
+    comparisons on some steps only every 4th, so that each gets settled steps to time, with and
+    without (a trial is charged for the steps it has of each): that takes 12 steps, a run without
+    either 6. (It writes a metrics row every step, which a trial may not: a row costs well under a
+    millisecond.)"""
     t = run.train
-    diag_every, shadow_every = min(t.diag_every, 2), min(t.shadow_every, 4)
-    n = max(steps, 12 if diag_every == 2 or shadow_every else 6)
+    diag_every = min(t.diag_every, 2)
+    shadow_every = 4 if t.shadow_every > 1 else t.shadow_every
+    n = max(steps, 12 if diag_every == 2 or shadow_every == 4 else 6)
     return RunConfig.model_validate(deep_merge(run.model_dump(mode="json"), {
         "train": {"max_steps": n, "warmup_steps": 1, "diag_every": diag_every, "shadow_every": shadow_every,
                   "log_interval": 1, "eval_interval": n - 1, "checkpoint_interval": n},

@@ -153,22 +153,24 @@ def trial_log(path: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def resume_point(run_dir: Path) -> Iterator[Path | None]:
     """The run dir if its newest checkpoint has its file, else Tune's latest checkpoint, else the
-    run dir if it has any checkpoint (the trainer falls back to an older one), else None.
+    run dir if an older checkpoint has its file, else None: the trial starts over.
 
     A checkpoint directory without its file is what a run dir fetched from remote storage holds
     when its machine died while Tune was uploading it (the directory is made before the file is
-    sent). Tune's own checkpoint of that step went up whole, before: the trial resumes from there,
-    not from an older one or from nothing."""
+    sent). Tune's own checkpoint of that step, if the driver recorded it before it died, went up
+    whole: the trial resumes from there, not from an older one. Where there is none, an older whole
+    one of the run dir, or a start from scratch (training is deterministic: the same trial)."""
     candidates = resume_candidates(run_dir)
-    if candidates and (candidates[0] / CHECKPOINT_FILE).is_file():
+    whole = [c for c in candidates if (c / CHECKPOINT_FILE).is_file()]
+    if whole and whole[0] == candidates[0]:
         yield run_dir
         return
+    if candidates:
+        log.info("%s: no checkpoint file in %s", run_dir, candidates[0].name)
     checkpoint = tune.get_checkpoint()
     if checkpoint is None:
-        yield run_dir if candidates else None
+        yield run_dir if whole else None
         return
-    if candidates:
-        log.info("%s: no checkpoint file in %s; resuming from Tune's checkpoint", run_dir, candidates[0].name)
     with checkpoint.as_directory() as path:
         yield Path(path)
 
