@@ -89,11 +89,17 @@ def model_wide(name: str) -> bool:
     return name.count("/") <= 1
 
 
+def is_checkpoint_step(train: TrainConfig, step: int) -> bool:
+    """Whether a run saves a checkpoint after step `step` (1-based): every `checkpoint_interval`
+    steps and at the last step."""
+    return step % train.checkpoint_interval == 0 or step == train.max_steps
+
+
 def is_logged_step(train: TrainConfig, step: int) -> bool:
-    """Whether a run writes step `step` (1-based) to metrics.jsonl and reports it: every
-    `log_interval` steps, at each checkpoint (so a resumed run finds the rows its checkpoint
-    covers) and at the last step. A run that stops early logs its stop step too."""
-    return step % train.log_interval == 0 or step % train.checkpoint_interval == 0 or step == train.max_steps
+    """Whether a run writes step `step` to metrics.jsonl and reports it: every `log_interval` steps
+    and at each checkpoint (so a resumed run finds the rows its checkpoint covers), the last step
+    included. A run that stops early logs its stop step too."""
+    return step % train.log_interval == 0 or is_checkpoint_step(train, step)
 
 
 def is_diagnostic_step(train: TrainConfig, step: int) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from sweep_helpers import ablation, dry_run
 
+from altgrad.tune.timed_run import Timing
+
 
 def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     """Wall time = sum over trials of (overhead + start-up + each step at its kind's cost + evals x
@@ -13,10 +15,10 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     trial time x GPU per trial; with known per-step costs."""
     from altgrad.tune import estimate
 
-    costs = {"bf16": estimate.StepCost({False: 0.1, True: 0.3}, 1.0, 5.0, "measured", shadow_s=0.05,
-                                       checkpoint_s=0.5),
-             "e4m3": estimate.StepCost({False: 0.2, True: 0.4}, 2.0, 7.0, "measured", shadow_s=0.08,
-                                       checkpoint_s=0.25)}
+    costs = {"bf16": estimate.StepCost(Timing({False: 0.1, True: 0.3}, shadow_s=0.05, eval_s=1.0, checkpoint_s=0.5,
+                                              startup_s=5.0), "measured"),
+             "e4m3": estimate.StepCost(Timing({False: 0.2, True: 0.4}, shadow_s=0.08, eval_s=2.0, checkpoint_s=0.25,
+                                              startup_s=7.0), "measured")}
     monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, gpu_fraction: costs[
         "bf16" if run.quant.format == "bf16" else "e4m3"])
     out = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
@@ -58,8 +60,8 @@ def test_measured_compiling_is_charged_once_per_step_graph(monkeypatch, capsys):
     at the compile time measured for its kind of run, however many trials (seeds) share it."""
     from altgrad.tune import estimate
 
-    costs = {"bf16": estimate.StepCost({False: 0.1, True: 0.1}, 1.0, 2.0, "measured", compile_s=4.0),
-             "e4m3": estimate.StepCost({False: 0.2, True: 0.2}, 2.0, 3.0, "measured", compile_s=7.0)}
+    costs = {"bf16": estimate.StepCost(Timing({False: 0.1, True: 0.1}, 0.0, 1.0, 0.0, 2.0), "measured", 4.0),
+             "e4m3": estimate.StepCost(Timing({False: 0.2, True: 0.2}, 0.0, 2.0, 0.0, 3.0), "measured", 7.0)}
     monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, gpu_fraction: costs[
         "bf16" if run.quant.format == "bf16" else "e4m3"])
     out = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
@@ -83,8 +85,8 @@ def test_measured_step_cost_is_timed_here(make_config):
     from altgrad.tune.estimate import measure
 
     eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5"), steps=6, cpus=1)
-    assert eager.source == "measured" and eager.eval_s > 0 and eager.startup_s > 0
-    assert all(0 < step < 5 for step in eager.step_s.values())
+    assert eager.source == "measured" and eager.timing.eval_s > 0 and eager.timing.startup_s > 0
+    assert all(0 < step < 5 for step in eager.timing.step_s.values())
     assert eager.compile_s == 0
 
     # diagnostics every other step in the timed run: a graph with them and one without, ~15 s each
@@ -93,34 +95,37 @@ def test_measured_step_cost_is_timed_here(make_config):
                        "model.n_embd=16", "train.log_interval=5", "train.diag_every=4")
     first, second = (measure(tiny, steps=6, cpus=1) for _ in range(2))
     for cost in (first, second):  # compiling a step graph here takes seconds; loading it, less
-        assert 0 < cost.startup_s < cost.compile_s and cost.eval_s > 0
-        assert set(cost.step_s) == {True, False} and all(0 < step < 0.2 for step in cost.step_s.values())
+        assert 0 < cost.timing.startup_s < cost.compile_s and cost.timing.eval_s > 0
+        steps = cost.timing.step_s
+        assert set(steps) == {True, False} and all(0 < step < 0.2 for step in steps.values())
     assert second.compile_s > first.compile_s / 3  # cold again, not a hit in the first one's cache
 
 
 def test_measured_cost_charges_each_trial_its_kinds_of_step_and_splits_the_compiling(make_config, monkeypatch):
     """The warm run's steady steps, with and without diagnostics, are charged to each trial for the
-    steps it has of each kind (a kind not timed costs what the other does); the cold run's longer
+    steps it has of each kind (a kind not timed costs what the other does), and its shadow
+    comparison for each step that compares (on every step, every step); the cold run's longer
     start-up is the compiling of its step graphs, split evenly."""
     from altgrad.tune import estimate
-    from altgrad.tune.timed_run import Timing
 
-    timings = iter([Timing({True: 0.3, False: 0.1}, 0.02, 1.0, 2.0, startup_s=50.0),   # cold
-                    Timing({True: 0.32, False: 0.12}, 0.04, 1.5, 2.5, startup_s=10.0)])  # warm
+    warm = Timing({True: 0.32, False: 0.12}, 0.04, 1.5, 2.5, startup_s=10.0)
+    timings = iter([Timing({True: 0.3, False: 0.1}, 0.02, 1.0, 2.0, startup_s=50.0), warm])  # cold, warm
     monkeypatch.setattr(estimate, "timed_run", lambda run, workdir, cache, cpus, gpu_fraction: next(timings))
     cost = estimate.measure(make_config("train.compile=true", "train.diag_every=4", "train.max_steps=20"),
                             steps=6, cpus=1)
     assert cost.compile_s == pytest.approx((50.0 - 10.0) / 2)  # two graphs: with and without diagnostics
-    assert (cost.step_s, cost.shadow_s, cost.eval_s, cost.checkpoint_s, cost.startup_s) == (
-        {True: 0.32, False: 0.12}, 0.04, 1.5, 2.5, 10.0)
+    assert cost.timing == warm
 
-    def trial(diag_every: int, timed: estimate.StepCost = cost) -> float:
-        return timed.trial_s(make_config(f"train.diag_every={diag_every}", "train.max_steps=20"), overhead_s=0)
+    def trial(diag_every: int, shadow_every: int = 0, timed: estimate.StepCost = cost) -> float:
+        return timed.trial_s(make_config(f"train.diag_every={diag_every}", f"train.shadow_every={shadow_every}",
+                                         "train.max_steps=20"), overhead_s=0)
 
     assert trial(4) - trial(0) == pytest.approx(6 * (0.32 - 0.12))  # steps 1, 4, 8, 12, 16, 20
     assert trial(1) - trial(0) == pytest.approx(20 * (0.32 - 0.12))
-    only_plain = estimate.StepCost({False: 0.12}, 1.5, 10.0, "measured")
-    assert trial(1, only_plain) == pytest.approx(trial(0, only_plain))
+    assert trial(0, shadow_every=10) - trial(0) == pytest.approx(3 * 0.04)  # steps 1, 10, 20
+    assert trial(0, shadow_every=1) - trial(0) == pytest.approx(20 * 0.04)
+    only_plain = estimate.StepCost(Timing({False: 0.12}, 0.0, 1.5, 0.0, 10.0), "measured")
+    assert trial(1, timed=only_plain) == pytest.approx(trial(0, timed=only_plain))
 
 
 def test_measured_dry_run_without_its_data_says_so(capsys, tmp_path):
@@ -131,7 +136,8 @@ def test_measured_dry_run_without_its_data_says_so(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("every", [("train.diag_every=5", "train.shadow_every=10"),
-                                   ("train.diag_every=3", "train.shadow_every=2")])
+                                   ("train.diag_every=3", "train.shadow_every=2"),
+                                   ("train.diag_every=2", "train.shadow_every=1")])
 def test_timing_separates_start_up_steps_shadow_evaluation_and_checkpoint(make_config, every):
     """A short run of a config with diagnostics and shadow comparisons on some steps only has them
     every 2nd and 4th step, 12 steps: diagnostics on 1, 2, 4, ..., 12, shadow on 1, 4, 8, 12,

@@ -40,6 +40,7 @@ from altgrad.metrics import (
     VAL_LOSS,
     VAL_PPL,
     VAL_STEP,
+    is_checkpoint_step,
     is_diagnostic_step,
     is_eval_step,
     is_logged_step,
@@ -205,11 +206,10 @@ class Trainer:
             metrics[TOKENS_PER_S] = self.cfg.train.batch_size * self.cfg.model.block_size / (now - t_last)
             t_last = now
             stop_reason = self._apply_policy(step, metrics, result.nan_origin)
-            checkpoint_due = step % self.cfg.train.checkpoint_interval == 0 or step == max_steps
             if is_logged_step(self.cfg.train, step) or stop_reason:
                 self.files.log_metrics(metrics)  # before the checkpoint: a checkpoint's rows exist
             ckpt = None
-            if checkpoint_due:
+            if is_checkpoint_step(self.cfg.train, step):
                 ckpt = self.checkpoints.save(step, self._state(step), self.val_loss)
                 self.files.write_summary(self._summary(step, RunStatus.RUNNING, None))
             if report is not None and (is_logged_step(self.cfg.train, step) or stop_reason):

@@ -26,40 +26,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from altgrad.config import RunConfig
-from altgrad.metrics import is_diagnostic_step, is_eval_step, is_shadow_step
+from altgrad.metrics import is_checkpoint_step, is_diagnostic_step, is_eval_step, is_shadow_step
 from altgrad.precision import BASELINE
 from altgrad.tune.config import SweepConfig
-from altgrad.tune.timed_run import short_run, timed_run
+from altgrad.tune.timed_run import Timing, short_run, timed_run
 
 QUANTIZED = "quantized"  # the step cost of the grid's quantized runs (the slowest one's), by BASELINE's
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """What one trial of a kind (bf16, or quantized) costs, part by part."""
+    """What one trial of a kind (bf16, or quantized) costs: its parts (`timed_run.Timing`), how
+    they were obtained, and what compiling one of its step graphs costs, once per graph of the grid
+    (None: unknown)."""
 
-    step_s: dict[bool, float]  # a steady step with diagnostics (True) and without (False)
-    eval_s: float  # one evaluation
-    startup_s: float  # building the trial and its first steps, its step graphs loaded from the cache
-    source: str  # how these were obtained
-    compile_s: float | None = 0.0  # compiling one of its step graphs, once per graph (None: unknown)
-    shadow_s: float = 0.0  # what a step comparing with the FP32 shadow adds
-    checkpoint_s: float = 0.0  # one checkpoint
-
-    def step(self, diagnostic: bool) -> float:
-        """A steady step of that kind; of the other kind where only that one was timed."""
-        return self.step_s.get(diagnostic, self.step_s.get(not diagnostic, 0.0))
+    timing: Timing
+    source: str
+    compile_s: float | None = 0.0
 
     def trial_s(self, run: RunConfig, overhead_s: float) -> float:
         """A trial of `run` at full budget: its start-up and each of its steps, evaluations, shadow
         comparisons and checkpoints, as the trainer schedules them."""
-        t = run.train
+        t, c = run.train, self.timing
         steps = range(1, t.max_steps + 1)
-        evals = sum(is_eval_step(t, s) for s in steps)
-        shadows = sum(is_shadow_step(t, s) for s in steps) if t.shadow_every > 1 else 0
-        checkpoints = sum(s % t.checkpoint_interval == 0 or s == t.max_steps for s in steps)
-        return (overhead_s + self.startup_s + sum(self.step(is_diagnostic_step(t, s)) for s in steps)
-                + evals * self.eval_s + shadows * self.shadow_s + checkpoints * self.checkpoint_s)
+        return (overhead_s + c.startup_s + sum(c.step(is_diagnostic_step(t, s)) for s in steps)
+                + sum(is_eval_step(t, s) for s in steps) * c.eval_s
+                + sum(is_shadow_step(t, s) for s in steps) * c.shadow_s
+                + sum(is_checkpoint_step(t, s) for s in steps) * c.checkpoint_s)
 
 
 def measure(run: RunConfig, steps: int, cpus: int, gpu_fraction: float = 0.0) -> StepCost:
@@ -77,14 +70,14 @@ def measure(run: RunConfig, steps: int, cpus: int, gpu_fraction: float = 0.0) ->
         cache = Path(tmp) / "compile_cache"
         cold = timed_run(short, Path(tmp) / "cold", cache, cpus, gpu_fraction)
         warm = timed_run(short, Path(tmp) / "warm", cache, cpus, gpu_fraction) if graphs else cold
-    compile_s = max(cold.startup_s - warm.startup_s, 0.0) / graphs if graphs else 0.0
-    return StepCost(warm.step_s, warm.eval_s, warm.startup_s, "measured", compile_s, warm.shadow_s, warm.checkpoint_s)
+    return StepCost(warm, "measured", max(cold.startup_s - warm.startup_s, 0.0) / graphs if graphs else 0.0)
 
 
 def stored(run: RunConfig, step_s: float, compile_s: float | None) -> StepCost:
     """The stored per-preset step time, the same for every kind of step (an evaluation batch a
-    third of it)."""
-    return StepCost({False: step_s, True: step_s}, run.train.eval_iters * step_s / 3, 0.0, "stored", compile_s)
+    third of it; nothing known of start-up, shadow comparisons or checkpoints)."""
+    return StepCost(Timing({False: step_s, True: step_s}, shadow_s=0.0, eval_s=run.train.eval_iters * step_s / 3,
+                           checkpoint_s=0.0, startup_s=0.0), "stored", compile_s)
 
 
 def step_graph_keys(run: RunConfig) -> set[str]:
@@ -136,10 +129,10 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
 
     compiling_s, graphs, known = compiling(runs, cost_of)
     if measured:
-        how = "; ".join(f"{k} {c.step(False) * 1e3:.0f} ms/step ({c.step(True) * 1e3:.0f} with diagnostics), "
-                        f"eval {c.eval_s:.2f} s, checkpoint "
-                        f"{c.checkpoint_s:.2f} s, start-up {c.startup_s:.1f} s"
-                        + (f", shadow comparison {c.shadow_s * 1e3:.0f} ms" if c.shadow_s else "")
+        how = "; ".join(f"{k} {c.timing.step(False) * 1e3:.0f} ms/step ({c.timing.step(True) * 1e3:.0f} with "
+                        f"diagnostics), eval {c.timing.eval_s:.2f} s, checkpoint {c.timing.checkpoint_s:.2f} s, "
+                        f"start-up {c.timing.startup_s:.1f} s"
+                        + (f", shadow comparison {c.timing.shadow_s * 1e3:.0f} ms" if c.timing.shadow_s else "")
                         + (f", compiling {c.compile_s:.1f} s per step graph" if c.compile_s else "")
                         for k, c in costs.items())
         compiled = f"; {graphs} step graphs compiled once each, {compiling_s:.0f} s in all" if graphs else ""

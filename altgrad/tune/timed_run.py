@@ -38,19 +38,23 @@ class Timing:
     checkpoint_s: float
     startup_s: float
 
+    def step(self, diagnostic: bool) -> float:
+        """A steady step of that kind; of the other kind where only that one was timed."""
+        return self.step_s.get(diagnostic, self.step_s.get(not diagnostic, 0.0))
+
 
 def short_run(run: RunConfig, steps: int) -> RunConfig:
     """`run` cut to a timed run of at least `steps` steps: every step reported, an evaluation at
     the step before the last and at the last (which also checkpoints), nothing that stops the run
     or shifts a format. Diagnostics on some steps only are on every other step here, and shadow
-    comparisons on some steps only every 4th, so that each gets settled steps to time, with and
-    without (a trial is charged for the steps it has of each): that takes 12 steps, a run without
-    either 6. (It writes a metrics row every step, which a trial may not: a row costs well under a
+    comparisons (if any) every 4th, so that steps with and without each get settled steps to time
+    (a trial is charged for the steps it has of each): that takes 12 steps, a run without either 6.
+    (It writes a metrics row every step, which a trial may not: a row costs well under a
     millisecond.)"""
     t = run.train
     diag_every = min(t.diag_every, 2)
-    shadow_every = 4 if t.shadow_every > 1 else t.shadow_every
-    n = max(steps, 12 if diag_every == 2 or shadow_every == 4 else 6)
+    shadow_every = 4 if t.shadow_every else 0
+    n = max(steps, 12 if diag_every == 2 or shadow_every else 6)
     return RunConfig.model_validate(deep_merge(run.model_dump(mode="json"), {
         "train": {"max_steps": n, "warmup_steps": 1, "diag_every": diag_every, "shadow_every": shadow_every,
                   "log_interval": 1, "eval_interval": n - 1, "checkpoint_interval": n},
@@ -91,8 +95,7 @@ def timing(ends: list[float], train: TrainConfig) -> Timing:
     n = train.max_steps
     durations = [b - a for a, b in zip([0.0, *ends], ends, strict=False)]
     kinds = [is_diagnostic_step(train, step) for step in range(1, n + 1)]
-    # (a shadow comparison on every step is part of every step)
-    shadows = [is_shadow_step(train, step) and train.shadow_every > 1 for step in range(1, n + 1)]
+    shadows = [is_shadow_step(train, step) for step in range(1, n + 1)]
     plain: dict[bool, list[float]] = {}
     shadowed: list[tuple[bool, float]] = []
     for step in range(1, n - 1):
