@@ -122,3 +122,43 @@ def test_a_run_dir_whose_checkpoint_never_arrived_resumes_from_tunes(monkeypatch
                         lambda: tune.Checkpoint.from_directory(str(tune_checkpoint)))
     with trainable.resume_point(run_dir) as resume:
         assert resume == run_dir
+
+
+def test_a_run_dir_is_fetched_whole_or_not_at_all(monkeypatch, s3_bucket, tmp_path):
+    """A retry on a node whose earlier attempt died mid-fetch finds no run dir (so it fetches
+    again), not the part that had arrived; the fetch then brings every file, and nothing of the
+    killed attempt's."""
+    from pyarrow.fs import FileSelector, FileSystem, LocalFileSystem, copy_files
+
+    from altgrad.train.checkpoint import save_checkpoint
+    from altgrad.tune import trainable
+
+    run = tmp_path / "uploaded"
+    save_checkpoint(run / "checkpoints" / "step_00000005", {"step": 5, "model": {}})
+    (run / "metrics.jsonl").write_text('{"step": 5}\n')
+    bucket, prefix = FileSystem.from_uri(f"{s3_bucket}/fetch-test/trial")
+    copy_files(str(run), f"{prefix}/run", source_filesystem=LocalFileSystem(), destination_filesystem=bucket)
+    sent = sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file())
+    assert sent == sorted(i.path.split("/run/", 1)[1]
+                          for i in bucket.get_file_info(FileSelector(f"{prefix}/run", recursive=True))
+                          if i.type.name == "File")
+
+    def dies_midway(source, destination, **kwargs):  # the metrics arrive, the checkpoint does not
+        copy_files(source, destination, **kwargs)
+        next(Path(destination).rglob("checkpoint.pt")).unlink()
+        raise OSError("node lost")
+
+    node = tmp_path / "node"
+    monkeypatch.setattr(trainable, "copy_files", dies_midway)
+    with pytest.raises(OSError):
+        trainable.fetch_run_dir(bucket, f"{prefix}/run", node / "run")
+    assert not (node / "run").exists()
+
+    monkeypatch.setattr(trainable, "copy_files", copy_files)
+    trainable.fetch_run_dir(bucket, f"{prefix}/run", node / "run")
+    assert sorted(p.relative_to(node / "run").as_posix() for p in (node / "run").rglob("*") if p.is_file()) == sent
+    assert all((node / "run" / f).read_bytes() == (run / f).read_bytes() for f in sent)
+    assert [p.name for p in node.iterdir()] == ["run"]
+
+    trainable.fetch_run_dir(bucket, f"{prefix}/none", node / "elsewhere")  # no run dir in the bucket yet
+    assert not (node / "elsewhere").exists()

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from pyarrow.fs import FileSystem, FileType, LocalFileSystem, copy_files
 from ray import tune
 
 from altgrad.config import RunConfig
@@ -111,7 +113,7 @@ def local_trial_dir(key: str) -> Path:
     else:
         path = Path.cwd()
         if not (path / RUN_DIR).exists():  # a retry on another node: fetch the synced run dir
-            _fetch_run_dir(storage, path / RUN_DIR)
+            fetch_run_dir(storage.storage_filesystem, f"{storage.trial_fs_path}/{RUN_DIR}", path / RUN_DIR)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -120,14 +122,20 @@ def storage_is_local() -> bool:
     return tune.get_context().get_storage().storage_filesystem.type_name == "local"
 
 
-def _fetch_run_dir(storage, destination: Path) -> None:
-    from pyarrow.fs import FileType, LocalFileSystem, copy_files
+def fetch_run_dir(filesystem: FileSystem, source: str, destination: Path) -> None:
+    """Copy the trial's run dir `source` on remote storage to `destination`, whole or not at all
+    (nothing when the storage has none).
 
-    source = f"{storage.trial_fs_path}/{RUN_DIR}"
-    if storage.storage_filesystem.get_file_info(source).type == FileType.Directory:
-        destination.mkdir(parents=True, exist_ok=True)  # copy_files makes the sub-folders, not the root
-        copy_files(source, str(destination), source_filesystem=storage.storage_filesystem,
+    It is copied beside `destination` and renamed into place: a trial killed mid-fetch on a node
+    that lives on is retried in the same working dir, where a partial run dir would be taken for
+    a fetched one (no second fetch) and resumed from whatever part of it had arrived."""
+    if filesystem.get_file_info(source).type == FileType.Directory:
+        partial = destination.with_name(f"{destination.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)  # a killed fetch's
+        partial.mkdir(parents=True)  # copy_files makes the sub-folders, not the root
+        copy_files(source, str(partial), source_filesystem=filesystem,
                    destination_filesystem=LocalFileSystem())
+        partial.rename(destination)
 
 
 @contextlib.contextmanager
