@@ -90,9 +90,9 @@ def test_measured_step_cost_is_timed_here(make_config):
     assert eager.compile_s == 0
 
     # diagnostics every other step in the timed run: a graph with them and one without, ~15 s each
-    # to compile cold
+    # to compile cold; enough evaluation batches that an evaluation stands out of a step's noise
     tiny = make_config("quant.format=bf16", "train.compile=true", "model.n_layer=1", "model.n_head=1",
-                       "model.n_embd=16", "train.log_interval=5", "train.diag_every=4")
+                       "model.n_embd=16", "train.log_interval=5", "train.diag_every=4", "train.eval_iters=24")
     first, second = (measure(tiny, steps=6, cpus=1) for _ in range(2))
     for cost in (first, second):  # compiling a step graph here takes seconds; loading it, less
         assert 0 < cost.timing.startup_s < cost.compile_s and cost.timing.eval_s > 0
