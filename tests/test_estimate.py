@@ -35,17 +35,24 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
 
     gpu = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                   "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
-                  "--set", "estimate.compile_s={}")
+                  "--set", "estimate.startup_s.gpu=30", "--set", "estimate.compile_s={}")
     step = 0.05  # stored: an eval batch is a third of a step; gpu smoke evaluates 20 batches
-    trial = 10 + 20 * step + 5 * 20 * step / 3
+    trial = 10 + 30 + 20 * step + 5 * 20 * step / 3  # overhead, start-up, steps, evaluations
+    assert f"estimated wall time: {trial:.0f} s for 3 trials at full budget, 3 at a time" in gpu
     hours = 3 * trial * 0.25 / 3600
     assert f"GPU time: {hours:.2f} GPU-hours (0.25 GPU per trial) = ${hours * 4:.2f} at $4/GPU-hour" in gpu
-    assert "3 step graphs" in gpu and "not counted (no estimate.compile_s.gpu)" in gpu
+    assert "start-up 30 s (estimate.startup_s)" in gpu
+    assert "compiling its 3 step graphs not counted (no estimate.compile_s.gpu)" in gpu
+    unknown = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
+                      "--set", "estimate.startup_s={}")
+    assert "start-up not counted (no estimate.startup_s.gpu)" in unknown
 
     # two seeds: twice the trials, the same three step graphs (one per format), each compiled once
     seeds = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                     "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
-                    "--set", "estimate.compile_s.gpu=30", "--set", "grid.seeds=[1, 2]")
+                    "--set", "estimate.startup_s.gpu=30", "--set", "estimate.compile_s.gpu=30",
+                    "--set", "grid.seeds=[1, 2]")
+    assert f"estimated wall time: {(6 * trial + 3 * 30) / 4:.0f} s for 6 trials at full budget, 4 at a time" in seeds
     hours = (6 * trial + 3 * 30) * 0.25 / 3600
     assert f"GPU time: {hours:.2f} GPU-hours (0.25 GPU per trial) = ${hours * 4:.2f} at $4/GPU-hour" in seeds
     assert "3 step graphs compiled once each at 30 s" in seeds
@@ -55,9 +62,11 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     assert "6 step graphs compiled once each at 30 s" in sparse
 
 
-def test_measured_compiling_is_charged_once_per_step_graph(monkeypatch, capsys):
-    """Measured: each trial pays its warm start-up; each distinct step graph its compiling once,
-    at the compile time measured for its kind of run, however many trials (seeds) share it."""
+def test_measured_compiling_is_charged_once_per_compiled_unit(monkeypatch, capsys):
+    """Measured: each trial pays its warm start-up; each distinct step graph (or with
+    `train.compile` off, each set of per-tensor kernels: one per format) its compiling once, at the
+    compile time measured for its kind of run, however many trials (seeds) share it; nothing where
+    compiling is off."""
     from altgrad.tune import estimate
 
     costs = {"bf16": estimate.StepCost(Timing({False: 0.1, True: 0.1}, 0.0, 1.0, 0.0, 2.0), "measured", 4.0),
@@ -73,18 +82,32 @@ def test_measured_compiling_is_charged_once_per_step_graph(monkeypatch, capsys):
     graphs = 2 * 4 + 2 * 2 * 7
     assert f"estimated wall time: {(2 * bf16 + 4 * quantized + graphs) / 2:.0f} s for 6 trials" in out
     assert ("quantized 200 ms/step (200 with diagnostics), eval 2.00 s, checkpoint 0.00 s, start-up 3.0 s, "
-            "compiling 7.0 s per step graph") in out
+            "compiling 7.0 s per unit") in out
     assert f"; 6 step graphs compiled once each, {graphs} s in all" in out
 
+    per_tensor = ["--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
+                  "--set", "preset=cpu", "--set", "base.train.compile=false",
+                  "--set", "grid.formats=[bf16, e4m3, e5m2]", "--set", "grid.seeds=[1, 2]"]
+    kernels = dry_run(capsys, *per_tensor)
+    assert f"estimated wall time: {(2 * bf16 + 4 * quantized + 4 + 2 * 7) / 2:.0f} s for 6 trials" in kernels
+    assert f"; 3 kernel sets compiled once each, {4 + 2 * 7} s in all" in kernels
+    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
+    eager = dry_run(capsys, *per_tensor)
+    assert f"estimated wall time: {(2 * bf16 + 4 * quantized) / 2:.0f} s for 6 trials" in eager
+    assert "compiled once" not in eager
 
-def test_measured_step_cost_is_timed_here(make_config):
+
+def test_measured_step_cost_is_timed_here(make_config, monkeypatch):
     """Timed in a child process, as a trial runs: a run that does not compile, once, with nothing
     to compile; a compiled one twice, its warm start-up and its compiling measured apart -- from a
     cache of the measurement's own, so a second measurement compiles again (it does not find the
     first one's graphs) -- at any log_interval."""
     from altgrad.tune.estimate import measure
 
-    eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5"), steps=6, cpus=1)
+    with monkeypatch.context() as eager_kernels:
+        eager_kernels.setenv("ALTGRAD_NO_COMPILE", "1")  # the child inherits it
+        eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5"),
+                        steps=6, cpus=1)
     assert eager.source == "measured" and eager.timing.eval_s > 0 and eager.timing.startup_s > 0
     assert all(0 < step < 5 for step in eager.timing.step_s.values())
     assert eager.compile_s == 0
@@ -105,7 +128,7 @@ def test_measured_cost_charges_each_trial_its_kinds_of_step_and_splits_the_compi
     """The warm run's steady steps, with and without diagnostics, are charged to each trial for the
     steps it has of each kind (a kind not timed costs what the other does), and its shadow
     comparison for each step that compares (on every step, every step); the cold run's longer
-    start-up is the compiling of its step graphs, split evenly."""
+    start-up is the compiling of its step graphs, split evenly (or of its per-tensor kernels)."""
     from altgrad.tune import estimate
 
     warm = Timing({True: 0.32, False: 0.12}, 0.04, 1.5, 2.5, startup_s=10.0)
@@ -115,6 +138,10 @@ def test_measured_cost_charges_each_trial_its_kinds_of_step_and_splits_the_compi
                             steps=6, cpus=1)
     assert cost.compile_s == pytest.approx((50.0 - 10.0) / 2)  # two graphs: with and without diagnostics
     assert cost.timing == warm
+    timings = iter([Timing({True: 0.3, False: 0.1}, 0.02, 1.0, 2.0, startup_s=40.0), warm])
+    kernels = estimate.measure(make_config("train.compile=false", "train.diag_every=4", "train.max_steps=20"),
+                               steps=6, cpus=1)
+    assert kernels.compile_s == pytest.approx(40.0 - 10.0) and kernels.timing == warm  # one set of kernels
 
     def trial(diag_every: int, shadow_every: int = 0, timed: estimate.StepCost = cost) -> float:
         return timed.trial_s(make_config(f"train.diag_every={diag_every}", f"train.shadow_every={shadow_every}",

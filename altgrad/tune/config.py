@@ -325,21 +325,24 @@ class EstimateSettings(StrictModel):
     measure_steps: int = Field(
         12, ge=0, description="steps of a bf16 and the slowest quantized trial timed on this machine "
         "(at least 6; 12 with diagnostics or the shadow on some steps only), each in a fresh process "
-        "(one that compiles step graphs twice: cold, then warm from the first run's cache, which "
-        "times the compiling apart); 0 = use step_time_s")
+        "(one that compiles twice: cold, then warm from the first run's cache, which times the "
+        "compiling apart); 0 = use step_time_s")
     step_time_s: dict[Literal["cpu", "gpu"], float] = Field(
         default_factory=dict, description="stored seconds per step of one trial, per preset, used when "
                                           "the preset cannot be measured here (gpu on a cpu machine)")
+    startup_s: dict[Literal["cpu", "gpu"], float] = Field(
+        default_factory=dict, description="stored seconds, per preset, from a trial's start to its "
+        "first step when what it compiles is in the experiment's compile cache (building the model, "
+        "loading its compiled code). Used with step_time_s")
     compile_s: dict[Literal["cpu", "gpu"], float] = Field(
         default_factory=dict, description="stored seconds, per preset, that compiling a step graph "
-        "takes (train.compile: a cold first step, diagnostics on: the costlier graph), counted once "
-        "per distinct graph of the grid (estimate.step_graph_keys): a "
-        "later trial with the same graph loads it from the experiment's compile cache. Used with "
-        "step_time_s")
-    trial_overhead_s: float = Field(10.0, ge=0, description="per trial, what no timing here covers: "
-                                    "Ray's process and its imports, W&B, the final save; with stored "
-                                    "step times also building the trial and loading its step graphs "
-                                    "from the compile cache (measured ones time that)")
+        "(train.compile; with it off, a set of per-tensor kernels) takes beyond startup_s, counted "
+        "once per distinct one in the grid (estimate.compile_keys): a later trial with the same one "
+        "loads it from the experiment's compile cache. Used with step_time_s")
+    trial_overhead_s: float = Field(1.0, ge=0, description="per trial, what Ray adds to its start-up "
+                                    "and steps: Tune's bookkeeping, the trial's W&B run, its last "
+                                    "report. Tune reuses a trial's worker process for the next, so "
+                                    "no process start or imports")
     usd_per_gpu_hour: float = Field(2.5, ge=0, description="price of one GPU-hour for the cost line")
 
 

@@ -4,16 +4,18 @@ Per-step time comes from one of two sources, and the output says which:
 - **measured**: a short run of the grid's own trials on this machine (one bf16 and the slowest
   quantized point), each in a fresh process holding a trial's share of the machine (`timed_run`):
   its steady steps with and without diagnostics, each trial charged for the steps of each kind it
-  has, and what a shadow comparison, an evaluation and a checkpoint add. A run that compiles step graphs runs twice from
-  one compile cache of its own: cold, then warm. The warm run's start-up is what every trial
-  pays; the difference, the compiling, is paid once per distinct step graph of the grid
-  (`step_graph_keys`): later trials load it from the experiment's compile cache;
-- **stored**: `estimate.step_time_s[<preset>]` from the config, when the preset cannot run here (the
-  gpu preset on a machine without CUDA); an evaluation batch is then taken as a third of a step
-  (forward only), and each distinct step graph costs `estimate.compile_s[<preset>]` once.
-A trial costs start-up + its steps, evaluations, shadow comparisons and checkpoints, each at its
-cost; every trial is assumed to run its full budget (early stops only shorten it), and trials run
-`concurrency` at a time.
+  has, and what a shadow comparison, an evaluation and a checkpoint add. A run that compiles (its
+  step graphs, or with `train.compile` off its per-tensor kernels) runs twice from one compile
+  cache of its own: cold, then warm. The warm run's start-up is what every trial pays; the
+  difference, the compiling, is paid once per distinct compiled unit of the grid
+  (`compile_keys`): later trials load it from the experiment's compile cache;
+- **stored**: `estimate.step_time_s[<preset>]` and `estimate.startup_s[<preset>]` from the config,
+  when the preset cannot run here (the gpu preset on a machine without CUDA); an evaluation batch
+  is then taken as a third of a step (forward only), and each distinct compiled unit costs
+  `estimate.compile_s[<preset>]` once.
+A trial costs `estimate.trial_overhead_s` (what Ray adds) + start-up + its steps, evaluations,
+shadow comparisons and checkpoints, each at its cost; every trial is assumed to run its full budget
+(early stops only shorten it), and trials run `concurrency` at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from altgrad.config import RunConfig
 from altgrad.metrics import is_checkpoint_step, is_diagnostic_step, is_eval_step, is_shadow_step
 from altgrad.precision import BASELINE
+from altgrad.quant.kernels import compiling_disabled
 from altgrad.tune.config import SweepConfig
 from altgrad.tune.timed_run import Timing, short_run, timed_run
 
@@ -37,8 +40,8 @@ QUANTIZED = "quantized"  # the step cost of the grid's quantized runs (the slowe
 @dataclass(frozen=True)
 class StepCost:
     """What one trial of a kind (bf16, or quantized) costs: its parts (`timed_run.Timing`), how
-    they were obtained, and what compiling one of its step graphs costs, once per graph of the grid
-    (None: unknown)."""
+    they were obtained, and what compiling one of its compiled units (`compile_keys`) costs, once
+    per unit of the grid (None: unknown)."""
 
     timing: Timing
     source: str
@@ -58,50 +61,63 @@ class StepCost:
 def measure(run: RunConfig, steps: int, cpus: int, gpu_fraction: float = 0.0) -> StepCost:
     """Time a short run of `run` (`timed_run.short_run`, at least `steps` steps) on this machine as a
     trial takes it: a fresh process holding the trial's `cpus` and `gpu_fraction`, with a compile
-    cache of its own, first empty. A run that compiles step graphs runs again from that cache, as a
-    later trial of the same graphs does: its steps and start-up are a trial's, and what the cold
-    run's start-up took longer is the compiling, split evenly over its graphs."""
+    cache of its own, first empty. A run that compiles runs again from that cache, as a later trial
+    of the same compiled units does: its steps and start-up are a trial's, and what the cold run's
+    start-up took longer is the compiling, split evenly over its units."""
     from altgrad.data import prepare_dataset
 
     short = short_run(run, steps)
     prepare_dataset(short.data)  # before the clock: a sweep prepares the data once, not per trial
-    graphs = len(step_graph_keys(short))
+    units = len(compile_keys(short))
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "compile_cache"
         cold = timed_run(short, Path(tmp) / "cold", cache, cpus, gpu_fraction)
-        warm = timed_run(short, Path(tmp) / "warm", cache, cpus, gpu_fraction) if graphs else cold
-    return StepCost(warm, "measured", max(cold.startup_s - warm.startup_s, 0.0) / graphs if graphs else 0.0)
+        warm = timed_run(short, Path(tmp) / "warm", cache, cpus, gpu_fraction) if units else cold
+    return StepCost(warm, "measured", max(cold.startup_s - warm.startup_s, 0.0) / units if units else 0.0)
 
 
-def stored(run: RunConfig, step_s: float, compile_s: float | None) -> StepCost:
+def stored(run: RunConfig, step_s: float, compile_s: float | None, startup_s: float) -> StepCost:
     """The stored per-preset step time, the same for every kind of step (an evaluation batch a
-    third of it; nothing known of start-up, shadow comparisons or checkpoints)."""
+    third of it; nothing known of shadow comparisons or checkpoints), and start-up."""
     return StepCost(Timing({False: step_s, True: step_s}, shadow_s=0.0, eval_s=run.train.eval_iters * step_s / 3,
-                           checkpoint_s=0.0, startup_s=0.0), "stored", compile_s)
+                           checkpoint_s=0.0, startup_s=startup_s), "stored", compile_s)
 
 
-def step_graph_keys(run: RunConfig) -> set[str]:
-    """The step graphs a run compiles (none with `train.compile` off): one for its diagnostic steps
-    and one for the others, where it has both kinds, each keyed by what it depends on -- the model,
-    the quantization settings, the batch shape and autocast. Not the seed, the optimizer or its
-    schedule: they act outside the graph, so trials that differ only in those share one compile."""
+STEP_GRAPH, KERNELS = "step graph", "kernel set"  # what `compile_keys` keys
+
+
+def compile_keys(run: RunConfig) -> set[str]:
+    """What a run compiles, each unit keyed by what it depends on (a JSON list, its kind first);
+    none where compiling is off (`ALTGRAD_NO_COMPILE`). With `train.compile`, its step graphs: one
+    for its diagnostic steps and one for the others, where it has both kinds, each on the model,
+    the quantization settings, the batch shape and autocast. Without, its per-tensor kernels, which
+    compile for any shape: one set on the quantization settings and on whether it runs
+    diagnostics (their kernels count and compare codes). Never the seed, the optimizer or its
+    schedule: they act outside the compiled code, so trials that differ only in those share it."""
     t = run.train
-    if not t.compile:
+    if compiling_disabled():
         return set()
-    shared = [run.model.model_dump(mode="json"), run.quant.model_dump(mode="json"), t.batch_size, t.autocast]
-    kinds = {is_diagnostic_step(t, step) for step in range(1, t.max_steps + 1)}
-    return {json.dumps([*shared, diagnostics], sort_keys=True) for diagnostics in kinds}
+    diagnostics = {is_diagnostic_step(t, step) for step in range(1, t.max_steps + 1)}
+    quant = run.quant.model_dump(mode="json")
+    if not t.compile:
+        return {json.dumps([KERNELS, quant, True in diagnostics], sort_keys=True)}
+    shared = [STEP_GRAPH, run.model.model_dump(mode="json"), quant, t.batch_size, t.autocast]
+    return {json.dumps([*shared, kind], sort_keys=True) for kind in diagnostics}
 
 
-def compiling(runs: list[RunConfig], cost_of: Callable[[RunConfig], StepCost]) -> tuple[float, int, bool]:
-    """The grid's distinct step graphs: seconds to compile them, once each, at the `compile_s` of
-    the first run that compiles each; how many there are; whether every one's cost is known."""
-    graphs: dict[str, StepCost] = {}
+def compiling(runs: list[RunConfig], cost_of: Callable[[RunConfig], StepCost]) -> tuple[float, str, bool]:
+    """The grid's distinct compiled units: seconds to compile them, once each, at the `compile_s`
+    of the first run that compiles each; how many there are of each kind ("6 step graphs");
+    whether every one's cost is known."""
+    units: dict[str, StepCost] = {}
     for run in runs:
-        for key in step_graph_keys(run):
-            graphs.setdefault(key, cost_of(run))
-    known = [c.compile_s for c in graphs.values() if c.compile_s is not None]
-    return sum(known), len(graphs), len(known) == len(graphs)
+        for key in compile_keys(run):
+            units.setdefault(key, cost_of(run))
+    known = [c.compile_s for c in units.values() if c.compile_s is not None]
+    kinds = [json.loads(key)[0] for key in units]
+    counted = " and ".join(f"{kinds.count(k)} {k}{'s' * (kinds.count(k) != 1)}" for k in (STEP_GRAPH, KERNELS)
+                           if k in kinds)
+    return sum(known), counted, len(known) == len(units)
 
 
 def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, can_measure: bool) -> list[str]:
@@ -118,7 +134,8 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
         costs = {k: measure(r, e.measure_steps, cfg.resources.cpus_per_trial, cfg.resources.gpu_per_trial)
                  for k, r in ((BASELINE, baseline), (QUANTIZED, slowest)) if r is not None}
     elif stored_step is not None:
-        costs = {k: stored(runs[0], stored_step, e.compile_s.get(cfg.preset)) for k in (BASELINE, QUANTIZED)}
+        costs = {k: stored(runs[0], stored_step, e.compile_s.get(cfg.preset), e.startup_s.get(cfg.preset, 0.0))
+                 for k in (BASELINE, QUANTIZED)}
     else:
         return [f"time estimate: n/a (preset {cfg.preset} cannot run here and the config has no "
                 f"estimate.step_time_s.{cfg.preset})"]
@@ -127,27 +144,30 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
         return (costs.get(BASELINE) if run.quant.format == BASELINE else None) or costs.get(QUANTIZED) \
             or costs[BASELINE]
 
-    compiling_s, graphs, known = compiling(runs, cost_of)
+    compiling_s, units, known = compiling(runs, cost_of)
     if measured:
         how = "; ".join(f"{k} {c.timing.step(False) * 1e3:.0f} ms/step ({c.timing.step(True) * 1e3:.0f} with "
                         f"diagnostics), eval {c.timing.eval_s:.2f} s, checkpoint {c.timing.checkpoint_s:.2f} s, "
                         f"start-up {c.timing.startup_s:.1f} s"
                         + (f", shadow comparison {c.timing.shadow_s * 1e3:.0f} ms" if c.timing.shadow_s else "")
-                        + (f", compiling {c.compile_s:.1f} s per step graph" if c.compile_s else "")
+                        + (f", compiling {c.compile_s:.1f} s per unit" if c.compile_s else "")
                         for k, c in costs.items())
-        compiled = f"; {graphs} step graphs compiled once each, {compiling_s:.0f} s in all" if graphs else ""
+        compiled = f"; {units} compiled once each, {compiling_s:.0f} s in all" if units else ""
         source = f"measured here, a short run of each ({how}){compiled}"
     else:
         why = "estimate.measure_steps = 0" if can_measure else "this machine cannot run the preset"
-        compiled = "" if not graphs else (
-            f"; {graphs} step graphs compiled once each at {e.compile_s[cfg.preset]:g} s (estimate.compile_s)"
-            if known else f"; compiling its {graphs} step graphs not counted (no estimate.compile_s.{cfg.preset})")
-        source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step ({why}){compiled}"
+        compiled = "" if not units else (
+            f"; {units} compiled once each at {e.compile_s[cfg.preset]:g} s (estimate.compile_s)"
+            if known else f"; compiling its {units} not counted (no estimate.compile_s.{cfg.preset})")
+        startup = e.startup_s.get(cfg.preset)
+        started = (f", start-up {startup:g} s (estimate.startup_s)" if startup is not None
+                   else f", start-up not counted (no estimate.startup_s.{cfg.preset})")
+        source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step{started} ({why}){compiled}"
     total_s = compiling_s + sum(cost_of(r).trial_s(r, e.trial_overhead_s) for r in runs)
     wall_s = total_s / min(concurrency, len(runs))
     lines = [f"estimated wall time: {_duration(wall_s)} for {len(runs)} trials at full budget, "
              f"{min(concurrency, len(runs))} at a time (+{e.trial_overhead_s:g} s per trial for "
-             f"Ray's start-up); {source}"]
+             f"Ray: estimate.trial_overhead_s); {source}"]
     gpu = cfg.resources.gpu_per_trial
     if gpu > 0:
         gpu_hours = total_s * gpu / 3600
