@@ -9,33 +9,40 @@ from sweep_helpers import ablation, dry_run
 from altgrad.tune.timed_run import Timing
 
 
+@pytest.fixture(autouse=True)
+def compiling_on(monkeypatch):
+    """Whether the grid compiles is part of what is estimated: not left to the environment."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+
+
 def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
-    """Wall time = sum over trials of (overhead + start-up + each step at its kind's cost + evals x
-    eval + shadow comparisons x shadow + checkpoints x checkpoint) / trials at a time; GPU-hours =
-    trial time x GPU per trial; with known per-step costs."""
+    """Wall time = the sweep's overhead + sum over trials of (overhead + start-up + each step at its
+    kind's cost + evals x eval + shadow comparisons x shadow + checkpoints x checkpoint) / trials at
+    a time; GPU-hours = trial time x GPU per trial; with known per-step costs."""
     from altgrad.tune import estimate
 
     costs = {"bf16": estimate.StepCost(Timing({False: 0.1, True: 0.3}, shadow_s=0.05, eval_s=1.0, checkpoint_s=0.5,
                                               startup_s=5.0), "measured"),
              "e4m3": estimate.StepCost(Timing({False: 0.2, True: 0.4}, shadow_s=0.08, eval_s=2.0, checkpoint_s=0.25,
                                               startup_s=7.0), "measured")}
-    monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, gpu_fraction: costs[
+    monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, cache, gpu_fraction: costs[
         "bf16" if run.quant.format == "bf16" else "e4m3"])
     out = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
-                  "--set", "preset=cpu", "--set", "grid.formats=[bf16, e4m3, e5m2]")
+                  "--set", "estimate.sweep_overhead_s=8", "--set", "preset=cpu", "--set", "grid.formats=[bf16, e4m3, e5m2]")
     # smoke: 20 steps, diagnostics on step 1 and every 2nd (11 of them), evaluated at steps 1, 5,
     # 10, 15 and 20 (the last is an eval_interval step too: counted once), compared with the shadow
     # at steps 1, 10 and 20 (shadow_every 10), checkpointed at 10 and 20; 2 trials at a time on 2
     # cores
     bf16 = 3 + 5 + 11 * 0.3 + 9 * 0.1 + 5 * 1.0 + 3 * 0.05 + 2 * 0.5
     quantized = 3 + 7 + 11 * 0.4 + 9 * 0.2 + 5 * 2.0 + 3 * 0.08 + 2 * 0.25
-    assert f"estimated wall time: {(bf16 + 2 * quantized) / 2:.0f} s for 3 trials" in out
+    assert f"estimated wall time: {8 + (bf16 + 2 * quantized) / 2:.0f} s for 3 trials" in out
     assert ("measured here, a short run of each (bf16 100 ms/step (300 with diagnostics), eval 1.00 s, "
             "checkpoint 0.50 s") in out
 
     gpu = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                   "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
-                  "--set", "estimate.startup_s.gpu=30", "--set", "estimate.compile_s={}")
+                  "--set", "estimate.startup_s.gpu=30", "--set", "estimate.compile_s={}",
+                  "--set", "estimate.sweep_overhead_s=0")
     step = 0.05  # stored: an eval batch is a third of a step; gpu smoke evaluates 20 batches
     trial = 10 + 30 + 20 * step + 5 * 20 * step / 3  # overhead, start-up, steps, evaluations
     assert f"estimated wall time: {trial:.0f} s for 3 trials at full budget, 3 at a time" in gpu
@@ -51,7 +58,7 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     seeds = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                     "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
                     "--set", "estimate.startup_s.gpu=30", "--set", "estimate.compile_s.gpu=30",
-                    "--set", "grid.seeds=[1, 2]")
+                    "--set", "estimate.sweep_overhead_s=0", "--set", "grid.seeds=[1, 2]")
     assert f"estimated wall time: {(6 * trial + 3 * 30) / 4:.0f} s for 6 trials at full budget, 4 at a time" in seeds
     hours = (6 * trial + 3 * 30) * 0.25 / 3600
     assert f"GPU time: {hours:.2f} GPU-hours (0.25 GPU per trial) = ${hours * 4:.2f} at $4/GPU-hour" in seeds
@@ -64,18 +71,18 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
 
 def test_measured_compiling_is_charged_once_per_compiled_unit(monkeypatch, capsys):
     """Measured: each trial pays its warm start-up; each distinct step graph (or with
-    `train.compile` off, each set of per-tensor kernels: one per format) its compiling once, at the
-    compile time measured for its kind of run, however many trials (seeds) share it; nothing where
-    compiling is off."""
+    `train.compile` off, each set of per-tensor kernels: one per kernel family of formats, e4m3 and
+    e5m2 one, e7m0 another) its compiling once, at the compile time measured for its kind of run,
+    however many trials (seeds) share it; nothing where compiling is off."""
     from altgrad.tune import estimate
 
     costs = {"bf16": estimate.StepCost(Timing({False: 0.1, True: 0.1}, 0.0, 1.0, 0.0, 2.0), "measured", 4.0),
              "e4m3": estimate.StepCost(Timing({False: 0.2, True: 0.2}, 0.0, 2.0, 0.0, 3.0), "measured", 7.0)}
-    monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, gpu_fraction: costs[
+    monkeypatch.setattr(estimate, "measure", lambda run, steps, cpus, cache, gpu_fraction: costs[
         "bf16" if run.quant.format == "bf16" else "e4m3"])
     out = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
                   "--set", "preset=cpu", "--set", "base.train.compile=true", "--set", "grid.formats=[bf16, e4m3, e5m2]",
-                  "--set", "grid.seeds=[1, 2]")
+                  "--set", "grid.seeds=[1, 2]", "--set", "estimate.sweep_overhead_s=0")
     bf16 = 3 + 2 + 20 * 0.1 + 5 * 1.0
     quantized = 3 + 3 + 20 * 0.2 + 5 * 2.0
     # per format a graph with diagnostics and one without (diag_every: 2), each once for both seeds
@@ -86,28 +93,28 @@ def test_measured_compiling_is_charged_once_per_compiled_unit(monkeypatch, capsy
     assert f"; 6 step graphs compiled once each, {graphs} s in all" in out
 
     per_tensor = ["--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=3",
-                  "--set", "preset=cpu", "--set", "base.train.compile=false",
-                  "--set", "grid.formats=[bf16, e4m3, e5m2]", "--set", "grid.seeds=[1, 2]"]
+                  "--set", "preset=cpu", "--set", "base.train.compile=false", "--set", "estimate.sweep_overhead_s=0",
+                  "--set", "grid.formats=[bf16, e4m3, e5m2, e7m0]", "--set", "grid.seeds=[1, 2]"]
     kernels = dry_run(capsys, *per_tensor)
-    assert f"estimated wall time: {(2 * bf16 + 4 * quantized + 4 + 2 * 7) / 2:.0f} s for 6 trials" in kernels
+    assert f"estimated wall time: {(2 * bf16 + 6 * quantized + 4 + 2 * 7) / 2:.0f} s for 8 trials" in kernels
     assert f"; 3 kernel sets compiled once each, {4 + 2 * 7} s in all" in kernels
     monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
     eager = dry_run(capsys, *per_tensor)
-    assert f"estimated wall time: {(2 * bf16 + 4 * quantized) / 2:.0f} s for 6 trials" in eager
+    assert f"estimated wall time: {(2 * bf16 + 6 * quantized) / 2:.0f} s for 8 trials" in eager
     assert "compiled once" not in eager
 
 
-def test_measured_step_cost_is_timed_here(make_config, monkeypatch):
+def test_measured_step_cost_is_timed_here(make_config, monkeypatch, tmp_path):
     """Timed in a child process, as a trial runs: a run that does not compile, once, with nothing
-    to compile; a compiled one twice, its warm start-up and its compiling measured apart -- from a
-    cache of the measurement's own, so a second measurement compiles again (it does not find the
-    first one's graphs) -- at any log_interval."""
+    to compile; a compiled one twice, its warm start-up and its compiling measured apart -- in the
+    cache it is given: from an empty one a second measurement compiles again, from the first one's
+    it finds what that compiled -- at any log_interval."""
     from altgrad.tune.estimate import measure
 
     with monkeypatch.context() as eager_kernels:
         eager_kernels.setenv("ALTGRAD_NO_COMPILE", "1")  # the child inherits it
         eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5"),
-                        steps=6, cpus=1)
+                        steps=6, cpus=1, cache=tmp_path / "eager")
     assert eager.source == "measured" and eager.timing.eval_s > 0 and eager.timing.startup_s > 0
     assert all(0 < step < 5 for step in eager.timing.step_s.values())
     assert eager.compile_s == 0
@@ -116,15 +123,17 @@ def test_measured_step_cost_is_timed_here(make_config, monkeypatch):
     # to compile cold; enough evaluation batches that an evaluation stands out of a step's noise
     tiny = make_config("quant.format=bf16", "train.compile=true", "model.n_layer=1", "model.n_head=1",
                        "model.n_embd=16", "train.log_interval=5", "train.diag_every=4", "train.eval_iters=24")
-    first, second = (measure(tiny, steps=6, cpus=1) for _ in range(2))
+    first, second = (measure(tiny, steps=6, cpus=1, cache=tmp_path / name) for name in ("one", "two"))
     for cost in (first, second):  # compiling a step graph here takes seconds; loading it, less
         assert 0 < cost.timing.startup_s < cost.compile_s and cost.timing.eval_s > 0
         steps = cost.timing.step_s
         assert set(steps) == {True, False} and all(0 < step < 0.2 for step in steps.values())
     assert second.compile_s > first.compile_s / 3  # cold again, not a hit in the first one's cache
+    assert measure(tiny, steps=6, cpus=1, cache=tmp_path / "one").compile_s < first.compile_s / 3
 
 
-def test_measured_cost_charges_each_trial_its_kinds_of_step_and_splits_the_compiling(make_config, monkeypatch):
+def test_measured_cost_charges_each_trial_its_kinds_of_step_and_splits_the_compiling(make_config, monkeypatch,
+                                                                                     tmp_path):
     """The warm run's steady steps, with and without diagnostics, are charged to each trial for the
     steps it has of each kind (a kind not timed costs what the other does), and its shadow
     comparison for each step that compares (on every step, every step); the cold run's longer
@@ -135,12 +144,12 @@ def test_measured_cost_charges_each_trial_its_kinds_of_step_and_splits_the_compi
     timings = iter([Timing({True: 0.3, False: 0.1}, 0.02, 1.0, 2.0, startup_s=50.0), warm])  # cold, warm
     monkeypatch.setattr(estimate, "timed_run", lambda run, workdir, cache, cpus, gpu_fraction: next(timings))
     cost = estimate.measure(make_config("train.compile=true", "train.diag_every=4", "train.max_steps=20"),
-                            steps=6, cpus=1)
+                            steps=6, cpus=1, cache=tmp_path)
     assert cost.compile_s == pytest.approx((50.0 - 10.0) / 2)  # two graphs: with and without diagnostics
     assert cost.timing == warm
     timings = iter([Timing({True: 0.3, False: 0.1}, 0.02, 1.0, 2.0, startup_s=40.0), warm])
     kernels = estimate.measure(make_config("train.compile=false", "train.diag_every=4", "train.max_steps=20"),
-                               steps=6, cpus=1)
+                               steps=6, cpus=1, cache=tmp_path)
     assert kernels.compile_s == pytest.approx(40.0 - 10.0) and kernels.timing == warm  # one set of kernels
 
     def trial(diag_every: int, shadow_every: int = 0, timed: estimate.StepCost = cost) -> float:

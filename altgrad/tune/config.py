@@ -335,14 +335,17 @@ class EstimateSettings(StrictModel):
         "first step when what it compiles is in the experiment's compile cache (building the model, "
         "loading its compiled code). Used with step_time_s")
     compile_s: dict[Literal["cpu", "gpu"], float] = Field(
-        default_factory=dict, description="stored seconds, per preset, that compiling a step graph "
-        "(train.compile; with it off, a set of per-tensor kernels) takes beyond startup_s, counted "
-        "once per distinct one in the grid (estimate.compile_keys): a later trial with the same one "
-        "loads it from the experiment's compile cache. Used with step_time_s")
-    trial_overhead_s: float = Field(1.0, ge=0, description="per trial, what Ray adds to its start-up "
+        default_factory=dict, description="stored seconds, per preset, that compiling one unit takes "
+        "beyond startup_s: a step graph (train.compile) or a set of per-tensor kernels (off), each "
+        "counted once per distinct one in the grid (estimate.compile_keys): a later trial with the "
+        "same one loads it from the experiment's compile cache. Measured for the preset's own "
+        "train.compile (a kernel set compiles faster than a step graph). Used with step_time_s")
+    trial_overhead_s: float = Field(2.0, ge=0, description="per trial, what Ray adds to its start-up "
                                     "and steps: Tune's bookkeeping, the trial's W&B run, its last "
                                     "report. Tune reuses a trial's worker process for the next, so "
                                     "no process start or imports")
+    sweep_overhead_s: float = Field(10.0, ge=0, description="once per sweep: Ray's start, its first "
+                                    "workers' imports, the trial table and report at the end")
     usd_per_gpu_hour: float = Field(2.5, ge=0, description="price of one GPU-hour for the cost line")
 
 

@@ -4,18 +4,19 @@ Per-step time comes from one of two sources, and the output says which:
 - **measured**: a short run of the grid's own trials on this machine (one bf16 and the slowest
   quantized point), each in a fresh process holding a trial's share of the machine (`timed_run`):
   its steady steps with and without diagnostics, each trial charged for the steps of each kind it
-  has, and what a shadow comparison, an evaluation and a checkpoint add. A run that compiles (its
-  step graphs, or with `train.compile` off its per-tensor kernels) runs twice from one compile
-  cache of its own: cold, then warm. The warm run's start-up is what every trial pays; the
-  difference, the compiling, is paid once per distinct compiled unit of the grid
-  (`compile_keys`): later trials load it from the experiment's compile cache;
+  has, and what a shadow comparison, an evaluation and a checkpoint add. The runs compile into one
+  cache, first empty, as the sweep's trials do into the experiment's; one that compiles (its step
+  graphs, or with `train.compile` off its per-tensor kernels) runs twice: cold, then warm. The warm
+  run's start-up is what every trial pays; the difference, the compiling, is paid once per
+  distinct compiled unit of the grid (`compile_keys`): later trials load it from the cache;
 - **stored**: `estimate.step_time_s[<preset>]` and `estimate.startup_s[<preset>]` from the config,
   when the preset cannot run here (the gpu preset on a machine without CUDA); an evaluation batch
   is then taken as a third of a step (forward only), and each distinct compiled unit costs
   `estimate.compile_s[<preset>]` once.
 A trial costs `estimate.trial_overhead_s` (what Ray adds) + start-up + its steps, evaluations,
 shadow comparisons and checkpoints, each at its cost; every trial is assumed to run its full budget
-(early stops only shorten it), and trials run `concurrency` at a time.
+(early stops only shorten it), and trials run `concurrency` at a time, after Ray's start and before
+the report (`estimate.sweep_overhead_s`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from altgrad.config import RunConfig
+from altgrad.config import QuantConfig, RunConfig
 from altgrad.metrics import is_checkpoint_step, is_diagnostic_step, is_eval_step, is_shadow_step
-from altgrad.precision import BASELINE
-from altgrad.quant.kernels import compiling_disabled
+from altgrad.precision import BASELINE, FORMAT_PLACEHOLDER
+from altgrad.quant.formats import get_format
+from altgrad.quant.kernels import compiling_disabled, family
 from altgrad.tune.config import SweepConfig
 from altgrad.tune.timed_run import Timing, short_run, timed_run
 
@@ -48,8 +51,8 @@ class StepCost:
     compile_s: float | None = 0.0
 
     def trial_s(self, run: RunConfig, overhead_s: float) -> float:
-        """A trial of `run` at full budget: its start-up and each of its steps, evaluations, shadow
-        comparisons and checkpoints, as the trainer schedules them."""
+        """A trial of `run` at full budget: Ray's `overhead_s`, its start-up and each of its steps,
+        evaluations, shadow comparisons and checkpoints, as the trainer schedules them."""
         t, c = run.train, self.timing
         steps = range(1, t.max_steps + 1)
         return (overhead_s + c.startup_s + sum(c.step(is_diagnostic_step(t, s)) for s in steps)
@@ -58,19 +61,20 @@ class StepCost:
                 + sum(is_checkpoint_step(t, s) for s in steps) * c.checkpoint_s)
 
 
-def measure(run: RunConfig, steps: int, cpus: int, gpu_fraction: float = 0.0) -> StepCost:
+def measure(run: RunConfig, steps: int, cpus: int, cache: Path, gpu_fraction: float = 0.0) -> StepCost:
     """Time a short run of `run` (`timed_run.short_run`, at least `steps` steps) on this machine as a
-    trial takes it: a fresh process holding the trial's `cpus` and `gpu_fraction`, with a compile
-    cache of its own, first empty. A run that compiles runs again from that cache, as a later trial
-    of the same compiled units does: its steps and start-up are a trial's, and what the cold run's
-    start-up took longer is the compiling, split evenly over its units."""
+    trial takes it: a fresh process holding the trial's `cpus` and `gpu_fraction`, compiling into
+    `cache`. A run that compiles runs again from that cache, as a later trial of the same compiled
+    units does: its steps and start-up are a trial's, and what the cold run's start-up took longer
+    is the compiling, split evenly over its units. Like a sweep's trials, the runs measured for one
+    estimate share one cache: the first builds what every unit needs once (inductor's C++ headers,
+    the kernels all formats share), and a later one pays only for its own."""
     from altgrad.data import prepare_dataset
 
     short = short_run(run, steps)
     prepare_dataset(short.data)  # before the clock: a sweep prepares the data once, not per trial
     units = len(compile_keys(short))
     with tempfile.TemporaryDirectory() as tmp:
-        cache = Path(tmp) / "compile_cache"
         cold = timed_run(short, Path(tmp) / "cold", cache, cpus, gpu_fraction)
         warm = timed_run(short, Path(tmp) / "warm", cache, cpus, gpu_fraction) if units else cold
     return StepCost(warm, "measured", max(cold.startup_s - warm.startup_s, 0.0) / units if units else 0.0)
@@ -90,19 +94,36 @@ def compile_keys(run: RunConfig) -> set[str]:
     """What a run compiles, each unit keyed by what it depends on (a JSON list, its kind first);
     none where compiling is off (`ALTGRAD_NO_COMPILE`). With `train.compile`, its step graphs: one
     for its diagnostic steps and one for the others, where it has both kinds, each on the model,
-    the quantization settings, the batch shape and autocast. Without, its per-tensor kernels, which
-    compile for any shape: one set on the quantization settings and on whether it runs
-    diagnostics (their kernels count and compare codes). Never the seed, the optimizer or its
-    schedule: they act outside the compiled code, so trials that differ only in those share it."""
+    the quantization settings, the batch shape and autocast (not the seed, the optimizer or its
+    schedule, which act outside the graph). Without, its per-tensor kernels: one set on the
+    quantization settings with each format as its kernel family (`kernels.family`: one compiled
+    kernel serves every format of a family), the model and the optimizer (kernels over a list of
+    layers compile one graph per list length; the manifold optimizer's update is a kernel) and
+    whether it runs diagnostics (their kernels count and compare codes); not the seed or the
+    shapes (the kernels compile for any). Trials that share a key share its compiling."""
     t = run.train
     if compiling_disabled():
         return set()
     diagnostics = {is_diagnostic_step(t, step) for step in range(1, t.max_steps + 1)}
-    quant = run.quant.model_dump(mode="json")
+    model = run.model.model_dump(mode="json")
     if not t.compile:
-        return {json.dumps([KERNELS, quant, True in diagnostics], sort_keys=True)}
-    shared = [STEP_GRAPH, run.model.model_dump(mode="json"), quant, t.batch_size, t.autocast]
+        return {json.dumps([KERNELS, kernel_families(run.quant), model, run.optim.name, True in diagnostics],
+                           sort_keys=True)}
+    shared = [STEP_GRAPH, model, run.quant.model_dump(mode="json"), t.batch_size, t.autocast]
     return {json.dumps([*shared, kind], sort_keys=True) for kind in diagnostics}
+
+
+def kernel_families(quant: QuantConfig) -> dict[str, Any]:
+    """`quant`'s settings with each format named by its kernel family ((m0, ftz)), as the
+    per-tensor kernels compile them."""
+    def family_of(name: str) -> str | tuple[bool, bool]:
+        return name if name in (BASELINE, FORMAT_PLACEHOLDER) else family(get_format(name))
+
+    settings = quant.model_dump(mode="json")
+    settings.update(format=family_of(quant.format), grad_format=family_of(quant.grad_format))
+    if isinstance(quant.precision, list):
+        settings["precision"] = [{**rule, "format": family_of(rule["format"])} for rule in settings["precision"]]
+    return settings
 
 
 def compiling(runs: list[RunConfig], cost_of: Callable[[RunConfig], StepCost]) -> tuple[float, str, bool]:
@@ -131,8 +152,10 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
         quantized = [r for r in runs if r.quant.format != BASELINE]
         slowest = max(quantized, key=lambda r: r.quant.precision == "all", default=None)
         baseline = next((r for r in runs if r.quant.format == BASELINE), None)
-        costs = {k: measure(r, e.measure_steps, cfg.resources.cpus_per_trial, cfg.resources.gpu_per_trial)
-                 for k, r in ((BASELINE, baseline), (QUANTIZED, slowest)) if r is not None}
+        with tempfile.TemporaryDirectory() as tmp:  # the experiment's compile cache, as it starts
+            costs = {k: measure(r, e.measure_steps, cfg.resources.cpus_per_trial, Path(tmp),
+                                cfg.resources.gpu_per_trial)
+                     for k, r in ((BASELINE, baseline), (QUANTIZED, slowest)) if r is not None}
     elif stored_step is not None:
         costs = {k: stored(runs[0], stored_step, e.compile_s.get(cfg.preset), e.startup_s.get(cfg.preset, 0.0))
                  for k in (BASELINE, QUANTIZED)}
@@ -164,10 +187,10 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
                    else f", start-up not counted (no estimate.startup_s.{cfg.preset})")
         source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step{started} ({why}){compiled}"
     total_s = compiling_s + sum(cost_of(r).trial_s(r, e.trial_overhead_s) for r in runs)
-    wall_s = total_s / min(concurrency, len(runs))
+    wall_s = e.sweep_overhead_s + total_s / min(concurrency, len(runs))
     lines = [f"estimated wall time: {_duration(wall_s)} for {len(runs)} trials at full budget, "
-             f"{min(concurrency, len(runs))} at a time (+{e.trial_overhead_s:g} s per trial for "
-             f"Ray: estimate.trial_overhead_s); {source}"]
+             f"{min(concurrency, len(runs))} at a time (+{e.trial_overhead_s:g} s per trial and "
+             f"{e.sweep_overhead_s:g} s per sweep for Ray: estimate.trial_overhead_s, sweep_overhead_s); {source}"]
     gpu = cfg.resources.gpu_per_trial
     if gpu > 0:
         gpu_hours = total_s * gpu / 3600
