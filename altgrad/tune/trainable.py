@@ -128,7 +128,8 @@ def fetch_run_dir(filesystem: FileSystem, source: str, destination: Path) -> Non
 
     It is copied beside `destination` and renamed into place: a trial killed mid-fetch on a node
     that lives on is retried in the same working dir, where a partial run dir would be taken for
-    a fetched one (no second fetch) and resumed from whatever part of it had arrived."""
+    a fetched one (no second fetch) and resumed from whatever part of it had arrived. The caller
+    fetches only where `destination` does not exist yet."""
     if filesystem.get_file_info(source).type == FileType.Directory:
         partial = destination.with_name(f"{destination.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)  # a killed fetch's
