@@ -325,8 +325,8 @@ class EstimateSettings(StrictModel):
     measure_steps: int = Field(
         12, ge=0, description="steps of a bf16 and the slowest quantized trial timed on this machine "
         "(at least 6; 12 with diagnostics or the shadow on some steps only), each in a fresh process "
-        "(one that compiles twice: cold, then warm from the first run's cache, which times the "
-        "compiling apart); 0 = use step_time_s")
+        "compiling into one cache the timed runs share (one that compiles runs twice: cold, then "
+        "warm, which times the compiling apart); 0 = use step_time_s")
     step_time_s: dict[Literal["cpu", "gpu"], float] = Field(
         default_factory=dict, description="stored seconds per step of one trial, per preset, used when "
                                           "the preset cannot be measured here (gpu on a cpu machine)")
@@ -344,7 +344,7 @@ class EstimateSettings(StrictModel):
                                     "and steps: Tune's bookkeeping, the trial's W&B run, its last "
                                     "report. Tune reuses a trial's worker process for the next, so "
                                     "no process start or imports")
-    sweep_overhead_s: float = Field(10.0, ge=0, description="once per sweep: Ray's start, its first "
+    sweep_overhead_s: float = Field(11.0, ge=0, description="once per sweep: Ray's start, its first "
                                     "workers' imports, the trial table and report at the end")
     usd_per_gpu_hour: float = Field(2.5, ge=0, description="price of one GPU-hour for the cost line")
 

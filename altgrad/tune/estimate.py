@@ -97,19 +97,19 @@ def compile_keys(run: RunConfig) -> set[str]:
     the quantization settings, the batch shape and autocast (not the seed, the optimizer or its
     schedule, which act outside the graph). Without, its per-tensor kernels: one set on the
     quantization settings with each format as its kernel family (`kernels.family`: one compiled
-    kernel serves every format of a family), the model and the optimizer (kernels over a list of
-    layers compile one graph per list length; the manifold optimizer's update is a kernel) and
-    whether it runs diagnostics (their kernels count and compare codes); not the seed or the
-    shapes (the kernels compile for any). Trials that share a key share its compiling."""
+    kernel serves every format of a family), the model's depth and the optimizer (kernels over a
+    list of layers compile one graph per list length; the manifold optimizer's update is a kernel)
+    and whether it runs diagnostics (their kernels count and compare codes); not the seed or the
+    tensors' shapes (the kernels compile for any). Trials that share a key share its compiling."""
     t = run.train
     if compiling_disabled():
         return set()
     diagnostics = {is_diagnostic_step(t, step) for step in range(1, t.max_steps + 1)}
-    model = run.model.model_dump(mode="json")
     if not t.compile:
-        return {json.dumps([KERNELS, kernel_families(run.quant), model, run.optim.name, True in diagnostics],
-                           sort_keys=True)}
-    shared = [STEP_GRAPH, model, run.quant.model_dump(mode="json"), t.batch_size, t.autocast]
+        return {json.dumps([KERNELS, kernel_families(run.quant), run.model.n_layer, run.optim.name,
+                            True in diagnostics], sort_keys=True)}
+    shared = [STEP_GRAPH, run.model.model_dump(mode="json"), run.quant.model_dump(mode="json"), t.batch_size,
+              t.autocast]
     return {json.dumps([*shared, kind], sort_keys=True) for kind in diagnostics}
 
 
