@@ -194,3 +194,31 @@ def test_timing_separates_start_up_steps_shadow_evaluation_and_checkpoint(make_c
     assert timed.step_s == pytest.approx({True: diag, False: plain})
     assert (timed.shadow_s, timed.eval_s, timed.checkpoint_s) == pytest.approx((shadow, evaluation, checkpoint))
     assert timed.startup_s == pytest.approx(30 + 5 + 9 + 0.7)
+
+
+def test_measured_estimate_times_each_cost_group(monkeypatch, capsys):
+    """A grid axis that changes what a step costs (here the batch) is measured per value: a bf16
+    and a quantized run of each, every trial charged its own group's cost; formats, optimizers and
+    seeds share one. A compiled unit that groups share (per-tensor kernels compile for any batch)
+    is charged once, at what the group that compiled it measured: the other found it cached."""
+    from altgrad.tune import estimate
+
+    timed: list[tuple[str, int]] = []
+
+    def measure(run, steps, cpus, cache, gpu_fraction):  # a step: 10 ms per sequence, quantized twice
+        batch = run.train.batch_size
+        timed.append((run.quant.format, batch))
+        step = 0.01 * batch * (1 if run.quant.is_baseline else 2)
+        compile_s = (3.0 if run.quant.is_baseline else 7.0) if batch == 8 else 0.5  # 8's compiled the kernels
+        return estimate.StepCost(Timing({False: step, True: step}, 0.0, 0.0, 0.0, 1.0), "measured", compile_s)
+
+    monkeypatch.setattr(estimate, "measure", measure)
+    out = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=0",
+                  "--set", "estimate.sweep_overhead_s=0", "--set", "preset=cpu", "--set", "grid.formats=[bf16, e4m3, e5m2]",
+                  "--set", "grid.seeds=[1, 2]", "--set", "grid.axes={train.batch_size: [4, 8]}")
+    assert sorted(timed) == [("bf16", 4), ("bf16", 8), ("e4m3", 4), ("e4m3", 8)]
+    steps = 20  # each trial: start-up 1 s + 20 steps
+    trials = sum(2 * (1 + steps * 0.01 * batch) + 4 * (1 + steps * 0.02 * batch) for batch in (4, 8))
+    assert f"estimated wall time: {(trials + 3.0 + 7.0) / 2:.0f} s for 12 trials" in out
+    assert "2 kernel sets compiled once each, 10 s in all" in out
+    assert "bf16 train.batch_size=4 40 ms/step" in out and "quantized train.batch_size=8 160 ms/step" in out

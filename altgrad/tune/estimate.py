@@ -2,7 +2,8 @@
 
 Per-step time comes from one of two sources, and the output says which:
 - **measured**: a short run of the grid's own trials on this machine (one bf16 and the slowest
-  quantized point), each in a fresh process holding a trial's share of the machine (`timed_run`):
+  quantized point of each `cost_group`: a grid axis on the model, the batch or `train.compile`
+  makes several), each in a fresh process holding a trial's share of the machine (`timed_run`):
   its steady steps with and without diagnostics, each trial charged for the steps of each kind it
   has, and what a shadow comparison, an evaluation and a checkpoint add. The runs compile into one
   cache, first empty, as the sweep's trials do into the experiment's; one that compiles (its step
@@ -36,8 +37,6 @@ from altgrad.quant.formats import get_format
 from altgrad.quant.kernels import compiling_disabled, family
 from altgrad.tune.config import SweepConfig
 from altgrad.tune.timed_run import Timing, short_run, timed_run
-
-QUANTIZED = "quantized"  # the step cost of the grid's quantized runs (the slowest one's), by BASELINE's
 
 
 @dataclass(frozen=True)
@@ -127,18 +126,38 @@ def kernel_families(quant: QuantConfig) -> dict[str, Any]:
 
 
 def compiling(runs: list[RunConfig], cost_of: Callable[[RunConfig], StepCost]) -> tuple[float, str, bool]:
-    """The grid's distinct compiled units: seconds to compile them, once each, at the `compile_s`
-    of the first run that compiles each; how many there are of each kind ("6 step graphs");
-    whether every one's cost is known."""
-    units: dict[str, StepCost] = {}
+    """The grid's distinct compiled units: seconds to compile them, once each, at the largest
+    `compile_s` of the runs that compile each (cost groups can share a unit: the group timed first
+    compiled it, a later one found it in the shared cache); how many there are of each kind
+    ("6 step graphs"); whether every one's cost is known."""
+    units: dict[str, list[float | None]] = {}
     for run in runs:
         for key in compile_keys(run):
-            units.setdefault(key, cost_of(run))
-    known = [c.compile_s for c in units.values() if c.compile_s is not None]
+            units.setdefault(key, []).append(cost_of(run).compile_s)
+    known = [max(costs) for costs in units.values() if None not in costs]
     kinds = [json.loads(key)[0] for key in units]
     counted = " and ".join(f"{kinds.count(k)} {k}{'s' * (kinds.count(k) != 1)}" for k in (STEP_GRAPH, KERNELS)
                            if k in kinds)
     return sum(known), counted, len(known) == len(units)
+
+
+def cost_group(run: RunConfig) -> str:
+    """What sets a trial's cost per step, as far as the estimate tells trials apart: bf16 or
+    quantized (every quantized trial costs what the group's slowest, quantized throughout, does),
+    the model, the batch, whether it compiles its step and autocast. Not the format, the optimizer
+    or the seed: within a group they change a step's time by a few per cent (docs/design.md)."""
+    t = run.train
+    model = {f"model.{k}": v for k, v in run.model.model_dump(mode="json").items()}
+    return json.dumps({"quantized": not run.quant.is_baseline, **model, "train.batch_size": t.batch_size,
+                       "train.compile": t.compile, "train.autocast": t.autocast}, sort_keys=True)
+
+
+def group_labels(groups: dict[str, RunConfig]) -> list[str]:
+    """"bf16" / "quantized" for each cost group, with the settings that tell its groups apart."""
+    keys = [json.loads(key) for key in groups]
+    varies = [k for k in keys[0] if k != "quantized" and any(key[k] != keys[0][k] for key in keys)]
+    return [("quantized" if key["quantized"] else BASELINE)
+            + "".join(f" {k}={json.dumps(key[k])}" for k in varies) for key in keys]
 
 
 def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, can_measure: bool) -> list[str]:
@@ -148,24 +167,22 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
         return []
     stored_step = e.step_time_s.get(cfg.preset)
     measured = bool(can_measure and e.measure_steps)
-    if measured:
-        quantized = [r for r in runs if r.quant.format != BASELINE]
-        slowest = max(quantized, key=lambda r: r.quant.precision == "all", default=None)
-        baseline = next((r for r in runs if r.quant.format == BASELINE), None)
-        with tempfile.TemporaryDirectory() as tmp:  # the experiment's compile cache, as it starts
-            costs = {k: measure(r, e.measure_steps, cfg.resources.cpus_per_trial, Path(tmp),
-                                cfg.resources.gpu_per_trial)
-                     for k, r in ((BASELINE, baseline), (QUANTIZED, slowest)) if r is not None}
-    elif stored_step is not None:
-        costs = {k: stored(runs[0], stored_step, e.compile_s.get(cfg.preset), e.startup_s.get(cfg.preset, 0.0))
-                 for k in (BASELINE, QUANTIZED)}
-    else:
+    if not measured and stored_step is None:
         return [f"time estimate: n/a (preset {cfg.preset} cannot run here and the config has no "
                 f"estimate.step_time_s.{cfg.preset})"]
+    groups: dict[str, RunConfig] = {}  # each cost group's run to time: bf16 first, then the slowest quantized
+    for run in sorted(runs, key=lambda r: (not r.quant.is_baseline, r.quant.precision != "all")):
+        groups.setdefault(cost_group(run), run)
+    if measured:
+        with tempfile.TemporaryDirectory() as tmp:  # the experiment's compile cache, as it starts
+            costs = {key: measure(run, e.measure_steps, cfg.resources.cpus_per_trial, Path(tmp),
+                                  cfg.resources.gpu_per_trial) for key, run in groups.items()}
+    else:
+        costs = {key: stored(run, stored_step, e.compile_s.get(cfg.preset), e.startup_s.get(cfg.preset, 0.0))
+                 for key, run in groups.items()}
 
     def cost_of(run: RunConfig) -> StepCost:
-        return (costs.get(BASELINE) if run.quant.format == BASELINE else None) or costs.get(QUANTIZED) \
-            or costs[BASELINE]
+        return costs[cost_group(run)]
 
     compiling_s, units, known = compiling(runs, cost_of)
     if measured:
@@ -174,7 +191,7 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
                         f"start-up {c.timing.startup_s:.1f} s"
                         + (f", shadow comparison {c.timing.shadow_s * 1e3:.0f} ms" if c.timing.shadow_s else "")
                         + (f", compiling {c.compile_s:.1f} s per unit" if c.compile_s else "")
-                        for k, c in costs.items())
+                        for k, c in zip(group_labels(groups), costs.values(), strict=True))
         compiled = f"; {units} compiled once each, {compiling_s:.0f} s in all" if units else ""
         source = f"measured here, a short run of each ({how}){compiled}"
     else:
