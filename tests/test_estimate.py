@@ -222,3 +222,15 @@ def test_measured_estimate_times_each_cost_group(monkeypatch, capsys):
     assert f"estimated wall time: {(trials + 3.0 + 7.0) / 2:.0f} s for 12 trials" in out
     assert "2 kernel sets compiled once each, 10 s in all" in out
     assert "bf16 train.batch_size=4 40 ms/step" in out and "quantized train.batch_size=8 160 ms/step" in out
+
+    def measure_eval(run, steps, cpus, cache, gpu_fraction):  # an evaluation: 1 s per batch
+        timed.append((run.quant.format, run.train.eval_iters))
+        return estimate.StepCost(Timing({False: 0.0}, 0.0, 1.0 * run.train.eval_iters, 0.0, 0.0), "measured")
+
+    timed.clear()
+    monkeypatch.setattr(estimate, "measure", measure_eval)
+    evals = dry_run(capsys, "--smoke", "--set", "estimate.measure_steps=6", "--set", "estimate.trial_overhead_s=0",
+                    "--set", "estimate.sweep_overhead_s=0", "--set", "preset=cpu", "--set", "grid.formats=[bf16, e4m3]",
+                    "--set", "grid.axes={train.eval_iters: [2, 6]}")
+    assert sorted(timed) == [("bf16", 2), ("bf16", 6), ("e4m3", 2), ("e4m3", 6)]
+    assert f"estimated wall time: {2 * 5 * (2 + 6) / 2:.0f} s for 4 trials" in evals  # 5 evaluations each

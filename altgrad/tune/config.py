@@ -324,7 +324,7 @@ class EstimateSettings(StrictModel):
 
     measure_steps: int = Field(
         12, ge=0, description="steps of a bf16 and the slowest quantized trial (of each model, batch "
-        "size and train.compile the grid has) timed on this machine "
+        "size, train.compile and eval_iters the grid has) timed on this machine "
         "(at least 6; 12 with diagnostics or the shadow on some steps only), each in a fresh process "
         "compiling into one cache the timed runs share (one that compiles runs twice: cold, then "
         "warm, which times the compiling apart); 0 = use step_time_s")

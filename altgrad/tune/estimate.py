@@ -2,8 +2,8 @@
 
 Per-step time comes from one of two sources, and the output says which:
 - **measured**: a short run of the grid's own trials on this machine (one bf16 and the slowest
-  quantized point of each `cost_group`: a grid axis on the model, the batch or `train.compile`
-  makes several), each in a fresh process holding a trial's share of the machine (`timed_run`):
+  quantized point of each `cost_group`: a grid axis on the model, the batch, `train.compile` or
+  `train.eval_iters` makes several), each in a fresh process holding a trial's share of the machine (`timed_run`):
   its steady steps with and without diagnostics, each trial charged for the steps of each kind it
   has, and what a shadow comparison, an evaluation and a checkpoint add. The runs compile into one
   cache, first empty, as the sweep's trials do into the experiment's; one that compiles (its step
@@ -142,14 +142,16 @@ def compiling(runs: list[RunConfig], cost_of: Callable[[RunConfig], StepCost]) -
 
 
 def cost_group(run: RunConfig) -> str:
-    """What sets a trial's cost per step, as far as the estimate tells trials apart: bf16 or
-    quantized (every quantized trial costs what the group's slowest, quantized throughout, does),
-    the model, the batch, whether it compiles its step and autocast. Not the format, the optimizer
-    or the seed: within a group they change a step's time by a few per cent (docs/design.md)."""
+    """What sets a trial's cost per step and per evaluation, as far as the estimate tells trials
+    apart: bf16 or quantized (every quantized trial costs what the group's slowest, quantized
+    throughout, does), the model, the batch, whether it compiles its step, autocast and the
+    evaluation's batches. Not the format, the optimizer or the seed: within a group they change a
+    step's time by a few per cent (docs/design.md)."""
     t = run.train
     model = {f"model.{k}": v for k, v in run.model.model_dump(mode="json").items()}
     return json.dumps({"quantized": not run.quant.is_baseline, **model, "train.batch_size": t.batch_size,
-                       "train.compile": t.compile, "train.autocast": t.autocast}, sort_keys=True)
+                       "train.compile": t.compile, "train.autocast": t.autocast, "train.eval_iters": t.eval_iters},
+                      sort_keys=True)
 
 
 def group_labels(groups: dict[str, RunConfig]) -> list[str]:
