@@ -53,6 +53,9 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     unknown = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                       "--set", "estimate.startup_s={}")
     assert "start-up not counted (no estimate.startup_s.gpu)" in unknown
+    no_step = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s={}")
+    assert "time estimate: n/a (preset gpu cannot run here and the config has no estimate.step_time_s.gpu)" in no_step
+    assert "estimated wall time" not in no_step
 
     # two seeds: twice the trials, the same three step graphs (one per format), each compiled once
     seeds = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",

@@ -328,19 +328,24 @@ class EstimateSettings(StrictModel):
         "(at least 6; 12 with diagnostics or the shadow on some steps only), each in a fresh process "
         "compiling into one cache the timed runs share (one that compiles runs twice: cold, then "
         "warm, which times the compiling apart); 0 = use step_time_s")
+    # The stored costs below were measured: cpu on this project's 2-core machine, gpu on an H200
+    # with four trials sharing it and CUDA graphs on (docs/design.md, "Budgets at the cpu preset"
+    # and "GPU runs"). A new measurement replaces them here, for every sweep config at once.
     step_time_s: dict[Literal["cpu", "gpu"], float] = Field(
-        default_factory=dict, description="stored seconds per step of one trial, per preset, used when "
-                                          "the preset cannot be measured here (gpu on a cpu machine)")
+        default_factory=lambda: {"cpu": 0.25, "gpu": 0.060},
+        description="stored seconds per step of one trial, per preset, used when the preset cannot be "
+                    "measured here (gpu on a cpu machine) or measure_steps is 0")
     startup_s: dict[Literal["cpu", "gpu"], float] = Field(
-        default_factory=dict, description="stored seconds, per preset, from a trial's start to its "
-        "first step when what it compiles is in the experiment's compile cache (building the model, "
-        "loading its compiled code). Used with step_time_s")
+        default_factory=lambda: {"cpu": 6.0, "gpu": 55.0}, description="stored seconds, per preset, "
+        "from a trial's start to its first step when what it compiles is in the experiment's compile "
+        "cache (building the model, loading its compiled code). Used with step_time_s")
     compile_s: dict[Literal["cpu", "gpu"], float] = Field(
-        default_factory=dict, description="stored seconds, per preset, that compiling one unit takes "
-        "beyond startup_s: a step graph (train.compile) or a set of per-tensor kernels (off), each "
-        "counted once per distinct one in the grid (estimate.compile_keys): a later trial with the "
-        "same one loads it from the experiment's compile cache. Measured for the preset's own "
-        "train.compile (a kernel set compiles faster than a step graph). Used with step_time_s")
+        default_factory=lambda: {"cpu": 18.0, "gpu": 180.0}, description="stored seconds, per preset, "
+        "that compiling one unit takes beyond startup_s: a step graph (train.compile) or a set of "
+        "per-tensor kernels (off), each counted once per distinct one in the grid "
+        "(estimate.compile_keys): a later trial with the same one loads it from the experiment's "
+        "compile cache. Measured for the preset's own train.compile (a kernel set compiles faster "
+        "than a step graph). Used with step_time_s")
     trial_overhead_s: float = Field(2.0, ge=0, description="per trial, what Ray adds to its start-up "
                                     "and steps: Tune's bookkeeping, the trial's W&B run, its last "
                                     "report. Tune reuses a trial's worker process for the next, so "
