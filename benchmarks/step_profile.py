@@ -4,18 +4,27 @@ Builds the variants of `train_step.py`, warms them up, then profiles one step of
 torch.profiler and prints launches, CPU and device time and the ops that cost most. On CUDA it
 also lists every host sync with the Python lines that caused it (SPEC §5 allows one per step).
 
+`--phases N` times N steps of each variant instead, interleaved as in `train_step.py`, and prints
+the median wall time of each phase of `Trainer.train_step` side by side: the compiled forward and
+the backward, each call the diagnostics make (`Diagnostics`' phases, bit tracking, the bit
+positions file), the optimizer step, and the rest of the step (schedule, clipping, the host sync).
+It is how the diagnostics' cost is taken apart (docs/design.md); a phase a variant does not run is
+`-`.
+
     python benchmarks/step_profile.py [--preset cpu|gpu|host] [--variants bf16,e4m3,e4m3+diag] [--rows 15]
-                                      [--set KEY=VALUE] [--smoke]
+                                      [--phases N] [--set KEY=VALUE] [--smoke]
 
 `--preset host` is `train_step.py`'s host-bound proxy (the same bundle of overrides); `--smoke`
-warms up for one step instead of four.
+warms up for one step instead of four (and times 3 with `--phases`).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import tempfile
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -29,7 +38,15 @@ from train_step import (
     build,
     chosen_variants,
     preset_overrides,
+    timed_step,
 )
+
+from altgrad.train import Trainer
+
+# The calls a diagnostic step makes on `Diagnostics`.
+DIAGNOSTICS_CALLS = ("begin", "activation_metrics", "gradient_metrics", "snapshot", "update_metrics",
+                     "quant_metrics", "end")
+OTHER = "other"  # what no timed call covers: schedule, clipping, metric plumbing, the host sync
 
 
 def host_syncs(step) -> collections.Counter:
@@ -54,14 +71,110 @@ def host_syncs(step) -> collections.Counter:
     return found
 
 
+class PhaseClock:
+    """Wall time per phase of one trainer's steps, taken by wrapping the calls `train_step` makes
+    on the trainer's own objects (instance attributes: nothing outside this trainer is touched)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.step_phases: dict[str, float] = collections.defaultdict(float)
+        self.phases: dict[str, list[float]] = collections.defaultdict(list)  # per step, steps that ran it
+        self._wrap(trainer, "forward", "forward")
+        self._wrap(trainer.optimizer, "step", "optimizer step")
+        for call in DIAGNOSTICS_CALLS:
+            self._wrap(trainer.diagnostics, call, f"diagnostics.{call}")
+        if trainer.bit_tracker is not None:
+            self._wrap(trainer.bit_tracker, "observe", "bit tracking")
+        self._wrap(trainer.bit_file, "write", "bit positions file")
+        if trainer.shadow is not None:
+            self._wrap(trainer.shadow, "cosines", "shadow")
+
+    def _wrap(self, owner: object, name: str, phase: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.step_phases[phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def step(self, step: int) -> None:
+        """One timed step: the backward is the time `loss.backward()` spends in autograd."""
+        self.step_phases.clear()
+        backward = torch.autograd.backward
+
+        def timed_backward(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                self.step_phases["backward"] += time.perf_counter() - start
+
+        torch.autograd.backward = timed_backward
+        try:
+            total = timed_step(self.trainer, step)
+        finally:
+            torch.autograd.backward = backward
+        for phase, t in self.step_phases.items():
+            self.phases[phase].append(t)
+        self.phases[OTHER].append(total - sum(self.step_phases.values()))
+        self.phases["step"].append(total)
+
+    def medians(self) -> dict[str, float]:
+        return {phase: statistics.median(ts) for phase, ts in self.phases.items()}
+
+
+def phase_table(medians: dict[str, dict[str, float]]) -> str:
+    """Milliseconds per phase (rows, in the order `train_step` runs them) and variant (columns); the
+    step's own row last."""
+    diagnostics = {call: f"diagnostics.{call}" for call in DIAGNOSTICS_CALLS}
+    order = [diagnostics["begin"], "forward", "backward", diagnostics["activation_metrics"],
+             diagnostics["gradient_metrics"], diagnostics["snapshot"], "shadow", "optimizer step",
+             diagnostics["update_metrics"], diagnostics["quant_metrics"], diagnostics["end"], "bit tracking",
+             "bit positions file", OTHER, "step"]
+    rows = [phase for phase in order if any(phase in m for m in medians.values())]
+    width = max(12, *(len(v) + 2 for v in medians))
+    lines = [f"{'phase (median ms)':<30}" + "".join(f"{v:>{width}}" for v in medians)]
+    for phase in rows:
+        cells = (f"{1e3 * m[phase]:.3f}" if phase in m else "-" for m in medians.values())
+        lines.append(f"{phase:<30}" + "".join(f"{c:>{width}}" for c in cells))
+    return "\n".join(lines)
+
+
+def time_phases(variants: list[str], common: list[str], steps: int, warmup: int) -> dict[str, dict[str, float]]:
+    """`PhaseClock` medians of each variant over `steps` steps after `warmup`, steps interleaved."""
+    with tempfile.TemporaryDirectory() as tmp:
+        clocks = {name: PhaseClock(build([*common, *VARIANTS[name]], steps + warmup, Path(tmp) / name))
+                  for name in variants}
+        for step in range(2, warmup + 2):  # step 1 would evaluate
+            for clock in clocks.values():
+                clock.trainer.train_step(step)
+        for step in range(warmup + 2, warmup + steps + 2):
+            order = variants[step % len(variants):] + variants[:step % len(variants)]
+            for name in order:
+                clocks[name].step(step)
+    return {name: clock.medians() for name, clock in clocks.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_preset_arguments(ap)
     add_variants_argument(ap, "bf16,e4m3,e4m3+diag")
     ap.add_argument("--rows", type=int, default=15, help="ops listed per variant")
+    ap.add_argument("--phases", type=int, metavar="N", help="time N steps per variant, phase by phase, instead")
     ap.add_argument("--smoke", action="store_true", help="one warm-up step, to check the script runs")
     args = ap.parse_args(argv)
     variants, common = chosen_variants(ap, args.variants), preset_overrides(ap, args)
+    if args.phases is not None:
+        if args.phases < 1:
+            ap.error("--phases needs at least one step")
+        steps, warmup = (3, 1) if args.smoke else (args.phases, 4)
+        print(f"{steps} steps per variant after {warmup} warm-up steps")
+        print(phase_table(time_phases(variants, common, steps, warmup)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for name in variants:
             trainer = build([*common, *VARIANTS[name]], 100, Path(tmp) / name)

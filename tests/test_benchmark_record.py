@@ -136,11 +136,36 @@ def test_step_profile_profiles_the_host_proxy(monkeypatch, capsys):
         assert cfg.train.compile and cfg.optim.lr == 0.01 and cfg.quant.format == fmt
 
 
+@pytest.mark.usefixtures("eager_kernels")
+def test_step_profile_times_each_phase_a_variant_runs(capsys):
+    """`--phases` times train_step phase by phase: the diagnostics' calls, bit tracking and its file
+    only in the variant that runs them; every phase within its step, and the untimed rest of the
+    step never negative (the timed calls do not overlap)."""
+    bench = load("step_profile")
+    bench.main(["--preset", "host", "--variants", "e4m3,e4m3+diag", "--phases", "3", "--smoke"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-2:] == ["e4m3", "e4m3+diag"]
+    table = {line[:30].strip(): line[30:].split() for line in lines[2:]}
+    diagnostic = [f"diagnostics.{call}" for call in bench.DIAGNOSTICS_CALLS] + ["bit tracking", "bit positions file"]
+    assert list(table) == ["diagnostics.begin", "forward", "backward", "diagnostics.activation_metrics",
+                           "diagnostics.gradient_metrics", "diagnostics.snapshot", "optimizer step",
+                           "diagnostics.update_metrics", "diagnostics.quant_metrics", "diagnostics.end",
+                           "bit tracking", "bit positions file", "other", "step"]
+    for phase in diagnostic:
+        assert table[phase][0] == "-" and float(table[phase][1]) > 0, phase
+    for column in (0, 1):
+        step = float(table["step"][column])
+        assert all(float(cells[column]) <= step for cells in table.values() if cells[column] != "-")
+        assert float(table["other"][column]) >= 0
+        assert float(table["forward"][column]) > 0 and float(table["backward"][column]) > 0
+
+
 @pytest.mark.parametrize(("script", "argv", "says"), [
     ("train_step", ["--preset", "tpu"], "invalid choice: 'tpu'"),
     ("train_step", ["--set", "model.n_layers=2"], "model.n_layers: unknown field"),
     ("step_profile", ["--preset", "host2"], "invalid choice: 'host2'"),
     ("step_profile", ["--preset", "host", "--set", "train.batch_size=0"], "train.batch_size"),
+    ("step_profile", ["--phases", "0"], "--phases needs at least one step"),
     ("gpu_sharing", ["--set", "model.n_layer=abc"], "model.n_layer"),
     ("optimizer_step", ["--format", "e9m9"], "invalid choice: 'e9m9'"),
     ("sweep_overhead", ["--set", "grid.formats=[e9m9]"], "unknown format 'e9m9'"),
