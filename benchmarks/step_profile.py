@@ -7,15 +7,17 @@ also lists every host sync with the Python lines that caused it (SPEC §5 allows
 `--phases N` times N steps of each variant instead, interleaved as in `train_step.py`, and prints
 the median wall time of each phase of `Trainer.train_step` side by side: the compiled forward and
 the backward, each call the diagnostics make (`Diagnostics`' phases, bit tracking, the bit
-positions file), the optimizer step, and the rest of the step (schedule, clipping, the host sync).
-It is how the diagnostics' cost is taken apart (docs/design.md); a phase a variant does not run is
-`-`.
+positions file), the shadow, the optimizer step, and `other`, what no timed call covers (the
+schedule, clipping and the NaN probe, building the bit positions' row, re-quantizing stored
+weights, zeroing the grads, the host sync). It is how the diagnostics' cost is taken apart
+(docs/design.md); a phase a variant does not run is `-`. On CUDA a phase is the host's time to
+queue its work: the device time not yet done lands in `other`, at the step's host sync.
 
     python benchmarks/step_profile.py [--preset cpu|gpu|host] [--variants bf16,e4m3,e4m3+diag] [--rows 15]
                                       [--phases N] [--set KEY=VALUE] [--smoke]
 
 `--preset host` is `train_step.py`'s host-bound proxy (the same bundle of overrides); `--smoke`
-warms up for one step instead of four (and times 3 with `--phases`).
+warms up for one step instead of four (and with `--phases`, times 3 steps whatever N says).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -37,6 +41,7 @@ from train_step import (
     add_variants_argument,
     build,
     chosen_variants,
+    interleaved,
     preset_overrides,
     timed_step,
 )
@@ -46,7 +51,19 @@ from altgrad.train import Trainer
 # The calls a diagnostic step makes on `Diagnostics`.
 DIAGNOSTICS_CALLS = ("begin", "activation_metrics", "gradient_metrics", "snapshot", "update_metrics",
                      "quant_metrics", "end")
-OTHER = "other"  # what no timed call covers: schedule, clipping, metric plumbing, the host sync
+
+
+def diagnostics_phase(call: str) -> str:
+    return f"diagnostics.{call}"
+
+
+# `PhaseClock`'s phases, in the order `Trainer.train_step` runs them.
+PHASES = (diagnostics_phase("begin"), "forward", "backward", diagnostics_phase("activation_metrics"),
+          diagnostics_phase("gradient_metrics"), diagnostics_phase("snapshot"), "shadow", "optimizer step",
+          diagnostics_phase("update_metrics"), diagnostics_phase("quant_metrics"), diagnostics_phase("end"),
+          "bit tracking", "bit positions file")
+OTHER = "other"  # what no timed call covers (see the module docstring)
+STEP = "step"  # the whole step
 
 
 def host_syncs(step) -> collections.Counter:
@@ -71,18 +88,45 @@ def host_syncs(step) -> collections.Counter:
     return found
 
 
+class ExclusiveTimes:
+    """Seconds per phase spent in the calls `timed` wraps, each call's own time: a timed call made
+    inside another counts for its phase alone (the shadow's FP32 backward is the shadow's, not the
+    step's backward), so the phases never count a moment twice."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._open: list[list[float]] = []  # per timed call under way: [start, time in timed calls inside it]
+
+    def timed(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        def call(*args, **kwargs):
+            self._open.append([time.perf_counter(), 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                start, inside = self._open.pop()
+                elapsed = time.perf_counter() - start
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed - inside
+                if self._open:
+                    self._open[-1][1] += elapsed
+
+        return call
+
+
 class PhaseClock:
-    """Wall time per phase of one trainer's steps, taken by wrapping the calls `train_step` makes
-    on the trainer's own objects (instance attributes: nothing outside this trainer is touched)."""
+    """Wall time per phase (PHASES) of one trainer's steps, taken by wrapping the calls `train_step`
+    makes on the trainer's own objects, and `torch.autograd.backward` (process-wide) during a timed
+    step. Each phase's time is its own (`ExclusiveTimes`), so a step's phases and `OTHER` add up to
+    the step."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
-        self.step_phases: dict[str, float] = collections.defaultdict(float)
-        self.phases: dict[str, list[float]] = collections.defaultdict(list)  # per step, steps that ran it
+        self.steps: list[dict[str, float]] = []  # per timed step: phase -> seconds, OTHER and STEP too
+        self.times = ExclusiveTimes()  # the step under way (untimed steps too, then dropped)
+        self._backward = self.times.timed(torch.autograd.backward, "backward")
         self._wrap(trainer, "forward", "forward")
         self._wrap(trainer.optimizer, "step", "optimizer step")
         for call in DIAGNOSTICS_CALLS:
-            self._wrap(trainer.diagnostics, call, f"diagnostics.{call}")
+            self._wrap(trainer.diagnostics, call, diagnostics_phase(call))
         if trainer.bit_tracker is not None:
             self._wrap(trainer.bit_tracker, "observe", "bit tracking")
         self._wrap(trainer.bit_file, "write", "bit positions file")
@@ -90,52 +134,31 @@ class PhaseClock:
             self._wrap(trainer.shadow, "cosines", "shadow")
 
     def _wrap(self, owner: object, name: str, phase: str) -> None:
-        fn = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.step_phases[phase] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
+        if phase not in PHASES:
+            raise ValueError(f"{phase!r} is not one of PHASES")
+        setattr(owner, name, self.times.timed(getattr(owner, name), phase))
 
     def step(self, step: int) -> None:
-        """One timed step: the backward is the time `loss.backward()` spends in autograd."""
-        self.step_phases.clear()
-        backward = torch.autograd.backward
-
-        def timed_backward(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return backward(*args, **kwargs)
-            finally:
-                self.step_phases["backward"] += time.perf_counter() - start
-
-        torch.autograd.backward = timed_backward
+        """One timed step (`train_step.timed_step`)."""
+        self.times.seconds = {}
+        backward, torch.autograd.backward = torch.autograd.backward, self._backward
         try:
             total = timed_step(self.trainer, step)
         finally:
             torch.autograd.backward = backward
-        for phase, t in self.step_phases.items():
-            self.phases[phase].append(t)
-        self.phases[OTHER].append(total - sum(self.step_phases.values()))
-        self.phases["step"].append(total)
+        phases = self.times.seconds
+        self.steps.append({**phases, OTHER: total - sum(phases.values()), STEP: total})
 
     def medians(self) -> dict[str, float]:
-        return {phase: statistics.median(ts) for phase, ts in self.phases.items()}
+        """Each phase's median over the steps that ran it."""
+        return {phase: statistics.median(s[phase] for s in self.steps if phase in s)
+                for phase in (*PHASES, OTHER, STEP) if any(phase in s for s in self.steps)}
 
 
 def phase_table(medians: dict[str, dict[str, float]]) -> str:
-    """Milliseconds per phase (rows, in the order `train_step` runs them) and variant (columns); the
-    step's own row last."""
-    diagnostics = {call: f"diagnostics.{call}" for call in DIAGNOSTICS_CALLS}
-    order = [diagnostics["begin"], "forward", "backward", diagnostics["activation_metrics"],
-             diagnostics["gradient_metrics"], diagnostics["snapshot"], "shadow", "optimizer step",
-             diagnostics["update_metrics"], diagnostics["quant_metrics"], diagnostics["end"], "bit tracking",
-             "bit positions file", OTHER, "step"]
-    rows = [phase for phase in order if any(phase in m for m in medians.values())]
+    """Milliseconds per phase (rows, in the order of PHASES) and variant (columns); `-` where a
+    variant does not run a phase."""
+    rows = [phase for phase in (*PHASES, OTHER, STEP) if any(phase in m for m in medians.values())]
     width = max(12, *(len(v) + 2 for v in medians))
     lines = [f"{'phase (median ms)':<30}" + "".join(f"{v:>{width}}" for v in medians)]
     for phase in rows:
@@ -149,13 +172,11 @@ def time_phases(variants: list[str], common: list[str], steps: int, warmup: int)
     with tempfile.TemporaryDirectory() as tmp:
         clocks = {name: PhaseClock(build([*common, *VARIANTS[name]], steps + warmup, Path(tmp) / name))
                   for name in variants}
-        for step in range(2, warmup + 2):  # step 1 would evaluate
-            for clock in clocks.values():
-                clock.trainer.train_step(step)
-        for step in range(warmup + 2, warmup + steps + 2):
-            order = variants[step % len(variants):] + variants[:step % len(variants)]
-            for name in order:
+        for step, name in interleaved(variants, range(2, warmup + steps + 2)):  # step 1 would evaluate
+            if step > warmup + 1:
                 clocks[name].step(step)
+            else:
+                clocks[name].trainer.train_step(step)
     return {name: clock.medians() for name, clock in clocks.items()}
 
 

@@ -32,6 +32,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -73,6 +74,15 @@ def build(overrides: list[str], total_steps: int, workdir: Path) -> Trainer:
     cfg = build_run_config({}, [*overrides, f"train.max_steps={never}", "train.warmup_steps=0",
                                 f"train.eval_interval={never}", f"train.checkpoint_interval={never}"])
     return Trainer(cfg, workdir)
+
+
+def interleaved(names: list[str], steps: range) -> Iterator[tuple[int, str]]:
+    """(step, variant) for each step and each variant, each step's variants in a rotated order (A B C,
+    B C A, ...), so that machine noise lands on every variant alike."""
+    for step in steps:
+        k = step % len(names)
+        for name in names[k:] + names[:k]:
+            yield step, name
 
 
 def timed_step(trainer: Trainer, step: int) -> float:
@@ -144,16 +154,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {name: build([*common, *VARIANTS[name]], steps + warmup, Path(tmp) / name)
                     for name in variants}
-        names = list(trainers)
-        times: dict[str, list[float]] = {name: [] for name in names}
+        times: dict[str, list[float]] = {name: [] for name in trainers}
         first: dict[str, float] = {}  # the first step: compiling (a warm compile cache shortens it)
-        for step in range(2, warmup + steps + 2):  # step 1 would evaluate
-            order = names[step % len(names):] + names[:step % len(names)]
-            for name in order:
-                t = timed_step(trainers[name], step)
-                first.setdefault(name, t)
-                if step > warmup + 1:
-                    times[name].append(t)
+        for step, name in interleaved(list(trainers), range(2, warmup + steps + 2)):  # step 1 would evaluate
+            t = timed_step(trainers[name], step)
+            first.setdefault(name, t)
+            if step > warmup + 1:
+                times[name].append(t)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     label = trainers["bf16"].cfg.preset if args.preset == "auto" else args.preset
     targets = [(name, ref, limit) for name, ref, limit in TARGETS[label] if {name, ref} <= set(variants)]
