@@ -160,7 +160,7 @@ def test_step_profile_times_each_phase_a_variant_runs(capsys):
 
 def test_a_phase_counts_its_own_time_alone():
     """A timed call inside another (the shadow's backward inside the shadow) is taken out of the
-    outer phase: no moment counts twice. Sleeps of 40 and 60 ms; a phase timed twice adds up."""
+    outer phase: no moment counts twice. Sleeps of 40 and 60 ms; a call wrapped twice counts once."""
     times = load("step_profile").ExclusiveTimes()
     inner = times.timed(lambda: time.sleep(0.06), "backward")
 
@@ -170,8 +170,9 @@ def test_a_phase_counts_its_own_time_alone():
 
     times.timed(outer, "shadow")()
     times.timed(inner, "backward")()  # a timed call wrapped twice: its time is still counted once
-    assert times.seconds["shadow"] == pytest.approx(0.04, abs=0.015)
-    assert times.seconds["backward"] == pytest.approx(0.12, abs=0.015)
+    # lower bounds exact (a sleep never ends early); upper ones below what double counting gives
+    assert 0.04 <= times.seconds["shadow"] < 0.1
+    assert 0.12 <= times.seconds["backward"] < 0.18
 
 
 @pytest.mark.usefixtures("eager_kernels")

@@ -41,18 +41,18 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
 
     gpu = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                   "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
-                  "--set", "estimate.startup_s.gpu=30", "--set", "estimate.compile_s={}",
+                  "--set", "estimate.startup_s.gpu.step_graph=30", "--set", "estimate.compile_s={}",
                   "--set", "estimate.sweep_overhead_s=0")
     step = 0.05  # stored: an eval batch is a third of a step; gpu smoke evaluates 20 batches
     trial = 10 + 30 + 20 * step + 5 * 20 * step / 3  # overhead, start-up, steps, evaluations
     assert f"estimated wall time: {trial:.0f} s for 3 trials at full budget, 3 at a time" in gpu
     hours = 3 * trial * 0.25 / 3600
     assert f"GPU time: {hours:.2f} GPU-hours (0.25 GPU per trial) = ${hours * 4:.2f} at $4/GPU-hour" in gpu
-    assert "start-up 30 s (estimate.startup_s)" in gpu
-    assert "compiling its 3 step graphs not counted (no estimate.compile_s.gpu)" in gpu
+    assert "; start-up: 30 s a trial (estimate.startup_s.gpu.step_graph)" in gpu
+    assert "; compiling its 3 step graphs not counted (no estimate.compile_s.gpu.step_graph)" in gpu
     unknown = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                       "--set", "estimate.startup_s={}")
-    assert "start-up not counted (no estimate.startup_s.gpu)" in unknown
+    assert "; start-up not counted (no estimate.startup_s.gpu.step_graph)" in unknown
     no_step = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s={}")
     assert "time estimate: n/a (preset gpu cannot run here and the config has no estimate.step_time_s.gpu)" in no_step
     assert "estimated wall time" not in no_step
@@ -60,16 +60,45 @@ def test_dry_run_estimate_arithmetic(monkeypatch, capsys):
     # two seeds: twice the trials, the same three step graphs (one per format), each compiled once
     seeds = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
                     "--set", "estimate.usd_per_gpu_hour=4", "--set", "estimate.trial_overhead_s=10",
-                    "--set", "estimate.startup_s.gpu=30", "--set", "estimate.compile_s.gpu=30",
+                    "--set", "estimate.startup_s.gpu.step_graph=30", "--set", "estimate.compile_s.gpu.step_graph=30",
                     "--set", "estimate.sweep_overhead_s=0", "--set", "grid.seeds=[1, 2]")
     assert f"estimated wall time: {(6 * trial + 3 * 30) / 4:.0f} s for 6 trials at full budget, 4 at a time" in seeds
     hours = (6 * trial + 3 * 30) * 0.25 / 3600
     assert f"GPU time: {hours:.2f} GPU-hours (0.25 GPU per trial) = ${hours * 4:.2f} at $4/GPU-hour" in seeds
-    assert "3 step graphs compiled once each at 30 s" in seeds
+    assert "; compiling its 3 step graphs: 30 s each, once (estimate.compile_s.gpu.step_graph)" in seeds
     # diagnostics on every other step: each format's trial compiles a graph with them and one without
     sparse = dry_run(capsys, "--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
-                     "--set", "estimate.compile_s.gpu=30", "--set", "base.train.diag_every=2")
-    assert "6 step graphs compiled once each at 30 s" in sparse
+                     "--set", "estimate.compile_s.gpu.step_graph=30", "--set", "base.train.diag_every=2")
+    assert "; compiling its 6 step graphs: 30 s each, once" in sparse
+
+
+def test_stored_costs_are_charged_by_kind_of_compiled_unit(capsys):
+    """Stored: a trial's start-up and each unit's compiling are stored per kind of compiled unit, a
+    step graph (`train.compile` on) or a set of per-tensor kernels (off: they start and compile
+    faster); a kind with nothing stored for the preset is not counted, and the estimate says which.
+    (One value per preset charged the gpu preset's kernel sets a step graph's 55 s and 180 s.)"""
+    common = ["--smoke", "--set", "preset=gpu", "--set", "estimate.step_time_s.gpu=0.05",
+              "--set", "estimate.trial_overhead_s=10", "--set", "estimate.sweep_overhead_s=0",
+              "--set", "estimate.startup_s.gpu.step_graph=30", "--set", "estimate.compile_s.gpu.step_graph=20"]
+    work = 10 + 20 * 0.05 + 5 * 20 * 0.05 / 3  # overhead, steps, evaluations: a trial less its start-up
+    # bf16, e4m3 and e5m2: two kernel sets (e4m3 and e5m2 are one kernel family), three step graphs
+    kernels = dry_run(capsys, *common, "--set", "base.train.compile=false", "--set", "estimate.startup_s.gpu.kernel_set=5",
+                      "--set", "estimate.compile_s.gpu.kernel_set=8")
+    assert f"estimated wall time: {(3 * (work + 5) + 2 * 8) / 3:.0f} s for 3 trials" in kernels
+    assert ("; start-up: 5 s a trial (estimate.startup_s.gpu.kernel_set); compiling its 2 kernel sets: 8 s each, "
+            "once (estimate.compile_s.gpu.kernel_set)") in kernels
+    assert "step graph" not in kernels
+    unknown = dry_run(capsys, *common, "--set", "base.train.compile=false")
+    assert f"estimated wall time: {work:.0f} s for 3 trials" in unknown
+    assert ("; start-up not counted (no estimate.startup_s.gpu.kernel_set); compiling its 2 kernel sets not "
+            "counted (no estimate.compile_s.gpu.kernel_set)") in unknown
+    both = dry_run(capsys, *common, "--set", "estimate.startup_s.gpu.kernel_set=5",
+                   "--set", "estimate.compile_s.gpu.kernel_set=8", "--set", "grid.axes={train.compile: [true, false]}")
+    assert f"estimated wall time: {(3 * (work + 30) + 3 * (work + 5) + 3 * 20 + 2 * 8) / 4:.0f} s for 6 trials" in both
+    assert ("; start-up (step graphs): 30 s a trial (estimate.startup_s.gpu.step_graph); start-up (kernel sets): "
+            "5 s a trial (estimate.startup_s.gpu.kernel_set); compiling its 3 step graphs: 20 s each, once "
+            "(estimate.compile_s.gpu.step_graph); compiling its 2 kernel sets: 8 s each, once "
+            "(estimate.compile_s.gpu.kernel_set)") in both
 
 
 def test_measured_compiling_is_charged_once_per_compiled_unit(monkeypatch, capsys):

@@ -319,6 +319,12 @@ class AshaSettings(StrictModel):
     )
 
 
+# What a trial compiles (`estimate.compile_keys`): its step graphs (`train.compile`), or else a set
+# of per-tensor kernels. The stored estimate's costs are per kind.
+STEP_GRAPH, KERNEL_SET = "step_graph", "kernel_set"
+CompiledUnit = Literal["step_graph", "kernel_set"]
+
+
 class EstimateSettings(StrictModel):
     """`--dry-run`'s time and cost estimate."""
 
@@ -335,17 +341,19 @@ class EstimateSettings(StrictModel):
         default_factory=lambda: {"cpu": 0.25, "gpu": 0.060},
         description="stored seconds per step of one trial, per preset, used when the preset cannot be "
                     "measured here (gpu on a cpu machine) or measure_steps is 0")
-    startup_s: dict[Literal["cpu", "gpu"], float] = Field(
-        default_factory=lambda: {"cpu": 6.0, "gpu": 55.0}, description="stored seconds, per preset, "
-        "from a trial's start to its first step when what it compiles is in the experiment's compile "
-        "cache (building the model, loading its compiled code). Used with step_time_s")
-    compile_s: dict[Literal["cpu", "gpu"], float] = Field(
-        default_factory=lambda: {"cpu": 18.0, "gpu": 180.0}, description="stored seconds, per preset, "
-        "that compiling one unit takes beyond startup_s: a step graph (train.compile) or a set of "
-        "per-tensor kernels (off), each counted once per distinct one in the grid "
-        "(estimate.compile_keys): a later trial with the same one loads it from the experiment's "
-        "compile cache. Measured for the preset's own train.compile (a kernel set compiles faster "
-        "than a step graph). Used with step_time_s")
+    startup_s: dict[Literal["cpu", "gpu"], dict[CompiledUnit, float]] = Field(
+        default_factory=lambda: {"cpu": {KERNEL_SET: 6.0, STEP_GRAPH: 14.5}, "gpu": {STEP_GRAPH: 55.0}},
+        description="stored seconds, per preset and what its trials compile (step_graph: train.compile "
+        "on; kernel_set: off), from a trial's start to its first step when that is in the "
+        "experiment's compile cache (building the model, loading its compiled code). Used with "
+        "step_time_s; a kind with none stored is not counted")
+    compile_s: dict[Literal["cpu", "gpu"], dict[CompiledUnit, float]] = Field(
+        default_factory=lambda: {"cpu": {KERNEL_SET: 18.0, STEP_GRAPH: 32.0}, "gpu": {STEP_GRAPH: 180.0}},
+        description="stored seconds, per preset and kind of compiled unit (a step graph, or a set of "
+        "per-tensor kernels, which compiles faster), that compiling one takes beyond startup_s, "
+        "counted once per distinct one in the grid (estimate.compile_keys): a later trial with the "
+        "same one loads it from the experiment's compile cache. Used with step_time_s; a kind with "
+        "none stored is not counted")
     trial_overhead_s: float = Field(2.0, ge=0, description="per trial, what Ray adds to its start-up "
                                     "and steps: Tune's bookkeeping, the trial's W&B run, its last "
                                     "report. Tune reuses a trial's worker process for the next, so "

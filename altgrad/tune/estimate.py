@@ -10,10 +10,12 @@ Per-step time comes from one of two sources, and the output says which:
   graphs, or with `train.compile` off its per-tensor kernels) runs twice: cold, then warm. The warm
   run's start-up is what every trial pays; the difference, the compiling, is paid once per
   distinct compiled unit of the grid (`compile_keys`): later trials load it from the cache;
-- **stored**: `estimate.step_time_s[<preset>]` and `estimate.startup_s[<preset>]` from the config,
-  when the preset cannot run here (the gpu preset on a machine without CUDA); an evaluation batch
-  is then taken as a third of a step (forward only), and each distinct compiled unit costs
-  `estimate.compile_s[<preset>]` once.
+- **stored**: `estimate.step_time_s[<preset>]` from the config, when the preset cannot run here
+  (the gpu preset on a machine without CUDA) or `measure_steps` is 0; an evaluation batch is then
+  taken as a third of a step (forward only). A trial's start-up (`estimate.startup_s`) and each
+  distinct compiled unit's compiling, once (`estimate.compile_s`), are stored per preset and per
+  kind of unit (`unit_kind`: step graphs, or a set of per-tensor kernels, which starts and
+  compiles faster); a kind with nothing stored is not counted, and the estimate says so.
 A trial costs `estimate.trial_overhead_s` (what Ray adds) + start-up + its steps, evaluations,
 shadow comparisons and checkpoints, each at its cost; every trial is assumed to run its full budget
 (early stops only shorten it), and trials run `concurrency` at a time, after Ray's start and before
@@ -35,7 +37,7 @@ from altgrad.metrics import is_checkpoint_step, is_diagnostic_step, is_eval_step
 from altgrad.precision import BASELINE, FORMAT_PLACEHOLDER
 from altgrad.quant.formats import get_format
 from altgrad.quant.kernels import compiling_disabled, family
-from altgrad.tune.config import SweepConfig
+from altgrad.tune.config import KERNEL_SET, STEP_GRAPH, SweepConfig
 from altgrad.tune.timed_run import Timing, short_run, timed_run
 
 
@@ -86,7 +88,9 @@ def stored(run: RunConfig, step_s: float, compile_s: float | None, startup_s: fl
                            checkpoint_s=0.0, startup_s=startup_s), "stored", compile_s)
 
 
-STEP_GRAPH, KERNELS = "step graph", "kernel set"  # what `compile_keys` keys
+def unit_kind(run: RunConfig) -> str:
+    """What a run compiles: step graphs (`train.compile`), or else a set of per-tensor kernels."""
+    return STEP_GRAPH if run.train.compile else KERNEL_SET
 
 
 def compile_keys(run: RunConfig) -> set[str]:
@@ -104,8 +108,8 @@ def compile_keys(run: RunConfig) -> set[str]:
     if compiling_disabled():
         return set()
     diagnostics = {is_diagnostic_step(t, step) for step in range(1, t.max_steps + 1)}
-    if not t.compile:
-        return {json.dumps([KERNELS, kernel_families(run.quant), run.model.n_layer, run.optim.name,
+    if unit_kind(run) == KERNEL_SET:
+        return {json.dumps([KERNEL_SET, kernel_families(run.quant), run.model.n_layer, run.optim.name,
                             True in diagnostics], sort_keys=True)}
     shared = [STEP_GRAPH, run.model.model_dump(mode="json"), run.quant.model_dump(mode="json"), t.batch_size,
               t.autocast]
@@ -125,20 +129,29 @@ def kernel_families(quant: QuantConfig) -> dict[str, Any]:
     return settings
 
 
-def compiling(runs: list[RunConfig], cost_of: Callable[[RunConfig], StepCost]) -> tuple[float, str, bool]:
+def compiling(runs: list[RunConfig], cost_of: Callable[[RunConfig], StepCost]) -> tuple[float, dict[str, int]]:
     """The grid's distinct compiled units: seconds to compile them, once each, at the largest
     `compile_s` of the runs that compile each (cost groups can share a unit: the group timed first
     compiled it, a later one found it in the shared cache); how many there are of each kind
-    ("6 step graphs"); whether every one's cost is known."""
+    (STEP_GRAPH, KERNEL_SET). A unit whose cost is not known (None: nothing stored for its kind) counts
+    nothing; the estimate says so."""
     units: dict[str, list[float | None]] = {}
     for run in runs:
         for key in compile_keys(run):
             units.setdefault(key, []).append(cost_of(run).compile_s)
     known = [max(costs) for costs in units.values() if None not in costs]
     kinds = [json.loads(key)[0] for key in units]
-    counted = " and ".join(f"{kinds.count(k)} {k}{'s' * (kinds.count(k) != 1)}" for k in (STEP_GRAPH, KERNELS)
-                           if k in kinds)
-    return sum(known), counted, len(known) == len(units)
+    return sum(known), {k: kinds.count(k) for k in (STEP_GRAPH, KERNEL_SET) if k in kinds}
+
+
+def kind_name(kind: str) -> str:
+    """A kind of compiled unit in prose: 'step graph', 'kernel set'."""
+    return kind.replace("_", " ")
+
+
+def units_text(kind: str, count: int) -> str:
+    """'6 step graphs', '1 kernel set'."""
+    return f"{count} {kind_name(kind)}{'s' * (count != 1)}"
 
 
 def cost_group(run: RunConfig) -> str:
@@ -180,13 +193,15 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
             costs = {key: measure(run, e.measure_steps, cfg.resources.cpus_per_trial, Path(tmp),
                                   cfg.resources.gpu_per_trial) for key, run in groups.items()}
     else:
-        costs = {key: stored(run, stored_step, e.compile_s.get(cfg.preset), e.startup_s.get(cfg.preset, 0.0))
+        stored_costs = {field: getattr(e, field).get(cfg.preset, {}) for field in ("compile_s", "startup_s")}
+        costs = {key: stored(run, stored_step, stored_costs["compile_s"].get(unit_kind(run)),
+                             stored_costs["startup_s"].get(unit_kind(run), 0.0))
                  for key, run in groups.items()}
 
     def cost_of(run: RunConfig) -> StepCost:
         return costs[cost_group(run)]
 
-    compiling_s, units, known = compiling(runs, cost_of)
+    compiling_s, units = compiling(runs, cost_of)
     if measured:
         how = "; ".join(f"{k} {c.timing.step(False) * 1e3:.0f} ms/step ({c.timing.step(True) * 1e3:.0f} with "
                         f"diagnostics), eval {c.timing.eval_s:.2f} s, checkpoint {c.timing.checkpoint_s:.2f} s, "
@@ -194,17 +209,17 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
                         + (f", shadow comparison {c.timing.shadow_s * 1e3:.0f} ms" if c.timing.shadow_s else "")
                         + (f", compiling {c.compile_s:.1f} s per unit" if c.compile_s else "")
                         for k, c in zip(group_labels(groups), costs.values(), strict=True))
-        compiled = f"; {units} compiled once each, {compiling_s:.0f} s in all" if units else ""
+        compiled = (f"; {' and '.join(units_text(k, n) for k, n in units.items())} compiled once each, "
+                    f"{compiling_s:.0f} s in all") if units else ""
         source = f"measured here, a short run of each ({how}){compiled}"
     else:
         why = "estimate.measure_steps = 0" if can_measure else "this machine cannot run the preset"
-        compiled = "" if not units else (
-            f"; {units} compiled once each at {e.compile_s[cfg.preset]:g} s (estimate.compile_s)"
-            if known else f"; compiling its {units} not counted (no estimate.compile_s.{cfg.preset})")
-        startup = e.startup_s.get(cfg.preset)
-        started = (f", start-up {startup:g} s (estimate.startup_s)" if startup is not None
-                   else f", start-up not counted (no estimate.startup_s.{cfg.preset})")
-        source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step{started} ({why}){compiled}"
+        kinds = sorted({unit_kind(run) for run in runs}, reverse=True)  # step graphs first
+        started = "".join(stored_text("start-up" + (f" ({kind_name(k)}s)" if len(kinds) > 1 else ""), " a trial",
+                                      "startup_s", stored_costs, k, cfg.preset) for k in kinds)
+        compiled = "".join(stored_text(f"compiling its {units_text(k, n)}", " each, once", "compile_s", stored_costs,
+                                       k, cfg.preset) for k, n in units.items())
+        source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step ({why}){started}{compiled}"
     total_s = compiling_s + sum(cost_of(r).trial_s(r, e.trial_overhead_s) for r in runs)
     wall_s = e.sweep_overhead_s + total_s / min(concurrency, len(runs))
     lines = [f"estimated wall time: {_duration(wall_s)} for {len(runs)} trials at full budget, "
@@ -217,6 +232,16 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
                      f"${gpu_hours * e.usd_per_gpu_hour:.2f} at ${e.usd_per_gpu_hour:g}/GPU-hour "
                      "(estimate.usd_per_gpu_hour)")
     return lines
+
+
+def stored_text(what: str, per: str, field: str, stored_costs: dict[str, dict[str, float]], kind: str,
+                preset: str) -> str:
+    """The stored estimate's clause on `what` (a kind's start-up, or compiling its units): the
+    seconds stored for the kind under `estimate.<field>.<preset>`, `per` what, or that it is not
+    counted."""
+    seconds = stored_costs[field].get(kind)
+    where = f"estimate.{field}.{preset}.{kind}"
+    return f"; {what} not counted (no {where})" if seconds is None else f"; {what}: {seconds:g} s{per} ({where})"
 
 
 def _duration(seconds: float) -> str:
