@@ -323,6 +323,7 @@ class AshaSettings(StrictModel):
 # of per-tensor kernels. The stored estimate's costs are per kind.
 STEP_GRAPH, KERNEL_SET = "step_graph", "kernel_set"
 CompiledUnit = Literal["step_graph", "kernel_set"]
+PerUnitSeconds = dict[Literal["cpu", "gpu"], dict[CompiledUnit, float]]  # seconds per preset and kind of unit
 
 
 class EstimateSettings(StrictModel):
@@ -341,13 +342,13 @@ class EstimateSettings(StrictModel):
         default_factory=lambda: {"cpu": 0.25, "gpu": 0.060},
         description="stored seconds per step of one trial, per preset, used when the preset cannot be "
                     "measured here (gpu on a cpu machine) or measure_steps is 0")
-    startup_s: dict[Literal["cpu", "gpu"], dict[CompiledUnit, float]] = Field(
+    startup_s: PerUnitSeconds = Field(
         default_factory=lambda: {"cpu": {KERNEL_SET: 6.0, STEP_GRAPH: 14.5}, "gpu": {STEP_GRAPH: 55.0}},
         description="stored seconds, per preset and what its trials compile (step_graph: train.compile "
         "on; kernel_set: off), from a trial's start to its first step when that is in the "
         "experiment's compile cache (building the model, loading its compiled code). Used with "
         "step_time_s; a kind with none stored is not counted")
-    compile_s: dict[Literal["cpu", "gpu"], dict[CompiledUnit, float]] = Field(
+    compile_s: PerUnitSeconds = Field(
         default_factory=lambda: {"cpu": {KERNEL_SET: 18.0, STEP_GRAPH: 32.0}, "gpu": {STEP_GRAPH: 180.0}},
         description="stored seconds, per preset and kind of compiled unit (a step graph, or a set of "
         "per-tensor kernels, which compiles faster), that compiling one takes beyond startup_s, "
