@@ -64,18 +64,23 @@ def cudagraph_skips() -> int:
 STEPS = {"per-tensor": (False, False), "step-graph": (True, False), "cuda-graphs": (True, True)}
 
 
-@pytest.mark.parametrize("compiled, cuda_graphs", STEPS.values(), ids=STEPS.keys())
+# ... and the optimizer: the manifold optimizer's compiled update once read a value back (`.item()`)
+SYNC_CASES = {**{name: (*step, "adamw") for name, step in STEPS.items()}, "per-tensor-manifold": (False, False, "manifold")}
+
+
+@pytest.mark.parametrize("compiled, cuda_graphs, optimizer", SYNC_CASES.values(), ids=SYNC_CASES.keys())
 def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, recwarn, monkeypatch, compiled,
-                                                       cuda_graphs):
+                                                       cuda_graphs, optimizer):
     """SPEC §5: one host sync per step, diagnostics included (bincount, .item(), a Python branch on
     a tensor would each add one), with the per-tensor kernels and with the step graph the gpu
     preset trains with, launched kernel by kernel or replayed as CUDA graphs (the first step warms
-    them up and the second records them, each syncing: the third is the first replay). And no
-    kernel falls back to eager at dynamo's recompile limit (autocast state, Parameter vs Tensor or
-    rank each made a new graph before)."""
+    them up and the second records them, each syncing: the third is the first replay), and with
+    either optimizer. And no kernel falls back to eager at dynamo's recompile limit (autocast
+    state, Parameter vs Tensor or rank each made a new graph before)."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     model = TINY if compiled else ()  # the step graph's compile: seconds for one layer
-    trainer = Trainer(make_config(*model, "quant.format=e4m3", "train.device=cuda", "train.autocast=true",
+    trainer = Trainer(make_config(*model, "quant.format=e4m3", f"optim.name={optimizer}", "train.device=cuda",
+                                  "train.autocast=true",
                                   "train.diag_every=1", "train.shadow_every=1", f"train.compile={compiled}",
                                   f"train.cuda_graphs={cuda_graphs}"), tmp_path)
     skips = cudagraph_skips()

@@ -13,6 +13,7 @@ from altgrad.config import ConfigError
 from altgrad.experiment import read_jsonl
 from altgrad.optim import build_optimizer
 from altgrad.optim.manifold import ManifoldAdamW
+from altgrad.quant import compile_status
 from altgrad.quant.codes import decode, encode
 from altgrad.quant.formats import FORMATS, FormatSpec
 from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear
@@ -125,6 +126,26 @@ def test_one_call_per_format_matches_one_call_per_weight(monkeypatch):
 
     together, apart = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
+
+
+def test_the_compiled_update_reads_nothing_back_to_the_host(monkeypatch):
+    """SPEC §5 allows a training step one host sync, the trainer's own; the ULP update adds none. A
+    value read back inside the compiled update (inductor lowered `_foreach_add_(steps, go)`, with
+    `go` a 0-dim tensor, through `go.item()`) is a device sync on a GPU; on the CPU the profiler
+    sees the read. (Only quantized weights here: torch's fused AdamW, which steps the plain
+    parameters, reads `found_inf` on the host when on the CPU, and on the device on a GPU.)"""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    layers = [quantized_linear(FORMATS[f], 1, seed=i) for i, f in enumerate(("e5m2", "e3m4"))]
+    opt = ManifoldAdamW([layer.weight for layer in layers], {layer.weight: layer for layer in layers},
+                        lr=1e-3, weight_decay=0.1)
+    opt.found_inf = torch.tensor(0.0)
+    for layer in layers:
+        layer.weight.grad = torch.randn_like(layer.weight)
+    opt.step()  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert compile_status() == "compiled"
+    assert not [e.name for e in prof.events() if e.name in ("aten::item", "aten::_local_scalar_dense")]
 
 
 def test_steps_follow_adamw_measured_in_ulps(path):

@@ -177,7 +177,9 @@ def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyp
     corrections' `pow`s and the gates for every element (measured in docs/design.md).
     """
     go = (found <= 0).float()  # 1: step, 0: skip
-    torch._foreach_add_(steps, go)
+    # A list of tensors, not the 0-dim `go` alone: AOTAutograd decomposes `_foreach_add_(list,
+    # tensor)` through the tensor's `.item()`, a host sync on a GPU (SPEC §5 allows one per step).
+    torch._foreach_add_(steps, [go] * len(steps))
     t = torch.stack(steps).clamp_min(1)  # a skipped first step must not divide by a zero bias correction
     scale = torch.stack(scales)
     rate = go * hyper.lr_ulp / (1 - hyper.beta1**t)  # with bias correction 1
