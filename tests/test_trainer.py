@@ -228,6 +228,46 @@ PER_LAYER = [
 ]
 
 
+def host_reads(step) -> list[str]:
+    """The ops that read a tensor's value back to the host (`.item()`, `float(t)`, a Python branch
+    on a tensor: each an `aten::_local_scalar_dense`) during step(), each named by the chain of ops
+    it was called from."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    reads = []
+    for event in prof.events():
+        if event.name == "aten::_local_scalar_dense":
+            chain, parent = [], event.cpu_parent
+            while parent is not None and parent.name.startswith("aten::"):
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            reads.append(" < ".join(chain))
+    return reads
+
+
+# torch's fused AdamW reads `found_inf` on the host when it runs on the CPU (on a GPU, on the device)
+CPU_ONLY_READS = {"aten::item < aten::_fused_adamw_"}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "manifold"])
+def test_a_step_reads_no_value_back_to_the_host(make_config, tmp_path, path, optimizer):
+    """SPEC §5: one host sync per step, the trainer's read of everything the step measured. On the
+    CPU that read is a `tolist`, which is no ATen op, so any other read the profiler sees is one a
+    GPU would sync on: here with every diagnostic, the shadow and an evaluation in the step,
+    stochastic rounding, weights stored in the format and partition-relative clipping, on the
+    compiled kernels (whose decompositions can read: `_foreach_add_` of a 0-dim tensor did) and
+    the eager ones. tests/test_cuda.py counts the syncs themselves, when a GPU is at hand."""
+    trainer = Trainer(make_config("model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=8",
+                                  "quant.format=e3m4", "quant.rounding=stochastic", "quant.master_weights=format",
+                                  "quant.weight_rounding=stochastic", f"optim.name={optimizer}",
+                                  "optim.partition_clip_k=2.0", "train.diag_every=1", "train.shadow_every=1",
+                                  "train.eval_interval=4"), tmp_path)
+    for step in (1, 2, 3):
+        trainer.train_step(step)
+    reads = host_reads(lambda: trainer.train_step(4))
+    assert set(reads) <= CPU_ONLY_READS, reads
+
+
 def test_every_spec_metric_is_present_and_finite(make_config, tmp_path):
     cfg = make_config(
         "quant.format=e4m3", "quant.precision=mlp", "train.max_steps=3", "train.shadow_every=1"
