@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
+from typing import get_args
 
 import pytest
 import torch
 
 from altgrad.__main__ import main
-from altgrad.experiment import CHECKPOINT_FILE, read_jsonl
+from altgrad.config import ConfigError, QuantConfig
+from altgrad.experiment import BIT_POSITIONS_FILE, CHECKPOINT_FILE, read_jsonl
+from altgrad.metrics import TOKENS_PER_S
+from altgrad.optim import OPTIMIZERS
+from altgrad.precision import BASELINE, PRECISION_PRESETS
 from altgrad.quant import kernels
 from altgrad.quant.convert import quantized_layers
+from altgrad.quant.formats import FORMATS
 from altgrad.quant.quantize import quantize
+from altgrad.scaling_policy import AmaxAlgo, ScalingMode
 from altgrad.train import Trainer
 from altgrad.train import trainer as trainer_module
 from altgrad.train.checkpoint import CheckpointError, step_checkpoints
@@ -153,6 +161,73 @@ def test_resume_is_bit_identical(make_config, tmp_path, interrupt_at):
         assert torch.equal(p, q), name
     events = read_jsonl(tmp_path / "resumed" / "events.jsonl")
     assert [e["step"] for e in events if e["kind"] == "resume"] == [10]
+
+
+def drawn_config(make_config, seed: int):
+    """A valid run config with every quantization, optimizer and schedule axis drawn at random
+    (seeded), each from the values the config itself defines: a format, layer precision, rounding
+    mode or optimizer added later is drawn too. Combinations the config refuses are drawn again."""
+    rng = random.Random(seed)
+    quant = QuantConfig.model_fields
+    choices = {
+        "quant.format": [*FORMATS, BASELINE], "quant.precision": list(PRECISION_PRESETS),
+        "quant.grad_format": list(FORMATS), "quant.rounding": get_args(quant["rounding"].annotation),
+        "quant.master_weights": get_args(quant["master_weights"].annotation),
+        "quant.weight_rounding": get_args(quant["weight_rounding"].annotation),
+        "quant.scaling.mode": get_args(ScalingMode), "quant.scaling.algo": get_args(AmaxAlgo),
+        "quant.grad_scaling.mode": get_args(ScalingMode), "quant.clip_ste": [True, False],
+        "quant.roles.input": [True, False], "optim.name": list(OPTIMIZERS),
+        "optim.partition_clip_k": ["null", 2.0], "optim.grad_clip": ["null", 1.0],
+        "stability.shift_patience": ["null", 1], "model.bias": [True, False], "model.dropout": [0.0, 0.1],
+        "train.diag_every": [0, 1, 3], "train.shadow_every": [0, 2, 5], "train.eval_interval": [3, 4, 7],
+        "train.checkpoint_interval": [3, 4, 5],
+    }
+    while True:
+        overrides = [f"{key}={rng.choice(values)}".replace("=True", "=true").replace("=False", "=false")
+                     for key, values in choices.items()]
+        try:
+            cfg = make_config(*TINY_MODEL, "train.max_steps=14", *overrides)
+        except ConfigError:
+            continue
+        print("drawn:", *overrides)  # shown with a failure
+        return cfg, rng.randint(4, 13)
+
+
+TINY_MODEL = ("model.n_layer=2", "model.n_head=2", "model.n_embd=16", "model.block_size=16", "train.batch_size=2")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_resume_is_bit_identical_for_drawn_configs(make_config, tmp_path, seed):
+    """Exact resume as a property of every config, not of the few above: a run interrupted at a
+    drawn step and resumed from its last checkpoint writes the same metric rows (all but tokens/s),
+    the same bit positions and the same final state as the run that never stopped."""
+    cfg, interrupt_at = drawn_config(make_config, seed)
+
+    def stop(metrics, ckpt):
+        if metrics["step"] == interrupt_at:
+            raise Interrupt
+
+    straight = Trainer(cfg, tmp_path / "straight")
+    straight.fit()
+    with pytest.raises(Interrupt):
+        Trainer(cfg, tmp_path / "resumed").fit(report=stop)
+    resumed = Trainer(cfg, tmp_path / "resumed")
+    resumed.fit(resume=tmp_path / "resumed")
+
+    def rows(run):
+        return [{k: v for k, v in r.items() if k != TOKENS_PER_S} for r in read_jsonl(tmp_path / run / "metrics.jsonl")]
+
+    a, b = rows("straight"), rows("resumed")
+    assert [r["step"] for r in b] == list(range(1, 15))
+    for x, y in zip(a, b, strict=True):  # NaN == NaN here: a row is compared as its JSON text
+        assert json.dumps(x, sort_keys=True) == json.dumps(y, sort_keys=True), x["step"]
+    def bit_positions(run):  # (None: no file, as without diagnostics)
+        path = tmp_path / run / BIT_POSITIONS_FILE
+        return path.read_text() if path.exists() else None
+
+    assert bit_positions("straight") == bit_positions("resumed")
+    for (name, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
 
 
 def test_nan_gradients_are_skipped_then_stop_the_run(make_config, tmp_path):

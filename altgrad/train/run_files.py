@@ -36,7 +36,10 @@ class RunFiles:
                 self.truncate(f, resume_step)
 
     def truncate(self, path: Path, step: int) -> None:
-        """Keep only the rows of `path` up to `step` (a resumed run redoes the rest)."""
+        """Keep only the rows of `path` up to `step` (a resumed run redoes the rest). A file the run
+        never wrote stays unwritten: a resumed run's files are the uninterrupted run's."""
+        if not path.exists():
+            return
         rows = [r for r in read_jsonl(path) if int(r.get(STEP, 0)) <= step]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
