@@ -14,6 +14,7 @@ from compiled_steps import (
     assert_step_identical,
     eager_and_compiled,
 )
+from host_reads import CPU_ONLY_READS, host_reads
 from torch._dynamo.utils import counters
 from torch.profiler import profile
 
@@ -44,11 +45,15 @@ def fresh_counters():
 QUANTIZER_OPS = ("aten::copysign", "aten::aminmax")
 
 
-def aten_ops(trainer: Trainer, step: int) -> set[str]:
-    """The ATen ops one training step of `trainer` calls."""
+def profiled_step(trainer: Trainer, step: int) -> list:
+    """The profiler's events of one training step of `trainer`."""
     with profile() as prof:
         trainer.train_step(step)
-    return {event.name for event in prof.events()}
+    return prof.events()
+
+
+def aten_ops(events: list) -> set[str]:
+    return {event.name for event in events}
 
 
 @pytest.mark.parametrize("quant", [MIXED, STOCHASTIC, ("quant.format=bf16",)], ids=["mixed", "stochastic", "bf16"])
@@ -66,7 +71,9 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
 
     step_graphs, all_graphs = compiled.forward.graphs, counters["stats"]["unique_graphs"]
     assert step_graphs == 1  # training with diagnostics (evaluation runs the eager model)
-    assert not set(QUANTIZER_OPS) & aten_ops(compiled, 11)
+    events = profiled_step(compiled, 11)
+    assert not set(QUANTIZER_OPS) & aten_ops(events)
+    assert set(host_reads(events)) <= CPU_ONLY_READS  # (SPEC §5: see tests/host_reads.py)
     lrs = {compiled.train_step(step).metrics["train/lr"] for step in range(12, 32)}
     assert len(lrs) == 20
     assert compiled.forward.graphs == step_graphs and counters["stats"]["unique_graphs"] == all_graphs
@@ -83,7 +90,7 @@ def test_quantizer_ops_are_seen_when_a_step_runs_them_one_by_one(make_config, tm
     monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")
     (tmp_path / "run").mkdir()  # (train_step without fit writes bit positions there)
     trainer = Trainer(make_config(*TINY, *MIXED, "train.max_steps=100", "train.compile=true"), tmp_path / "run")
-    assert set(QUANTIZER_OPS) <= aten_ops(trainer, 2)
+    assert set(QUANTIZER_OPS) <= aten_ops(profiled_step(trainer, 2))
 
 
 def test_resume_with_the_compiled_step_is_bit_identical(make_config, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from typing import get_args
 
 import pytest
 import torch
+from host_reads import CPU_ONLY_READS, host_reads
 
 from altgrad.__main__ import main
 from altgrad.config import ConfigError, QuantConfig
@@ -303,27 +304,6 @@ PER_LAYER = [
 ]
 
 
-def host_reads(step) -> list[str]:
-    """The ops that read a tensor's value back to the host (`.item()`, `float(t)`, a Python branch
-    on a tensor: each an `aten::_local_scalar_dense`) during step(), each named by the chain of ops
-    it was called from."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-    reads = []
-    for event in prof.events():
-        if event.name == "aten::_local_scalar_dense":
-            chain, parent = [], event.cpu_parent
-            while parent is not None and parent.name.startswith("aten::"):
-                chain.append(parent.name)
-                parent = parent.cpu_parent
-            reads.append(" < ".join(chain))
-    return reads
-
-
-# torch's fused AdamW reads `found_inf` on the host when it runs on the CPU (on a GPU, on the device)
-CPU_ONLY_READS = {"aten::item < aten::_fused_adamw_"}
-
-
 @pytest.mark.parametrize("optimizer", ["adamw", "manifold"])
 def test_a_step_reads_no_value_back_to_the_host(make_config, tmp_path, path, optimizer):
     """SPEC §5: one host sync per step, the trainer's read of everything the step measured. On the
@@ -339,7 +319,9 @@ def test_a_step_reads_no_value_back_to_the_host(make_config, tmp_path, path, opt
                                   "train.eval_interval=4"), tmp_path)
     for step in (1, 2, 3):
         trainer.train_step(step)
-    reads = host_reads(lambda: trainer.train_step(4))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        trainer.train_step(4)
+    reads = host_reads(prof.events())
     assert set(reads) <= CPU_ONLY_READS, reads
 
 
