@@ -314,12 +314,15 @@ def step_graph_options(device_type: str, cuda_graphs: bool = False) -> dict[str,
     records the graph as a CUDA graph and replays it (`StepGraph`). compile_fx keeps the traced
     nodes' annotations through AOTAutograd only with provenance tracking on
     (`trace.provenance_tracking_level` 1; it adds comments and compile-time bookkeeping); without
-    them every op would fall back."""
+    them every op would fall back. Buffer reuse, which lite mode turns off, is back on: the
+    quantizers' loops write several hundred small buffers a step, each an allocation from the
+    wrapper where a dead one would do (where a value is stored changes no value)."""
     from torch._inductor import list_mode_options
 
     options = {**list_mode_options("lite"), **compile_options(),
                "realize_opcount_threshold": STEP_REALIZE_OPS, "cpp.min_chunk_size": STEP_MIN_CHUNK,
-               "trace.provenance_tracking_level": 1, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+               "allow_buffer_reuse": True, "trace.provenance_tracking_level": 1, "cpp_wrapper": True,
+               "cpp_wrapper_build_separate": True}
     if device_type == "cpu":
         return options
     return {**python_wrapper(options), "triton.cudagraphs": cuda_graphs and device_type == "cuda"}
