@@ -65,7 +65,8 @@ STEPS = {"per-tensor": (False, False), "step-graph": (True, False), "cuda-graphs
 
 
 # ... and the optimizer: the manifold optimizer's compiled update once read a value back (`.item()`)
-SYNC_CASES = {**{name: (*step, "adamw") for name, step in STEPS.items()}, "per-tensor-manifold": (False, False, "manifold")}
+SYNC_CASES = {**{name: (*step, "adamw") for name, step in STEPS.items()},
+              "per-tensor-manifold": (False, False, "manifold")}
 
 
 @pytest.mark.parametrize("compiled, cuda_graphs, optimizer", SYNC_CASES.values(), ids=SYNC_CASES.keys())

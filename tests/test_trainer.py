@@ -164,10 +164,22 @@ def test_resume_is_bit_identical(make_config, tmp_path, interrupt_at):
     assert [e["step"] for e in events if e["kind"] == "resume"] == [10]
 
 
+# The drawn runs: a 2-layer model, a few checkpoints' worth of steps.
+DRAWN_RUN = ("model.n_layer=2", "model.n_head=2", "model.n_embd=16", "model.block_size=16", "train.batch_size=2",
+             "train.max_steps=14")
+
+
+def override(key: str, value: object) -> str:
+    """`key=value` as `--set` reads it (YAML: true, false, null)."""
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{key}={text}"
+
+
 def drawn_config(make_config, seed: int):
     """A valid run config with every quantization, optimizer and schedule axis drawn at random
     (seeded), each from the values the config itself defines: a format, layer precision, rounding
-    mode or optimizer added later is drawn too. Combinations the config refuses are drawn again."""
+    mode or optimizer added later is drawn too. Combinations the config refuses are drawn again.
+    Returns it and a step to interrupt it at, after its first checkpoint."""
     rng = random.Random(seed)
     quant = QuantConfig.model_fields
     choices = {
@@ -178,23 +190,19 @@ def drawn_config(make_config, seed: int):
         "quant.scaling.mode": get_args(ScalingMode), "quant.scaling.algo": get_args(AmaxAlgo),
         "quant.grad_scaling.mode": get_args(ScalingMode), "quant.clip_ste": [True, False],
         "quant.roles.input": [True, False], "optim.name": list(OPTIMIZERS),
-        "optim.partition_clip_k": ["null", 2.0], "optim.grad_clip": ["null", 1.0],
-        "stability.shift_patience": ["null", 1], "model.bias": [True, False], "model.dropout": [0.0, 0.1],
+        "optim.partition_clip_k": [None, 2.0], "optim.grad_clip": [None, 1.0],
+        "stability.shift_patience": [None, 1], "model.bias": [True, False], "model.dropout": [0.0, 0.1],
         "train.diag_every": [0, 1, 3], "train.shadow_every": [0, 2, 5], "train.eval_interval": [3, 4, 7],
         "train.checkpoint_interval": [3, 4, 5],
     }
     while True:
-        overrides = [f"{key}={rng.choice(values)}".replace("=True", "=true").replace("=False", "=false")
-                     for key, values in choices.items()]
+        overrides = [override(key, rng.choice(values)) for key, values in choices.items()]
         try:
-            cfg = make_config(*TINY_MODEL, "train.max_steps=14", *overrides)
+            cfg = make_config(*DRAWN_RUN, *overrides)
         except ConfigError:
             continue
         print("drawn:", *overrides)  # shown with a failure
-        return cfg, rng.randint(4, 13)
-
-
-TINY_MODEL = ("model.n_layer=2", "model.n_head=2", "model.n_embd=16", "model.block_size=16", "train.batch_size=2")
+        return cfg, rng.randint(cfg.train.checkpoint_interval, cfg.train.max_steps - 1)  # (after a checkpoint)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -219,9 +227,10 @@ def test_resume_is_bit_identical_for_drawn_configs(make_config, tmp_path, seed):
         return [{k: v for k, v in r.items() if k != TOKENS_PER_S} for r in read_jsonl(tmp_path / run / "metrics.jsonl")]
 
     a, b = rows("straight"), rows("resumed")
-    assert [r["step"] for r in b] == list(range(1, 15))
+    assert [r["step"] for r in b] == list(range(1, cfg.train.max_steps + 1))
     for x, y in zip(a, b, strict=True):  # NaN == NaN here: a row is compared as its JSON text
         assert json.dumps(x, sort_keys=True) == json.dumps(y, sort_keys=True), x["step"]
+
     def bit_positions(run):  # (None: no file, as without diagnostics)
         path = tmp_path / run / BIT_POSITIONS_FILE
         return path.read_text() if path.exists() else None

@@ -37,7 +37,7 @@ from altgrad.metrics import is_checkpoint_step, is_diagnostic_step, is_eval_step
 from altgrad.precision import BASELINE, FORMAT_PLACEHOLDER
 from altgrad.quant.formats import get_format
 from altgrad.quant.kernels import compiling_disabled, family
-from altgrad.tune.config import KERNEL_SET, STEP_GRAPH, SweepConfig
+from altgrad.tune.config import KERNEL_SET, STEP_GRAPH, EstimateSettings, SweepConfig
 from altgrad.tune.timed_run import Timing, short_run, timed_run
 
 
@@ -193,9 +193,8 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
             costs = {key: measure(run, e.measure_steps, cfg.resources.cpus_per_trial, Path(tmp),
                                   cfg.resources.gpu_per_trial) for key, run in groups.items()}
     else:
-        stored_costs = {field: getattr(e, field).get(cfg.preset, {}) for field in ("compile_s", "startup_s")}
-        costs = {key: stored(run, stored_step, stored_costs["compile_s"].get(unit_kind(run)),
-                             stored_costs["startup_s"].get(unit_kind(run), 0.0))
+        costs = {key: stored(run, stored_step, stored_seconds(e, "compile_s", cfg.preset, unit_kind(run)),
+                             stored_seconds(e, "startup_s", cfg.preset, unit_kind(run)) or 0.0)
                  for key, run in groups.items()}
 
     def cost_of(run: RunConfig) -> StepCost:
@@ -216,9 +215,9 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
         why = "estimate.measure_steps = 0" if can_measure else "this machine cannot run the preset"
         kinds = sorted({unit_kind(run) for run in runs}, reverse=True)  # step graphs first
         started = "".join(stored_text("start-up" + (f" ({kind_name(k)}s)" if len(kinds) > 1 else ""), " a trial",
-                                      "startup_s", stored_costs, k, cfg.preset) for k in kinds)
-        compiled = "".join(stored_text(f"compiling its {units_text(k, n)}", " each, once", "compile_s", stored_costs,
-                                       k, cfg.preset) for k, n in units.items())
+                                      e, "startup_s", cfg.preset, k) for k in kinds)
+        compiled = "".join(stored_text(f"compiling its {units_text(k, n)}", " each, once", e, "compile_s",
+                                       cfg.preset, k) for k, n in units.items())
         source = f"stored: estimate.step_time_s.{cfg.preset} = {stored_step:g} s per step ({why}){started}{compiled}"
     total_s = compiling_s + sum(cost_of(r).trial_s(r, e.trial_overhead_s) for r in runs)
     wall_s = e.sweep_overhead_s + total_s / min(concurrency, len(runs))
@@ -234,12 +233,15 @@ def estimate_lines(cfg: SweepConfig, runs: list[RunConfig], concurrency: int, ca
     return lines
 
 
-def stored_text(what: str, per: str, field: str, stored_costs: dict[str, dict[str, float]], kind: str,
-                preset: str) -> str:
+def stored_seconds(e: EstimateSettings, field: str, preset: str, kind: str) -> float | None:
+    """`estimate.<field>.<preset>.<kind>` (`startup_s` or `compile_s`), None when not stored."""
+    return getattr(e, field).get(preset, {}).get(kind)
+
+
+def stored_text(what: str, per: str, e: EstimateSettings, field: str, preset: str, kind: str) -> str:
     """The stored estimate's clause on `what` (a kind's start-up, or compiling its units): the
-    seconds stored for the kind under `estimate.<field>.<preset>`, `per` what, or that it is not
-    counted."""
-    seconds = stored_costs[field].get(kind)
+    seconds `stored_seconds` finds, `per` what, or that it is not counted."""
+    seconds = stored_seconds(e, field, preset, kind)
     where = f"estimate.{field}.{preset}.{kind}"
     return f"; {what} not counted (no {where})" if seconds is None else f"; {what}: {seconds:g} s{per} ({where})"
 
