@@ -56,6 +56,20 @@ def aten_ops(events: list) -> set[str]:
     return {event.name for event in events}
 
 
+def graph_ops(events: list) -> set[str]:
+    """The ops the compiled graphs' calls (forward and backward) make themselves, not those an op
+    they call makes in turn."""
+    def in_graph(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("## Call CompiledFxGraph"):
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return parent is not None
+
+    return {event.name for event in events if in_graph(event)}
+
+
 @pytest.mark.parametrize("quant", [MIXED, STOCHASTIC, ("quant.format=bf16",)], ids=["mixed", "stochastic", "bf16"])
 def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch, quant):
     """`train.compile: false` is the eager model calling each (compiled) kernel on its own; the
@@ -123,6 +137,49 @@ def test_the_step_graph_has_a_cpp_wrapper_on_the_cpu_only():
     # ... and nowhere else: the trainer passes train.cuda_graphs whatever its device
     assert not any(step_graph_options(device, cuda_graphs=asked)["triton.cudagraphs"]
                    for device, asked in (("cpu", True), ("meta", True), ("cuda", False)))
+
+
+class AmaxHistory(torch.nn.Module):
+    """A layer in miniature, none of its ops a kernel's: it writes its state (an amax history, as
+    a scaler does) and multiplies through views of its weight and input."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 2))
+        self.register_buffer("history", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.history.copy_(torch.cat([self.history[1:], x.detach().abs().amax().view(1)]))
+        return (x.view(2, 8) @ self.weight.view(8, 2)).select(0, 1) * self.history[-1]
+
+
+# Ops that compute nothing (`kernels.computes_nothing`): lowered, a reinterpretation of a buffer
+# or a write into the state's own buffer; not one of them an ATen call from the wrapper.
+NOTHING_COMPUTED = ("aten::view", "aten::detach", "aten::select", "aten::slice", "aten::copy_", "aten::alias")
+
+
+def test_the_step_graph_calls_no_op_that_computes_nothing(monkeypatch):
+    """Views, aliases and the write of a step's state into its buffer are lowered, not left to
+    lite mode's ATen fallback, which calls every unmarked op from the wrapper; the values, the
+    gradient and the state written are eager's. Compiled with inductor's caches off: they do not
+    key on the marks, so a cached graph would say nothing."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    torch.manual_seed(0)
+    compiled, eager, x = AmaxHistory(), AmaxHistory(), torch.randn(16)
+    eager.load_state_dict(compiled.state_dict())
+    graph = StepGraph(compiled)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        graph(x).sum().backward()
+    with profile() as prof:
+        graph(2 * x).sum().backward()
+    for y in (x, 2 * x):
+        eager(y).sum().backward()
+    called = graph_ops(prof.events())
+    assert {"aten::mm", "aten::amax"} <= called  # lite mode: the arithmetic is ATen's, called from the wrapper
+    assert not called & set(NOTHING_COMPUTED)
+    assert graph.error is None and graph.graphs == 1
+    assert torch.equal(compiled.history, eager.history) and torch.equal(compiled.weight.grad, eager.weight.grad)
 
 
 class UpsampledGradient(torch.autograd.Function):

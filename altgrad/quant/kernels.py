@@ -333,10 +333,43 @@ def python_wrapper(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "cpp_wrapper": False, "cpp_wrapper_build_separate": False}
 
 
+LOWERED = "compile_with_inductor"  # the mark lite mode lowers a node for (the custom metadata's key)
+
+
 def _lowered() -> contextlib.AbstractContextManager:
     """Marks the ops traced inside for inductor to lower in a step graph (lite mode); elsewhere
     the mark is ignored."""
-    return fx_traceback.annotate({"compile_with_inductor": {}})
+    return fx_traceback.annotate({LOWERED: {}})
+
+
+def computes_nothing(node: torch.fx.Node) -> bool:
+    """A node of an AOTAutograd graph that moves no value through arithmetic: a view or alias
+    with an inductor lowering (lowered, a reinterpretation of the same buffer: `detach`, `view`,
+    `_unsafe_view`, `select`, `split`, a dtype view), or the `copy_` AOTAutograd appends to write a new value of
+    the step's state back into its input buffer (lowered, the loop that computes the value
+    writes it there)."""
+    from torch._inductor.lowering import lowerings
+
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target is torch.ops.aten.copy_.default:
+        return node.args[0].op == "placeholder"
+    return (target.is_view or target is torch.ops.aten._unsafe_view.default) and target in lowerings
+
+
+def lower_what_computes_nothing(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Inductor's inner compile of a step graph, after marking the nodes that compute nothing
+    (`computes_nothing`) for lowering. Lite mode would call each through ATen from the wrapper:
+    over a thousand a step, where lowered they are pointer arithmetic (docs/design.md). No value
+    changes: the arithmetic stays ATen's or the kernels' own. (A pass of inductor's own cannot do
+    this: lite mode runs none.)"""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    for node in gm.graph.nodes:
+        if computes_nothing(node):
+            node.meta.setdefault("custom", {})[LOWERED] = {}
+    return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 class Kernel(Compiled):
@@ -470,7 +503,7 @@ class StepGraph(Compiled):
             with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
                                                force_non_lazy_backward_lowering=True):
                 try:
-                    return self._entered(compile_fx(gm, example_inputs, config_patches=options))
+                    return self._entered(compile_fx(gm, example_inputs, lower_what_computes_nothing, options))
                 except Exception as err:
                     if not options["cpp_wrapper"]:
                         raise
@@ -480,7 +513,8 @@ class StepGraph(Compiled):
                     warnings.warn(f"altgrad step graph: inductor's C++ wrapper failed "
                                   f"({error_summary(err)}), using its Python wrapper",
                                   RuntimeWarning, stacklevel=2)
-                    return self._entered(compile_fx(gm, example_inputs, config_patches=python_wrapper(options)))
+                    return self._entered(compile_fx(gm, example_inputs, lower_what_computes_nothing,
+                                                     python_wrapper(options)))
 
         # Static shapes: a step's shapes never change, and inductor fails on symbolic ones here.
         return torch.compile(self.fn, backend=counted, dynamic=False)
