@@ -141,7 +141,7 @@ def test_the_step_graph_has_a_cpp_wrapper_on_the_cpu_only():
 
 class AmaxHistory(torch.nn.Module):
     """A layer in miniature, none of its ops a kernel's: it writes its state (an amax history, as
-    a scaler does) and multiplies through views of its weight and input."""
+    a scaler does) and multiplies through views and transposes of its weight and input."""
 
     def __init__(self):
         super().__init__()
@@ -150,12 +150,14 @@ class AmaxHistory(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.history.copy_(torch.cat([self.history[1:], x.detach().abs().amax().view(1)]))
-        return (x.view(2, 8) @ self.weight.view(8, 2)).select(0, 1) * self.history[-1]
+        y = (x.view(2, 8) @ self.weight.view(8, 2)).select(0, 1) * self.history[-1]  # (backward: t)
+        return y @ self.weight.transpose(0, 1)
 
 
 # Ops that compute nothing (`kernels.computes_nothing`): lowered, a reinterpretation of a buffer
 # or a write into the state's own buffer; not one of them an ATen call from the wrapper.
-NOTHING_COMPUTED = ("aten::view", "aten::detach", "aten::select", "aten::slice", "aten::copy_", "aten::alias")
+NOTHING_COMPUTED = ("aten::view", "aten::detach", "aten::select", "aten::slice", "aten::copy_", "aten::copy",
+                    "aten::alias", "aten::t", "aten::transpose")
 
 
 def test_the_step_graph_calls_no_op_that_computes_nothing(monkeypatch):

@@ -345,30 +345,52 @@ def _lowered() -> contextlib.AbstractContextManager:
 def computes_nothing(node: torch.fx.Node) -> bool:
     """A node of an AOTAutograd graph that moves no value through arithmetic: a view or alias
     with an inductor lowering (lowered, a reinterpretation of the same buffer: `detach`, `view`,
-    `_unsafe_view`, `select`, `split`, a dtype view), or the `copy_` AOTAutograd appends to write a new value of
-    the step's state back into its input buffer (lowered, the loop that computes the value
-    writes it there)."""
+    `_unsafe_view`, `permute`, `select`, `split`, a dtype view); a `copy` of a value into a
+    tensor of its dtype (what functionalization makes of a state's in-place write); or the `copy_`
+    AOTAutograd appends to write a new value of the step's state back into its input buffer
+    (lowered, the loop that computes the value writes it there)."""
     from torch._inductor.lowering import lowerings
 
-    target = node.target
+    target, aten = node.target, torch.ops.aten
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    if target is torch.ops.aten.copy_.default:
+    if target is aten.copy_.default:
         return node.args[0].op == "placeholder"
-    return (target.is_view or target is torch.ops.aten._unsafe_view.default) and target in lowerings
+    if target is aten.copy.default:
+        return node.args[0].meta["val"].dtype == node.args[1].meta["val"].dtype
+    return (target.is_view or target is aten._unsafe_view.default) and target in lowerings
+
+
+TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.transpose.int)
+
+
+def as_permute(node: torch.fx.Node) -> None:
+    """Makes a `t` or `transpose` node the `permute` it is. Inductor lowers those two only by
+    decomposing them into a `permute` while AOTAutograd traces, which lite mode does for the ops
+    marked then, not for the transposes of a linear's backward."""
+    x = node.args[0]
+    n = x.meta["val"].dim()
+    dims = list(range(n))
+    if n >= 2:  # (`t` of a vector or a scalar is the tensor itself)
+        d0, d1 = (0, 1) if node.target is torch.ops.aten.t.default else (d % n for d in node.args[1:3])
+        dims[d0], dims[d1] = dims[d1], dims[d0]
+    node.target, node.args, node.kwargs = torch.ops.aten.permute.default, (x, dims), {}
 
 
 def lower_what_computes_nothing(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Inductor's inner compile of a step graph, after marking the nodes that compute nothing
-    (`computes_nothing`) for lowering. Lite mode would call each through ATen from the wrapper:
-    over a thousand a step, where lowered they are pointer arithmetic (docs/design.md). No value
-    changes: the arithmetic stays ATen's or the kernels' own. (A pass of inductor's own cannot do
-    this: lite mode runs none.)"""
+    (`computes_nothing`, transposes as the permutes they are) for lowering. Lite mode would call
+    each through ATen from the wrapper: most of a step's calls, where lowered they are pointer
+    arithmetic or a fused loop's write (docs/design.md). No value changes: the arithmetic stays
+    ATen's or the kernels' own. (Not a pass of inductor's own: lite mode runs none.)"""
     from torch._inductor.compile_fx import compile_fx_inner
 
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in TRANSPOSES:
+            as_permute(node)
         if computes_nothing(node):
             node.meta.setdefault("custom", {})[LOWERED] = {}
+    gm.recompile()
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
