@@ -161,8 +161,8 @@ NOTHING_COMPUTED = ("aten::view", "aten::detach", "aten::select", "aten::slice",
 
 
 def test_the_step_graph_calls_no_op_that_computes_nothing(monkeypatch):
-    """Views, aliases and the write of a step's state into its buffer are lowered, not left to
-    lite mode's ATen fallback, which calls every unmarked op from the wrapper; the values, the
+    """Views, aliases, transposes and the write of a step's state into its buffer are lowered, not
+    left to lite mode's ATen fallback, which calls every unmarked op from the wrapper; the values, the
     gradient and the state written are eager's. Compiled with inductor's caches off: they do not
     key on the marks, so a cached graph would say nothing."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)

@@ -304,8 +304,9 @@ STEP_MIN_CHUNK = 4096
 
 def step_graph_options(device_type: str, cuda_graphs: bool = False) -> dict[str, Any]:
     """Inductor options of a `StepGraph` on `device_type`: "lite" mode (every op falls back to its
-    ATen kernel but those marked `compile_with_inductor`, which the kernels mark while traced), the
-    kernels' `compile_options` and the two bounds above, and on the CPU a C++ wrapper. The wrapper
+    ATen kernel but those marked `compile_with_inductor`: the kernels' ops, marked while traced,
+    and what computes nothing, marked by `lower_what_computes_nothing`), the kernels'
+    `compile_options` and the two bounds above, and on the CPU a C++ wrapper. The wrapper
     is what pays there: a step calls a few thousand ATen ops and a hundred fused kernels, and from
     Python each cost a few microseconds of interpreter (docs/design.md). Built separately from the
     kernels, the wrapper compiles at -O1: at -O3 one diagnostics graph took over ten minutes of g++.
