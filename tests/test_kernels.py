@@ -16,12 +16,15 @@ from compiled_steps import (
 )
 from host_reads import CPU_ONLY_READS, host_reads
 from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import profile
 
 from altgrad.quant import compile_status
 from altgrad.quant.kernels import (
+    TRANSPOSES,
     Compiled,
     StepGraph,
+    as_permute,
     graph_device_type,
     rollback_point,
     step_graph_options,
@@ -182,6 +185,25 @@ def test_the_step_graph_calls_no_op_that_computes_nothing(monkeypatch):
     assert not called & set(NOTHING_COMPUTED)
     assert graph.error is None and graph.graphs == 1
     assert torch.equal(compiled.history, eager.history) and torch.equal(compiled.weight.grad, eager.weight.grad)
+
+
+def test_a_transpose_is_rewritten_as_the_permute_it_is():
+    """`as_permute` on every kind of transpose an AOTAutograd graph holds: `t` of a matrix, a vector
+    and a scalar, `transpose` of a 4-d tensor in the middle and from the end (negative dims). The
+    rewritten graph has no transpose left and gives each output's values and strides, the layout
+    a matrix product downstream would see."""
+    def transposes(m, v, s, q):
+        return m.t(), v.t(), s.t(), q.transpose(1, 2), q.transpose(-1, 0), q.transpose(-2, -1)
+
+    inputs = (torch.randn(3, 5), torch.randn(4), torch.randn(()), torch.randn(2, 3, 4, 5))
+    gm = make_fx(transposes)(*inputs)
+    for node in gm.graph.find_nodes(op="call_function", target=TRANSPOSES[0]) + \
+            gm.graph.find_nodes(op="call_function", target=TRANSPOSES[1]):
+        as_permute(node)
+    gm.recompile()
+    assert not any(node.target in TRANSPOSES for node in gm.graph.nodes)
+    for got, want in zip(gm(*inputs), transposes(*inputs), strict=True):
+        assert torch.equal(got, want) and got.stride() == want.stride()
 
 
 class UpsampledGradient(torch.autograd.Function):

@@ -373,7 +373,7 @@ def as_permute(node: torch.fx.Node) -> None:
     n = x.meta["val"].dim()
     dims = list(range(n))
     if n >= 2:  # (`t` of a vector or a scalar is the tensor itself)
-        d0, d1 = (0, 1) if node.target is torch.ops.aten.t.default else (d % n for d in node.args[1:3])
+        d0, d1 = (0, 1) if node.target is torch.ops.aten.t.default else node.args[1:3]  # (negative: from the end)
         dims[d0], dims[d1] = dims[d1], dims[d0]
     node.target, node.args, node.kwargs = torch.ops.aten.permute.default, (x, dims), {}
 
