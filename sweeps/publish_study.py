@@ -61,7 +61,8 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
         *[f"- Sweet spot, {', '.join(x for x in (s.precision, s.optimizer, axes_text(s.axes)) if x)}: {s.text}"
           for s in f.sweet_spots],
         *[f"- {d.what} on {d.b.name} / {d.b.precision}: {d.diff.text()}, {d.verdict}"
-          for d in f.axis_effects],
+          + (f" ({d.family_wise.text})" if d.family_wise else "") for d in f.axis_effects],
+        *[f"- Many comparisons at once: {m}" for m in f.multiplicity()],
         f"- {spread(f)}",
         "",
         *images,

@@ -136,6 +136,53 @@ def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
     assert alone.group == ("e3m4",) and alone.text.startswith("e3m4 at 0.910 ± 0.025")
 
 
+def family_study() -> list[TrialRecord]:
+    """Seven formats against bf16, three seeds: e5m2 far worse, e4m3 worse by a margin its interval
+    only just resolves (the README study's one call: 0.0227 ± 0.0165), five that match bf16."""
+    nulls = {"e0m7": [0.99, 1.00, 1.01], "e1m6": [1.00, 1.01, 0.99], "e2m5": [0.98, 1.00, 1.02],
+             "e3m4": [1.01, 0.99, 1.00], "e6m1": [0.995, 1.00, 1.005]}
+    sd = 0.0165 / 4.302653 * math.sqrt(3)
+    return [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.20, 1.21, 1.22]),
+            *seeded("e4m3", [1.0227 - sd, 1.0227, 1.0227 + sd]),
+            *(r for fmt, scales in nulls.items() for r in seeded(fmt, scales))]
+
+
+def two_sided_p_df2(values: list[float], null: float) -> float:
+    """Three values: t = (mean − null) / (s / √3), and for df 2, P(|T| > t) = 1 − t / √(t² + 2)."""
+    mean = sum(values) / 3
+    t = abs(mean - null) / math.sqrt(sum((v - mean) ** 2 for v in values) / 2 / 3)
+    return 1 - t / math.sqrt(t * t + 2)
+
+
+def test_a_marginal_call_among_many_comparisons_does_not_hold_family_wise(tmp_path):
+    f = compute_findings(family_study())
+    cells = {c.format: c for c in f.cells.values()}
+    assert {c.family_wise.family for c in cells.values()} == {7}
+    sd = 0.0165 / 4.302653 * math.sqrt(3)
+    marginal, strong = cells["e4m3"], cells["e5m2"]
+    p = two_sided_p_df2([1.0227 - sd, 1.0227, 1.0227 + sd], 1.0)
+    assert 0.026 < p < 0.028 and marginal.family_wise.p == pytest.approx(p, rel=1e-6)
+    # e5m2's p is the smallest (× 7), e4m3's the next (× 6); the other five are nowhere near 0.05
+    assert marginal.vs_bf16 == "worse" and marginal.family_wise.called
+    assert marginal.family_wise.adjusted == pytest.approx(6 * p, rel=1e-6) and not marginal.family_wise.holds
+    assert strong.vs_bf16 == "worse" and strong.family_wise.holds
+    assert strong.family_wise.adjusted == pytest.approx(7 * two_sided_p_df2([1.20, 1.21, 1.22], 1.0), rel=1e-6)
+    for fmt in ("e0m7", "e1m6", "e2m5", "e3m4", "e6m1"):
+        fw = cells[fmt].family_wise
+        assert cells[fmt].vs_bf16 == "indistinguishable" and not fw.called and not fw.holds and fw.adjusted >= fw.p
+    assert f.multiplicity() == ["× bf16: 7 comparisons with an interval, 2 called at 95 % each where chance alone "
+                                "would call 0.35; 1 holds family-wise (Holm)"]
+    # alone with bf16 the same cell is its own family, and its call holds
+    alone = compute_findings([r for r in family_study() if r.format in ("bf16", "e4m3")]).cells["e4m3", "adamw", "all", ()]
+    assert alone.family_wise.family == 1 and alone.family_wise.adjusted == pytest.approx(p, rel=1e-6)
+    assert alone.family_wise.holds
+
+    text = write_report(family_study(), tmp_path).read_text()
+    assert f"| worse | not family-wise: p 0.027, Holm {6 * p:.2g} of 7 |" in text
+    assert "- **Many comparisons at once:** × bf16: 7 comparisons with an interval, 2 called" in text
+    assert "**Family-wise (Holm)**" in text  # defined where every number is
+
+
 def test_one_seed_says_n_1_and_is_never_called_different():
     f = compute_findings([trial("bf16"), trial("e4m3", scale=1.5), trial("e5m2", scale=1.01)])
     cell = f.cells["e4m3", "adamw", "all", ()]
@@ -218,6 +265,7 @@ def test_manifold_delta_per_format_with_its_interval():
     assert deltas["e5m2"].diff.mean == pytest.approx(mean) and deltas["e5m2"].diff.half_width == pytest.approx(hw, rel=1e-5)
     assert deltas["e5m2"].verdict == "lower (better)"
     assert deltas["e4m3"].verdict == "indistinguishable"
+    assert {d.family_wise.family for d in deltas.values()} == {2}  # the manifold table is a family
     assert compute_findings([r for r in records if r.optimizer == "adamw"]).deltas == []
 
 
@@ -235,6 +283,8 @@ def test_extra_axes_are_cells_of_their_own_and_compared():
     assert stochastic.ratio.mean == pytest.approx(1.01) and stochastic.ratio.paired
     (effect,) = f.axis_effects
     assert effect.what == "rounding: stochastic − nearest" and effect.verdict == "lower (better)"
+    assert effect.family_wise.family == 1 and effect.family_wise.holds  # a family of one: p as it is
+    assert effect.family_wise.adjusted == effect.family_wise.p < 0.05
     assert effect.diff.mean == pytest.approx(-0.1 * BF16_BEST)
     assert {(s.axes, s.group) for s in f.sweet_spots} == {
         ((("quant.rounding", "nearest"),), ("bf16",)), ((("quant.rounding", "stochastic"),), ("bf16", "e4m3"))}

@@ -1,5 +1,6 @@
 """The report's uncertainty arithmetic: t quantiles against table values, closed forms and an
-independent integration, intervals worked out by hand, paired vs unpaired comparisons, ties."""
+independent integration, intervals worked out by hand, paired vs unpaired comparisons, ties, the
+p-values the intervals invert and Holm's adjustment of them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from altgrad.report.stats import (
     Comparison,
     Interval,
     difference_interval,
+    holm,
     leader_group,
     mean_interval,
     ratio_interval,
@@ -272,3 +274,98 @@ def test_leader_group_skips_empty_entries_and_accepts_comparisons():
               ("e5m2", ratio_interval({1: 3.0, 2: 3.1}, {1: 1.0, 2: 1.0}))]
     assert leader_group(ratios) == ["e3m4"]
     assert leader_group([("lost", mean_interval([math.nan]))]) == []
+
+
+# -- p-values and Holm's adjustment -------------------------------------------------------------
+
+def mpmath_two_sided_p(t: float, df: float) -> float:
+    """2 P(T > |t|) from mpmath's incomplete beta: independent of the module's own t tail."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 30
+    v, t = mpmath.mpf(df), mpmath.mpf(abs(t))
+    return float(mpmath.betainc(v / 2, 0.5, 0, v / (v + t * t), regularized=True))
+
+
+@pytest.mark.parametrize("t", [0.3, 1.0, 2.5, 4.302653, 5.92, 40.0])
+def test_p_value_closed_forms(t):
+    """With n = 3 (df 2) the two-sided p of t is 1 − t/√(t² + 2); with n = 2 (Cauchy), 1 − (2/π)
+    atan(t). The interval's half-width is t_table · se, so se = half-width / t_table."""
+    se = 0.01
+    three = Interval(1.0 + t * se, TABLE_975[2] * se, 3)
+    assert three.p_value(1.0) == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-6)
+    two = Interval(-t * se, TABLE_975[1] * se, 2)
+    assert two.p_value(0.0) == pytest.approx(1 - 2 / math.pi * math.atan(t), rel=1e-6)
+
+
+def test_the_published_studys_one_call_has_p_0027():
+    """The README's study: grad_format e4m3 − e5m2 on e0m7, 0.0227 ± 0.0165 (n = 3, paired)."""
+    c = Comparison(0.0227, 0.0165, 3, paired=True, n_other=3)
+    t = 0.0227 / (0.0165 / TABLE_975[2])
+    assert c.p_value(0.0) == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-5)
+    assert 0.026 < c.p_value(0.0) < 0.028
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_p_below_005_exactly_when_the_interval_excludes_the_null(seed):
+    """Paired ratios and differences, and Welch's unpaired difference, on drawn data: the p-value
+    is mpmath's for the t statistic and df computed here from the values, and it is below 0.05
+    exactly when the 95 % interval excludes the null."""
+    rng = np.random.default_rng(seed)
+    n, shift = int(rng.integers(2, 7)), float(rng.normal(0, 0.02))
+    a = {s: 1.0 + shift + float(rng.normal(0, 0.02)) for s in range(n)}
+    b = {s: 1.0 + float(rng.normal(0, 0.02)) for s in range(n)}
+    per_seed = np.array([a[s] / b[s] for s in a])
+    ratio = ratio_interval(a, b)
+    t = (per_seed.mean() - 1) / (per_seed.std(ddof=1) / math.sqrt(n))
+    assert ratio.p_value(1.0) == pytest.approx(mpmath_two_sided_p(t, n - 1), rel=1e-7, abs=1e-12)
+
+    b_unpaired = {s + 100: v for s, v in b.items()} | {999: 1.0 + float(rng.normal(0, 0.05))}
+    diff = difference_interval(a, b_unpaired)
+    xa, xb = np.array(list(a.values())), np.array(list(b_unpaired.values()))
+    va, vb = xa.var(ddof=1) / len(xa), xb.var(ddof=1) / len(xb)
+    t = (xa.mean() - xb.mean()) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(xa) - 1) + vb ** 2 / (len(xb) - 1))
+    assert not diff.paired and diff.df == pytest.approx(df, rel=1e-12)
+    assert diff.p_value(0.0) == pytest.approx(mpmath_two_sided_p(t, df), rel=1e-7, abs=1e-12)
+    for c, null in ((ratio, 1.0), (diff, 0.0)):
+        assert (c.p_value(null) < 0.05) == (c.hi < null or c.lo > null)
+
+
+def test_p_value_without_an_interval_or_spread():
+    assert Interval(1.2, None, 1).p_value(1.0) is None
+    assert ratio_interval({1: math.nan}, {1: 1.0}).p_value(1.0) is None
+    assert ratio_interval({1: 1.1, 2: 1.1}, {1: 1.0, 2: 1.0}).p_value(1.0) == 0.0  # no spread, off the null
+    assert difference_interval({1: 2.0, 2: 2.0}, {1: 2.0, 2: 2.0}).p_value(0.0) == 1.0
+
+
+def holm_by_closed_testing(ps: list[float]) -> list[float]:
+    """Holm's procedure is the closed test of Bonferroni-tested intersections: hypothesis i's
+    adjusted p is the largest, over every subset S that contains i, of min(1, |S| · min p over S)."""
+    m = len(ps)
+    out = []
+    for i in range(m):
+        worst = 0.0
+        for mask in range(1 << m):
+            if mask >> i & 1:
+                members = [ps[j] for j in range(m) if mask >> j & 1]
+                worst = max(worst, min(1.0, len(members) * min(members)))
+        out.append(worst)
+    return out
+
+
+def test_holm_textbook_example():
+    """Sorted 0.005, 0.01, 0.03, 0.04 (m = 4): × 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 → 0.06 (no
+    adjusted p falls below an earlier one); returned in the input order."""
+    assert holm([0.04, 0.005, 0.03, 0.01]) == pytest.approx([0.06, 0.02, 0.06, 0.03])
+    assert holm([]) == []
+    assert holm([0.027]) == [0.027]
+    assert holm([0.027] + [0.5] * 6)[0] == pytest.approx(0.189)  # the published study's family of 7
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_holm_equals_the_closed_test_of_bonferroni(seed):
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(1, 7))
+    ps = [float(p) for p in np.where(rng.random(m) < 0.5, rng.uniform(0, 0.1, m), rng.uniform(0, 1, m))]
+    ps += [ps[0]] * int(rng.integers(0, 2))  # ties
+    assert holm(ps) == pytest.approx(holm_by_closed_testing(ps), rel=1e-12)

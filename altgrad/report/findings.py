@@ -3,16 +3,18 @@
 Everything the report states is derived here, so the numbers can be recomputed by hand from the
 trial data; the definitions below are rendered verbatim into report.md (`DEFINITIONS`). Every
 comparison carries its uncertainty over seeds (`report.stats`): a difference is called one only
-when the 95 % intervals separate; otherwise the report says "indistinguishable".
+when the 95 % intervals separate; otherwise the report says "indistinguishable". And since a report
+makes many such calls, each also says whether it survives Holm's correction over the comparisons
+of its kind (`FamilyWise`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import fmean
-from typing import Any
+from typing import Any, ClassVar
 
 from altgrad.config import StabilityConfig
 from altgrad.experiment import (
@@ -42,6 +44,7 @@ from altgrad.report.stats import (
     Comparison,
     Interval,
     difference_interval,
+    holm,
     leader_group,
     mean_interval,
     ratio_interval,
@@ -84,6 +87,14 @@ DEFINITIONS = f"""\
 - **Separates / indistinguishable**: two numbers are called different only when their 95 %
   intervals do not overlap; a cell is better or worse than bf16 only when its × bf16 interval
   excludes 1. Without an interval (one seed) nothing is called different.
+- **Family-wise (Holm)**: at 95 % each, about one comparison in twenty excludes its null by chance
+  alone, and a report reads many. So every comparison with an interval also has its two-sided p
+  (the t test its interval inverts: p < 0.05 exactly when the interval excludes the null) and
+  Holm's adjustment of it over its family, the comparisons of its kind in this report: every × bf16,
+  every manifold − standard, every extra-axis effect. A call "holds" when its adjusted p is below
+  0.05: then the chance of any false call in its family is at most 5 %. A call that does not hold is
+  a lead for more seeds, not a finding. The verdict is one comparison named in advance and is not
+  adjusted; sweet-spot ties use the unadjusted intervals (a tie is already the cautious reading).
 - **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
   ran the full budget and did not break ({" / ".join(BROKEN_STOPS)}), and bf16 (× 1 exactly), the
   lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
@@ -212,6 +223,48 @@ def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[
     return {t.seed: t.best_val_loss(upto) for t in trials}
 
 
+def excludes(estimate: Interval, null: float) -> bool:
+    """Whether the 95 % interval lies wholly on one side of `null`: a call (`reading`)."""
+    if estimate.half_width is None or not math.isfinite(estimate.mean):
+        return False
+    return estimate.hi < null or estimate.lo > null
+
+
+@dataclass(frozen=True)
+class FamilyWise:
+    """A comparison's two-sided p against its null, and Holm's adjustment of it over its family
+    (see DEFINITIONS): whether a call made at 95 % survives the report's making many."""
+
+    p: float
+    adjusted: float
+    family: int  # the comparisons in the family that have an interval
+    called: bool  # the interval excludes the null (`excludes`)
+    alpha: float = 0.05
+
+    @property
+    def holds(self) -> bool:
+        return self.called and self.adjusted < self.alpha
+
+    @property
+    def text(self) -> str:
+        """'holds: p 0.0012, Holm 0.0096 of 8', 'not family-wise: p 0.027, Holm 0.19 of 7', or for
+        no call 'p 0.41, Holm 1 of 7'."""
+        numbers = f"p {self.p:.2g}, Holm {self.adjusted:.2g} of {self.family}"
+        if not self.called:
+            return numbers
+        return f"{'holds' if self.holds else 'not family-wise'}: {numbers}"
+
+
+def family_wise(comparisons: list[tuple[Interval, float]]) -> list[FamilyWise | None]:
+    """`FamilyWise` of each (estimate, null) of one family, Holm over those with an interval; None
+    for an estimate without one."""
+    ps = [estimate.p_value(null) for estimate, null in comparisons]
+    adjusted = iter(holm([p for p in ps if p is not None]))
+    m = sum(p is not None for p in ps)
+    return [None if p is None else FamilyWise(p, next(adjusted), m, excludes(estimate, null), 1 - estimate.confidence)
+            for p, (estimate, null) in zip(ps, comparisons, strict=True)]
+
+
 def reading(estimate: Interval, null: float, below: str, above: str) -> str:
     """`below` / `above` when the 95 % interval excludes `null` on that side, else
     "indistinguishable": the one rule by which the report calls a difference a difference."""
@@ -235,6 +288,8 @@ class Cell:
     best: Interval  # best val loss up to `steps`, over seeds
     ratio: Comparison  # × bf16, paired by seed where possible
     also: tuple[str, ...] = ()  # equivalent formats this cell's trials measure too (one measurement)
+    family_wise: FamilyWise | None = None  # of `ratio`, over every cell's × bf16
+    NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
 
     @property
     def name(self) -> str:
@@ -259,7 +314,7 @@ class Cell:
     @property
     def vs_bf16(self) -> str:
         """"better" / "worse" when the × bf16 interval excludes 1, else "indistinguishable"."""
-        return reading(self.ratio, 1.0, "better", "worse")
+        return reading(self.ratio, self.NULL, "better", "worse")
 
 
 @dataclass(frozen=True)
@@ -300,10 +355,12 @@ class Difference:
     a: Cell
     b: Cell
     diff: Comparison
+    family_wise: FamilyWise | None = None  # of `diff`, over the differences of its table
+    NULL: ClassVar[float] = 0.0
 
     @property
     def verdict(self) -> str:
-        return reading(self.diff, 0.0, "lower (better)", "higher (worse)")
+        return reading(self.diff, self.NULL, "lower (better)", "higher (worse)")
 
 
 @dataclass(frozen=True)
@@ -340,6 +397,25 @@ class Findings:
     def cell(self, fmt: str, optimizer: str, precision: str, axes: AxesKey) -> Cell | None:
         """The cell of a format, or of the format whose trials measured it."""
         return self.cells.get((self.aliases.get(fmt, fmt), optimizer, precision, axes))
+
+    def multiplicity(self) -> list[str]:
+        """Per family of comparisons (see DEFINITIONS): how many have an interval, how many of them
+        are calls at 95 % each, how many calls chance alone would make, and how many hold under
+        Holm's correction; a family with no interval is left out."""
+        families = (("× " + BASELINE, [c.family_wise for c in self.cells.values()]),
+                    (f"{MANIFOLD} − {STANDARD}", [d.family_wise for d in self.deltas]),
+                    ("extra-axis effects", [d.family_wise for d in self.axis_effects]))
+        out = []
+        for what, members in families:
+            tested = [fw for fw in members if fw is not None]
+            if tested:
+                called = [fw for fw in tested if fw.called]
+                holding = sum(fw.holds for fw in called)
+                out.append(f"{what}: {len(tested)} comparison{'s' * (len(tested) != 1)} with an interval, "
+                           f"{len(called)} called at 95 % each where chance alone would call "
+                           f"{tested[0].alpha * len(tested):.2g}; {holding} hold{'s' * (holding == 1)} "
+                           "family-wise (Holm)")
+        return out
 
     def baseline_best(self, optimizer: str, axes: AxesKey = ()) -> Interval:
         """bf16's best val loss over its whole run, as compared with `optimizer`'s trials."""
@@ -461,6 +537,8 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         trials = tuple(r for r in quantized if (r.format, r.optimizer, r.precision, axes_key(r)) == key)
         also = tuple(sorted((a for a, m in aliases.items() if m == key[0]), key=format_key))
         cells[key] = _make_cell(key, trials, bf16.get(key[1], []), also)
+    adjusted = family_wise([(c.ratio, c.NULL) for c in cells.values()])
+    cells = {k: replace(c, family_wise=fw) for (k, c), fw in zip(cells.items(), adjusted, strict=True)}
 
     spots = []
     for p in precisions:
@@ -484,16 +562,24 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         failures.append(Failure(r, step, collapsed, reason or "—", where, evidence))
 
     notes += [f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''} "
-              f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text('.3f')}). Published "
+              f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text('.3f')}; "
+              f"{c.family_wise.text}). Published "
               "FP8 results run slightly worse than 16-bit, so treat this as an anomaly until an ablation "
               "explains it, e.g. forward-only quantization: `--set \"grid.axes={quant.roles.grad_output: "
               "[true, false]}\"`." for c in cells.values() if c.full_budget and c.vs_bf16 == "better"]
     deltas = [d for (f, o, p, ax), c in cells.items() if o == STANDARD
               and (m := cells.get((f, MANIFOLD, p, ax))) is not None
               and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None]
-    return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures, deltas,
-                    _axis_effects(cells, axes), _verdict(cells, bool(bf16), axes_order),
+    return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
+                    _with_family_wise(deltas), _with_family_wise(_axis_effects(cells, axes)),
+                    _verdict(cells, bool(bf16), axes_order),
                     _missing(records, missing or []), notes)
+
+
+def _with_family_wise(diffs: list[Difference]) -> list[Difference]:
+    """The differences of one table, each with its `FamilyWise` over the table."""
+    adjusted = family_wise([(d.diff, d.NULL) for d in diffs])
+    return [replace(d, family_wise=fw) for d, fw in zip(diffs, adjusted, strict=True)]
 
 
 def _axis_effects(cells: dict[tuple[str, str, str, AxesKey], Cell], axes: tuple[AxesKey, ...]) -> list[Difference]:

@@ -13,6 +13,7 @@ from altgrad.report.findings import (
     STANDARD,
     AxesKey,
     Difference,
+    FamilyWise,
     Findings,
     axes_text,
     format_key,
@@ -59,6 +60,7 @@ def _overview(records: list[TrialRecord], f: Findings) -> str:
                                              if any(f.axes) else "") +
              f". bf16 best val loss: {baselines or 'none'}.", ""]
     lines += [f"- Sweet spot for **{_where(s.precision, s.optimizer, s.axes)}**: {s.text}" for s in f.sweet_spots]
+    lines += [f"- **Many comparisons at once:** {m}." for m in f.multiplicity()]
     lines += [f"- **One measurement, two names:** {alias} was not run: under this sweep's per-tensor amax "
               f"scaling it quantizes every tensor exactly like {measured_by} (one grid up to a power of "
               f"two), so {measured_by}'s trials are listed under both names and count once."
@@ -93,25 +95,30 @@ def _failures(f: Findings) -> str:
                    "where it failed", "evidence"], rows)
 
 
+def _family_wise(fw: FamilyWise | None) -> str:
+    return fw.text if fw is not None else "—"
+
+
 def _differences(diffs: list[Difference], empty: str) -> str:
     if not diffs:
         return empty
     rows = [[d.what, d.a.name, d.a.precision, d.a.optimizer if d.a.optimizer == d.b.optimizer else "—",
              axes_text(tuple(i for i in d.b.axes if i not in d.a.axes) or d.a.axes) or "—",
-             d.a.best.text(), d.b.best.text(), d.diff.text(), d.verdict, d.diff.note or "—"]
+             d.a.best.text(), d.b.best.text(), d.diff.text(), d.verdict, _family_wise(d.family_wise),
+             d.diff.note or "—"]
             for d in diffs]
     return _table(["difference", "format", "precision", "optimizer", "axes", "first", "second",
-                   "second − first (95 %)", "reading", "pairing"], rows)
+                   "second − first (95 %)", "reading", "family-wise (Holm)", "pairing"], rows)
 
 
 def _cells(f: Findings) -> str:
     rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—",
              ", ".join(sorted({str(t.seed) for t in c.trials})), c.best.text(), c.steps,
-             c.ratio.text(".3f"), c.vs_bf16,
+             c.ratio.text(".3f"), c.vs_bf16, _family_wise(c.family_wise),
              ", ".join(c.stops) or (RunStatus.RUNNING if c.running else StopReason.COMPLETED)]
             for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision, c.axes, format_key(c.format)))]
     return _table(["format", "optimizer", "precision", "extra axes", "seeds", "best val loss (95 %)", "steps",
-                   "× bf16 (95 %)", "vs bf16", "stops"], rows)
+                   "× bf16 (95 %)", "vs bf16", "family-wise (Holm)", "stops"], rows)
 
 
 def _pairing(f: Findings) -> str:

@@ -1,8 +1,11 @@
-"""The uncertainty arithmetic of the report: intervals over seeds, ratios to bf16, ties.
+"""The uncertainty arithmetic of the report: intervals over seeds, ratios to bf16, ties, and the
+correction for making many comparisons at once.
 
 A sweep runs each cell with a handful of seeds, so a mean alone overstates what the report knows;
 every number it compares carries a Student-t interval, and two cells are only called different
-when their intervals are disjoint. Pure functions, no I/O, standard library only (the report must
+when their intervals are disjoint. A report reads dozens of such intervals, and at 95 % each about
+one in twenty excludes its null by chance alone, so each comparison also has the p-value its
+interval inverts and Holm's adjustment of it over the comparisons read beside it (`holm`). Pure functions, no I/O, standard library only (the report must
 not need scipy), so every number can be recomputed by hand from the trial data.
 
 Non-finite values (a seed that trained to NaN or inf) are left out everywhere, and `n` counts the
@@ -13,7 +16,7 @@ Whether a seed diverged at all is the failure table's business, not this module'
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import fmean, stdev
 
@@ -23,6 +26,7 @@ __all__ = [
     "Comparison",
     "Interval",
     "difference_interval",
+    "holm",
     "leader_group",
     "mean_interval",
     "ratio_interval",
@@ -164,6 +168,21 @@ class Interval:
             return False
         return self.hi < other.lo or other.hi < self.lo
 
+    @property
+    def df(self) -> float:
+        """The degrees of freedom of the t distribution behind the interval."""
+        return self.n - 1
+
+    def p_value(self, null: float) -> float | None:
+        """Two-sided p of the t test of "the true value is `null`" that the interval inverts: p
+        < 1 - confidence exactly when the interval excludes `null`. None without an interval."""
+        if self.half_width is None or not math.isfinite(self.mean):
+            return None
+        if self.half_width == 0.0:  # no spread at all: either exactly the null or certainly not
+            return 1.0 if self.mean == null else 0.0
+        se = self.half_width / t_quantile(_check_confidence(self.confidence), self.df)
+        return min(1.0, 2.0 * t_cdf(-abs(self.mean - null) / se, self.df))
+
     def _counts(self) -> str:
         return f"n = {self.n}"
 
@@ -190,6 +209,15 @@ class Comparison(Interval):
     paired: bool
     n_other: int
     note: str | None = None
+    welch_df: float | None = None  # unpaired: the Welch–Satterthwaite degrees of freedom
+
+    @property
+    def df(self) -> float:
+        if self.paired:
+            return self.n - 1
+        if self.welch_df is None:
+            raise ValueError("an unpaired comparison with an interval carries its Welch df")
+        return self.welch_df
 
     def _counts(self) -> str:
         if self.paired:
@@ -268,7 +296,7 @@ def _compare(a: Mapping[int, float], b: Mapping[int, float], confidence: float,
     df = total * total / (ua * ua / (na - 1) + ub * ub / (nb - 1))  # Welch–Satterthwaite
     se = abs(est) * math.sqrt(total) if ratio else math.sqrt(total)
     return Comparison(est, t_quantile(level, df) * se, na, confidence, paired=False, n_other=nb,
-                      note=note)
+                      note=note, welch_df=df)
 
 
 def ratio_interval(cell: Mapping[int, float], baseline: Mapping[int, float],
@@ -308,3 +336,22 @@ def leader_group(estimates: Iterable[tuple[str, Interval]]) -> list[str]:
         return []
     leader = ranked[0][1]
     return [name for name, e in ranked if not e.separates(leader)]
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values, in their input order.
+
+    The i-th smallest p is multiplied by the number of hypotheses not yet rejected (m - i + 1),
+    capped at 1, and made no smaller than the adjusted p before it. Rejecting where the adjusted p
+    is below alpha keeps the chance of any false call in the family at most alpha, whatever the
+    dependence between the comparisons (they share bf16's seeds), and rejects everything
+    Bonferroni's m * p does and more.
+    """
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted = [math.nan] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
