@@ -224,7 +224,7 @@ def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[
 
 
 def excludes(estimate: Interval, null: float) -> bool:
-    """Whether the 95 % interval lies wholly on one side of `null`: a call (`reading`)."""
+    """Whether the 95 % interval lies wholly on one side of `null`: a call (`reading` says which)."""
     if estimate.half_width is None or not math.isfinite(estimate.mean):
         return False
     return estimate.hi < null or estimate.lo > null
@@ -266,13 +266,13 @@ def family_wise(comparisons: list[tuple[Interval, float]]) -> list[FamilyWise | 
 
 
 def reading(estimate: Interval, null: float, below: str, above: str) -> str:
-    """`below` / `above` when the 95 % interval excludes `null` on that side, else
-    "indistinguishable": the one rule by which the report calls a difference a difference."""
+    """`below` / `above` when the 95 % interval excludes `null` on that side (`excludes`, the one
+    rule by which the report calls a difference a difference), else "indistinguishable"."""
     if estimate.half_width is None or not math.isfinite(estimate.mean):
         return "indistinguishable (no interval)"
-    if estimate.hi < null:
-        return below
-    return above if estimate.lo > null else "indistinguishable"
+    if not excludes(estimate, null):
+        return "indistinguishable"
+    return below if estimate.hi < null else above
 
 
 @dataclass(frozen=True)
