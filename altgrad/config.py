@@ -260,6 +260,12 @@ class TrainConfig(StrictModel):
     shadow_every: int = Field(10, ge=0, description="FP32 shadow comparison every N steps; 0 = off")
     diag_every: int = Field(1, ge=0, description="quant/grad/activation diagnostics every N steps; 0 = off")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads torch computes with. A CPU run's numbers depend on it: a "
+        "reduction or matrix product split over another number of threads sums in another order, and "
+        "the run drifts from there (docs/design.md). null: the process's count when the run starts "
+        "(a sweep trial's: its CPUs), which the run's config.yaml then records, so that a resume or a "
+        "re-run of that config computes with the same")
     autocast: bool = True
     compile: bool = Field(
         True, description="the model's forward and backward as one compiled graph per step, the "

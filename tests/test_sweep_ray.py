@@ -36,8 +36,11 @@ from sweep_helpers import (
 from wandb_reading import history_steps, offline_runs
 
 from altgrad.__main__ import main
+from altgrad.config import load_config
 from altgrad.experiment import (
     ASHA_FILE,
+    CONFIG_FILE,
+    RUN_DIR,
     STATE_DIR,
     TRIALS_DIR,
     TRIALS_FILE,
@@ -47,6 +50,7 @@ from altgrad.report.cli import report_after_sweep
 from altgrad.trial_table import trial_row
 from altgrad.tune.ablation import FormatAblation
 from altgrad.tune.cli import sweep_main
+from altgrad.tune.config import SWEEP_PRESETS
 from altgrad.tune.wandb_runs import run_id
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -82,8 +86,11 @@ def test_sweep_end_to_end(reference, capsys):
     assert e7m0.stop_detail.startswith("nan: 3 non-finite steps in a row (patience 3)")
     assert rows["e4m3-adamw-all-s42"]["stop_reason"] in ("completed", "asha")
     assert (exp / "report" / "report.md").is_file()
+    cpus = SWEEP_PRESETS["cpu"]["cpus_per_trial"]
     for trial in load_experiment(exp):
         assert (trial.trial_dir / "trial.log").is_file() and (trial.trial_dir / "worker.json").is_file()
+        # each trial computed with its CPUs' threads and says so: its config.yaml re-runs it exactly
+        assert load_config(trial.trial_dir / RUN_DIR / CONFIG_FILE).train.threads == cpus
 
 
 def _read(path: Path) -> str | None:

@@ -13,7 +13,7 @@ import torch
 from host_reads import CPU_ONLY_READS, host_reads
 
 from altgrad.__main__ import main
-from altgrad.config import ConfigError, QuantConfig
+from altgrad.config import ConfigError, QuantConfig, load_config
 from altgrad.experiment import BIT_POSITIONS_FILE, CHECKPOINT_FILE, read_jsonl
 from altgrad.metrics import TOKENS_PER_S
 from altgrad.optim import OPTIMIZERS
@@ -162,6 +162,46 @@ def test_resume_is_bit_identical(make_config, tmp_path, interrupt_at):
         assert torch.equal(p, q), name
     events = read_jsonl(tmp_path / "resumed" / "events.jsonl")
     assert [e["step"] for e in events if e["kind"] == "resume"] == [10]
+
+
+def rows(run_dir) -> list[dict[str, float]]:
+    """A run's metric rows without its timing (tokens/s)."""
+    return [{k: v for k, v in r.items() if k != TOKENS_PER_S} for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+def test_a_run_computes_with_the_threads_it_records_and_resumes_with_them(make_config, tmp_path):
+    """The same config trains to other numbers on one thread than on two (reductions split
+    differently: the premise, checked), so a run records its count in config.yaml and a resume
+    computes with it: interrupted on one thread and resumed from the command line in a process
+    whose own count is two, it ends where the uninterrupted one-thread run does."""
+    overrides = ("quant.format=e4m3", "train.batch_size=8", "train.max_steps=12", "train.checkpoint_interval=4",
+                 "train.eval_interval=4")  # 8 x 32 tokens: the activations' kurtosis sums differ on two threads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        Trainer(make_config(*overrides), tmp_path / "one").fit()
+        assert load_config(tmp_path / "one" / "config.yaml").train.threads == 1
+        torch.set_num_threads(2)
+        Trainer(make_config(*overrides), tmp_path / "two").fit()
+        assert load_config(tmp_path / "two" / "config.yaml").train.threads == 2
+        assert rows(tmp_path / "one") != rows(tmp_path / "two")
+
+        def stop(metrics, ckpt):
+            if metrics["step"] == 10:
+                raise Interrupt
+
+        torch.set_num_threads(1)
+        with pytest.raises(Interrupt):
+            Trainer(make_config(*overrides), tmp_path / "resumed").fit(report=stop)
+        torch.set_num_threads(2)
+        assert main(["train", "--resume", str(tmp_path / "resumed"), "--quiet"]) == 0
+        assert rows(tmp_path / "resumed") == rows(tmp_path / "one")
+
+        # a count the config names wins over the process's
+        Trainer(make_config(*overrides, "train.threads=1"), tmp_path / "named")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 # The drawn runs: a 2-layer model, a few checkpoints' worth of steps.

@@ -140,10 +140,19 @@ def build_model(cfg: RunConfig) -> GPT:
     return model
 
 
+def with_threads(cfg: RunConfig) -> RunConfig:
+    """Compute with the run's `train.threads` (the process's count where it names none) and return
+    the config that records it, for config.yaml and the checkpoints."""
+    threads = cfg.train.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"threads": threads})})
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path | str):
         self._started = time.perf_counter()  # `first_step_s` counts from here
         self.first_step_s: float | None = None
+        cfg = with_threads(cfg)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.device = resolve_device(cfg.train.device)
