@@ -297,8 +297,9 @@ def test_p_value_closed_forms(t):
     assert two.p_value(0.0) == pytest.approx(1 - 2 / math.pi * math.atan(t), rel=1e-6)
 
 
-def test_the_published_studys_one_call_has_p_0027():
-    """The README's study: grad_format e4m3 − e5m2 on e0m7, 0.0227 ± 0.0165 (n = 3, paired)."""
+def test_the_one_call_of_the_2026_11_24_study_has_p_0027():
+    """The CPU study published 2026-11-24: grad_format e4m3 − e5m2 on e0m7, 0.0227 ± 0.0165 (n =
+    3, paired)."""
     c = Comparison(0.0227, 0.0165, 3, paired=True, n_other=3)
     t = 0.0227 / (0.0165 / TABLE_975[2])
     assert c.p_value(0.0) == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-5)
@@ -336,6 +337,25 @@ def test_p_value_without_an_interval_or_spread():
     assert ratio_interval({1: math.nan}, {1: 1.0}).p_value(1.0) is None
     assert ratio_interval({1: 1.1, 2: 1.1}, {1: 1.0, 2: 1.0}).p_value(1.0) == 0.0  # no spread, off the null
     assert difference_interval({1: 2.0, 2: 2.0}, {1: 2.0, 2: 2.0}).p_value(0.0) == 1.0
+    unpaired = difference_interval({1: 2.0, 2: 2.0}, {3: 1.0, 4: 1.0})  # no spread on either side
+    assert not unpaired.paired and unpaired.half_width == 0.0 and unpaired.p_value(0.0) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_an_unpaired_ratios_p_is_the_delta_methods(seed):
+    """mean(a) / mean(b) against 1 with the delta method's standard error |r| √(se_a²/ā² +
+    se_b²/b̄²) and Welch's df, worked out here; the p is mpmath's for that t and df."""
+    rng = np.random.default_rng(seed)
+    a = {s: 1.05 + float(rng.normal(0, 0.03)) for s in range(int(rng.integers(2, 6)))}
+    b = {s + 10: 1.0 + float(rng.normal(0, 0.03)) for s in range(int(rng.integers(2, 6)))}
+    xa, xb = np.array(list(a.values())), np.array(list(b.values()))
+    r = xa.mean() / xb.mean()
+    ua, ub = xa.var(ddof=1) / len(xa) / xa.mean() ** 2, xb.var(ddof=1) / len(xb) / xb.mean() ** 2
+    df = (ua + ub) ** 2 / (ua ** 2 / (len(xa) - 1) + ub ** 2 / (len(xb) - 1))
+    c = ratio_interval(a, b)
+    assert not c.paired and c.df == pytest.approx(df, rel=1e-12)
+    assert c.p_value(1.0) == pytest.approx(mpmath_two_sided_p((r - 1) / (r * math.sqrt(ua + ub)), df),
+                                           rel=1e-7, abs=1e-12)
 
 
 def holm_by_closed_testing(ps: list[float]) -> list[float]:
@@ -359,7 +379,7 @@ def test_holm_textbook_example():
     assert holm([0.04, 0.005, 0.03, 0.01]) == pytest.approx([0.06, 0.02, 0.06, 0.03])
     assert holm([]) == []
     assert holm([0.027]) == [0.027]
-    assert holm([0.027] + [0.5] * 6)[0] == pytest.approx(0.189)  # the published study's family of 7
+    assert holm([0.027] + [0.5] * 6)[0] == pytest.approx(0.189)  # that study's family of 7
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -198,8 +198,8 @@ def test_a_run_computes_with_the_threads_it_records_and_resumes_with_them(make_c
         assert rows(tmp_path / "resumed") == rows(tmp_path / "one")
 
         # a count the config names wins over the process's
-        Trainer(make_config(*overrides, "train.threads=1"), tmp_path / "named")
-        assert torch.get_num_threads() == 1
+        named = Trainer(make_config(*overrides, "train.threads=1"), tmp_path / "named")
+        assert torch.get_num_threads() == 1 and named.cfg.train.threads == 1
     finally:
         torch.set_num_threads(before)
 

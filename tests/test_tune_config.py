@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 from sweep_helpers import LR_SEARCH, ablation
 
+from altgrad.config import build_run_config
 from altgrad.tune.cli import sweep_main
 from altgrad.tune.lr_search import LrSearch
+from altgrad.tune.trial_spec import trial_limits, trial_run_config
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -29,6 +31,8 @@ from altgrad.tune.lr_search import LrSearch
     (["grid.axes={quant.roundin: [nearest]}"], "grid.axes: 'quant.roundin': quant has no field 'roundin'"),
     (["grid.axes={quant.rounding: [nearest, upward]}"], "grid.axes.quant.rounding: value 'upward' is not valid"),
     (["grid.axes={quant.format: [e4m3, e5m2]}"], "'quant.format' is a fixed axis of the grid: set it with grid.formats"),
+    (["grid.axes={train.threads: [1, 2]}"],
+     "'train.threads' is a fixed axis of the grid: set it with resources.cpus_per_trial"),
     (["grid.axes={quant.scaling: [none]}"], "'quant.scaling' is a section"),
     (["grid.axes={optim.lr: []}"], "optim.lr: give at least one value"),
     (["base.quant.grad_format=e8m8"], "base.quant.grad_format"),
@@ -63,15 +67,25 @@ def test_base_settings_the_sweep_overrides_are_warned_about(capsys):
     the sweep says so before it runs, and before its dry run."""
     assert ablation("--dry-run", "--smoke", "--set", "base.quant.format=e5m2", "--set", "base.optim.name=manifold",
                     "--set", "base.quant.precision=mlp", "--set", "base.train.seed=3",
-                    "--set", "base.quant.master_weights=format") == 0
+                    "--set", "base.quant.master_weights=format", "--set", "base.train.threads=4") == 0
     err = capsys.readouterr().err
     for path, key in (("quant.format", "grid.formats"), ("optim.name", "grid.optimizers"),
-                      ("quant.precision", "grid.precisions"), ("train.seed", "grid.seeds")):
+                      ("quant.precision", "grid.precisions"), ("train.seed", "grid.seeds"),
+                      ("train.threads", "resources.cpus_per_trial")):
         assert f"warning: base.{path} is not used: {key} sets it in every trial" in err
     assert "warning: base.quant.master_weights is format, but bf16 has no 8-bit format" in err
     # without grid.seeds the base seed is the one that runs; without bf16 nothing is forced
     assert ablation("--dry-run", "--smoke", "--set", "grid.seeds=null", "--set", "base.train.seed=3",
                     "--set", "grid.formats=[e4m3]", "--set", "base.quant.master_weights=format") == 0
     assert "warning" not in capsys.readouterr().err
-    assert sweep_main(LrSearch, LR_SEARCH, "test", ["--dry-run", "--smoke", "--set", "base.optim.lr=0.01"]) == 0
-    assert "warning: base.optim.lr is not used: the search over lr sets it in every trial" in capsys.readouterr().err
+    assert sweep_main(LrSearch, LR_SEARCH, "test", ["--dry-run", "--smoke", "--set", "base.optim.lr=0.01",
+                                                    "--set", "base.train.threads=4"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: base.optim.lr is not used: the search over lr sets it in every trial" in err
+    assert "warning: base.train.threads is not used: resources.cpus_per_trial sets it in every trial" in err
+
+
+def test_a_trial_computes_with_its_cpus_as_threads_whatever_its_run_says():
+    run = build_run_config({"preset": "cpu"}, ["train.threads=8"]).model_dump(mode="json")
+    for cpus in (1, 3):
+        assert trial_run_config({"key": "k", **trial_limits(cpus, 0.0)}, run).train.threads == cpus

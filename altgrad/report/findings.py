@@ -89,7 +89,7 @@ DEFINITIONS = f"""\
   excludes 1. Without an interval (one seed) nothing is called different.
 - **Family-wise (Holm)**: at 95 % each, about one comparison in twenty excludes its null by chance
   alone, and a report reads many. So every comparison with an interval also has its two-sided p
-  (the t test its interval inverts: p < 0.05 exactly when the interval excludes the null) and
+  (the t test its interval inverts: p < 0.05 when the interval excludes the null) and
   Holm's adjustment of it over its family, the comparisons of its kind in this report: every × bf16,
   every manifold − standard, every extra-axis effect. A call "holds" when its adjusted p is below
   0.05: then the chance of any false call in its family is at most 5 %. A call that does not hold is

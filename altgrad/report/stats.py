@@ -175,7 +175,8 @@ class Interval:
 
     def p_value(self, null: float) -> float | None:
         """Two-sided p of the t test of "the true value is `null`" that the interval inverts: p
-        < 1 - confidence exactly when the interval excludes `null`. None without an interval."""
+        < 1 - confidence when the interval excludes `null` and only then (up to rounding at the
+        boundary). None without an interval."""
         if self.half_width is None or not math.isfinite(self.mean):
             return None
         if self.half_width == 0.0:  # no spread at all: either exactly the null or certainly not
@@ -213,10 +214,12 @@ class Comparison(Interval):
 
     @property
     def df(self) -> float:
+        """n - 1 paired, else Welch's df, which an unpaired comparison without spread (half-width
+        0: its p is 0 or 1) or without an interval lacks."""
         if self.paired:
             return self.n - 1
         if self.welch_df is None:
-            raise ValueError("an unpaired comparison with an interval carries its Welch df")
+            raise ValueError("an unpaired comparison without spread has no Welch df")
         return self.welch_df
 
     def _counts(self) -> str:

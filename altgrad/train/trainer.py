@@ -142,7 +142,8 @@ def build_model(cfg: RunConfig) -> GPT:
 
 def with_threads(cfg: RunConfig) -> RunConfig:
     """Compute with the run's `train.threads` (the process's count where it names none) and return
-    the config that records it, for config.yaml and the checkpoints."""
+    the config that records it, for config.yaml. The count is the process's from then on: a run
+    owns its process (a trial, the CLI), and benchmarks that build several trainers name none."""
     threads = cfg.train.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"threads": threads})})

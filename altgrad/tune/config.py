@@ -45,9 +45,11 @@ from altgrad.remote import is_remote
 from altgrad.tune.trial_spec import stall_reports_in_run
 
 # Run settings the grid sets itself (-> the sweep key that sets them): not allowed as extra axes.
+# What every sweep sets in each trial itself: a trial computes with its CPUs as threads.
+TRIAL_FIELDS = {"train.threads": "resources.cpus_per_trial"}
 FIXED_AXES = {"quant.format": "grid.formats", "optim.name": "grid.optimizers",
               "quant.precision": "grid.precisions", "train.seed": "grid.seeds",
-              "preset": "the sweep's top-level preset"}
+              "preset": "the sweep's top-level preset", **TRIAL_FIELDS}
 AxisValue = str | bool | int | float  # one value of an extra grid axis: a scalar, part of the trial key
 
 # Resources per trial by preset: a GPU is shared by 4 trials; on CPU each trial gets one core.
@@ -191,7 +193,7 @@ class SweepSettings(StrictModel):
 
     def fixed_fields(self) -> dict[str, str]:
         """The run settings the sweep sets in every trial itself (dotted path -> the sweep key
-        that sets them), whatever `base` says."""
+        that sets them), whatever `base` says: every sweep's `TRIAL_FIELDS`, and its own."""
         raise NotImplementedError
 
     def trained_formats(self) -> list[str]:
@@ -428,7 +430,7 @@ class LrSearchConfig(SweepSettings):
     def fixed_fields(self) -> dict[str, str]:
         """Format, optimizer and precision per experiment; the learning rate is what it searches."""
         return {"quant.format": "formats", "optim.name": "optimizer", "quant.precision": "precision",
-                "optim.lr": "the search over lr"}
+                "optim.lr": "the search over lr", **TRIAL_FIELDS}
 
     def trained_formats(self) -> list[str]:
         return list(self.formats)

@@ -52,7 +52,9 @@ def trial_labels(config: dict[str, Any], point_labels: dict[str, Any]) -> dict[s
 
 
 def trial_run_config(config: dict[str, Any], run: dict[str, Any]) -> RunConfig:
-    """The grid point's run with the sampled values applied."""
+    """The grid point's run with the sampled values applied, computing with the trial's CPUs as
+    its threads (`train.threads`: a CPU run's numbers depend on them, so they are the run's)."""
+    run = deep_merge(run, {"train": {"threads": config["limits"]["cpus"]}})
     if "lr" in config:
         run = deep_merge(run, {"optim": {"lr": config["lr"]}})
     return RunConfig.model_validate(run)
