@@ -4,6 +4,7 @@ cite it (sweep.json, benchmarks/results/, the README)."""
 from __future__ import annotations
 
 import subprocess
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,3 +23,12 @@ def source_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+dirty" if dirty else "")
+
+
+@cache
+def process_commit() -> str | None:
+    """`source_commit` as this process first asked, kept for its life: a process runs the code it
+    imported, whatever the checkout holds later (a sweep's driver or a trial's worker that outlives
+    a commit). Ask early: a sweep's driver as it starts, a trial's worker as its first trial does
+    (Tune reuses the worker for later trials)."""
+    return source_commit()

@@ -14,6 +14,7 @@ import datetime
 import math
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 from statistics import fmean, stdev
 
@@ -48,9 +49,8 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
     seeds = sorted({r.seed for r in measured})
     stops = sorted({r.stop_reason for r in measured if r.stop_reason})
     sweep = read_json(exp_dir / STATE_DIR / SWEEP_FILE) or {}
-    commit = sweep.get("commit") or "not recorded"
     lines = [
-        f"*`make study` published {datetime.date.today().isoformat()}; the sweep ran commit {commit}: "
+        f"*`make study` published {datetime.date.today().isoformat()}; {code_text(measured, sweep)}: "
         f"{len(measured)} trials, seeds {', '.join(map(str, seeds))}; stop reasons: "
         f"{', '.join(f'{s} {sum(r.stop_reason == s for r in measured)}' for s in stops)}; "
         f"{wall_time(measured, sweep.get('updated'))}. "
@@ -68,6 +68,17 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
         *images,
     ]
     return "\n".join(lines)
+
+
+def code_text(records: list[TrialRecord], sweep: dict) -> str:
+    """Which code trained the trials: each trial's worker names the commit it ran; a sweep from
+    before trials named theirs gives the one its sweep.json holds."""
+    ran = Counter(w["commit"] for r in records if (w := read_json(r.trial_dir / WORKER_FILE)) and w.get("commit"))
+    if not ran:
+        return f"the sweep ran commit {sweep.get('commit') or 'not recorded'}"
+    if len(ran) == 1:
+        return f"its trials ran commit {next(iter(ran))}"
+    return "its trials ran commits " + ", ".join(f"{c} ({n} trial{'s' * (n != 1)})" for c, n in ran.items())
 
 
 def wall_time(records: list[TrialRecord], finished: float | None) -> str:

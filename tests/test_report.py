@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 from dataclasses import replace
@@ -18,11 +19,14 @@ from altgrad.experiment import (
     SWEEP_FILE,
     TRIALS_DIR,
     TRIALS_FILE,
+    WORKER_FILE,
     TrialRecord,
     load_experiment,
 )
 from altgrad.report import cli, compute_findings, write_report
 from altgrad.report.plots import plot_heatmap, plot_loss, plot_stability
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STEPS, EVAL = 60, 10
 
@@ -571,3 +575,26 @@ def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, t
     assert (exp / "report" / "heatmap_adamw_rounding-stochastic.png").stat().st_size > 5000
     assert main(["report", str(exp), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "report.md").read_text().split("\n", 1)[1] == text.split("\n", 1)[1]
+
+
+def test_the_published_study_names_the_code_its_trials_ran(tmp_path):
+    """Trials of one study that ran different code (a sweep resumed after a commit) are named
+    with their commits, not with whatever the checkout held when the sweep last wrote its state."""
+    spec = importlib.util.spec_from_file_location("publish_study", ROOT / "sweeps" / "publish_study.py")
+    publish = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publish)
+    records = study()
+    exp = write_experiment(tmp_path / "exp", records)
+    state = json.loads((exp / STATE_DIR / SWEEP_FILE).read_text())
+    (exp / STATE_DIR / SWEEP_FILE).write_text(json.dumps({**state, "commit": "ccc3333", "updated": 2000.0}))
+    readme = tmp_path / "README.md"
+    for commits, said in ((["aaa1111"] * 12 + ["bbb2222"] * 6, "its trials ran commits aaa1111 (12 trials), bbb2222 (6 trials)"),
+                          (["aaa1111"] * 18, "its trials ran commit aaa1111"),
+                          ([None] * 18, "the sweep ran commit ccc3333")):  # workers from before they said
+        for i, (r, commit) in enumerate(zip(records, commits, strict=True)):
+            worker = {"started": 1000.0 + i, **({"commit": commit} if commit else {})}
+            (exp / TRIALS_DIR / r.trial_id / WORKER_FILE).write_text(json.dumps(worker))
+        readme.write_text("# x\n<!-- study:begin -->\nSTALE SECTION\n<!-- study:end -->\nafter\n")
+        assert publish.main([str(exp), "--readme", str(readme)]) == 0
+        text = readme.read_text()
+        assert f"; {said}: 18 trials, seeds 0, 1, 2;" in text and "STALE" not in text and text.endswith("after\n")

@@ -19,7 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from altgrad.tune.runner import sigterm_stops_gracefully
+from altgrad.experiment import STATE_DIR, SWEEP_FILE, SweepStatus, read_json
+from altgrad.tune import runner
+from altgrad.tune.config import SweepConfig, load_sweep_config
+from altgrad.tune.runner import Experiment, sigterm_stops_gracefully, write_sweep_state
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sigterm_takes_the_sigint_path():
@@ -92,3 +97,18 @@ def test_dashboard_listens_on_loopback_behind_the_token(request):
     finally:
         proc.stdin.close()  # the driver exits, and its Ray with it
         proc.wait(timeout=60)
+
+
+def test_sweep_json_keeps_the_code_the_sweep_started_with_and_lists_every_drivers(tmp_path, monkeypatch):
+    """A sweep resumed after a commit ran two codes: `commit` stays the first, `commits` names both
+    (each trial's worker.json names its own)."""
+    settings = load_sweep_config(SweepConfig, ROOT / "sweeps" / "configs" / "format_ablation.yaml", smoke=True,
+                                 name="x", storage_path=str(tmp_path))
+    exp = Experiment(settings, "format_ablation", str(tmp_path / "x"), {}, {}, [], 1)
+    for commit, status in (("aaa1111", SweepStatus.RUNNING), ("aaa1111", SweepStatus.INTERRUPTED),
+                           ("bbb2222", SweepStatus.RUNNING), ("bbb2222", SweepStatus.FINISHED)):
+        monkeypatch.setattr(runner, "process_commit", lambda c=commit: c)
+        write_sweep_state(exp, status, "resume")
+    state = read_json(tmp_path / "x" / STATE_DIR / SWEEP_FILE)
+    assert state["commit"] == "aaa1111" and state["commits"] == ["aaa1111", "bbb2222"]
+    assert state["status"] == SweepStatus.FINISHED

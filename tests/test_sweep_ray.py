@@ -42,10 +42,12 @@ from altgrad.experiment import (
     CONFIG_FILE,
     RUN_DIR,
     STATE_DIR,
+    SWEEP_FILE,
     TRIALS_DIR,
     TRIALS_FILE,
     load_experiment,
 )
+from altgrad.provenance import source_commit
 from altgrad.report.cli import report_after_sweep
 from altgrad.trial_table import trial_row
 from altgrad.tune.ablation import FormatAblation
@@ -91,6 +93,9 @@ def test_sweep_end_to_end(reference, capsys):
         assert (trial.trial_dir / "trial.log").is_file() and (trial.trial_dir / "worker.json").is_file()
         # each trial computed with its CPUs' threads and says so: its config.yaml re-runs it exactly
         assert load_config(trial.trial_dir / RUN_DIR / CONFIG_FILE).train.threads == cpus
+        # and names the code it ran: this checkout's, which the sweep started with
+        assert json.loads((trial.trial_dir / "worker.json").read_text())["commit"] == source_commit()
+    assert json.loads((exp / STATE_DIR / SWEEP_FILE).read_text())["commits"] == [source_commit()]
 
 
 def _read(path: Path) -> str | None:

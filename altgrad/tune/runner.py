@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from altgrad.experiment import SWEEP_FILE, TERMINAL_STATUSES, TRIALS_FILE, SweepStatus, TrialStatus
-from altgrad.provenance import source_commit
+from altgrad.provenance import process_commit
 from altgrad.remote import is_remote
 from altgrad.tune.config import DashboardSettings, SweepSettings
 from altgrad.tune.grid import GridPoint
@@ -101,8 +101,12 @@ def dashboard_help(url: str | None, host: str) -> str:
 
 def write_sweep_state(exp: Experiment, status: SweepStatus, resume_command: str) -> None:
     """sweep.json; `started` is kept from the first write: with the path it names this sweep (a
-    `--fresh` one at the same path is another)."""
-    started = (exp.store.read(SWEEP_FILE) or {}).get("started", time.time())
+    `--fresh` one at the same path is another). So is `commit`, the code the sweep started with;
+    `commits` lists the code of every driver that ran it (a resume may run newer code), and each
+    trial's worker.json names its own."""
+    before = exp.store.read(SWEEP_FILE) or {}
+    started = before.get("started", time.time())
+    commit = process_commit()
     exp.store.write(SWEEP_FILE, {
         "kind": exp.kind,
         "status": status,
@@ -111,7 +115,8 @@ def write_sweep_state(exp: Experiment, status: SweepStatus, resume_command: str)
         "total_trials": exp.total_trials,
         "resume_command": resume_command,
         "driver": {"pid": os.getpid(), "host": socket.gethostname(), "beat": time.time()},
-        "commit": source_commit(),
+        "commit": before.get("commit", commit),
+        "commits": list(dict.fromkeys([*before.get("commits", []), commit])),
         "started": started,
         "updated": time.time(),
     })

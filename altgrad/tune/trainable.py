@@ -55,6 +55,7 @@ from altgrad.metrics import (
     VAL_STEP,
     model_wide,
 )
+from altgrad.provenance import process_commit
 from altgrad.quant.kernels import compiling_disabled
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
@@ -82,7 +83,7 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
     with trial_log(trial_dir / TRIAL_LOG_FILE):
         (trial_dir / WORKER_FILE).write_text(json.dumps(
             {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
-             "started": time.time()}))
+             "started": time.time(), "commit": process_commit()}))
         if cache is not None:
             log.info("trial %s: compile cache %s: %d files", trial_key(config), cache.directory, cache.use())
         history = read_jsonl(run_dir / METRICS_FILE)  # read before the trainer trims it
