@@ -25,7 +25,6 @@ from altgrad.experiment import (
     SWEEP_FILE,
     WORKER_FILE,
     ExperimentError,
-    TrialRecord,
     load_experiment,
     read_json,
 )
@@ -49,11 +48,12 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
     seeds = sorted({r.seed for r in measured})
     stops = sorted({r.stop_reason for r in measured if r.stop_reason})
     sweep = read_json(exp_dir / STATE_DIR / SWEEP_FILE) or {}
+    workers = [w for r in measured if (w := read_json(r.trial_dir / WORKER_FILE))]
     lines = [
-        f"*`make study` published {datetime.date.today().isoformat()}; {code_text(measured, sweep)}: "
+        f"*`make study` published {datetime.date.today().isoformat()}; {code_text(workers, sweep)}: "
         f"{len(measured)} trials, seeds {', '.join(map(str, seeds))}; stop reasons: "
         f"{', '.join(f'{s} {sum(r.stop_reason == s for r in measured)}' for s in stops)}; "
-        f"{wall_time(measured, sweep.get('updated'))}. "
+        f"{wall_time(workers, sweep.get('updated'))}. "
         f"Full report: `{exp_dir / REPORT_DIR / REPORT_FILE}` (not committed).*",
         "",
         f"**{f.verdict.line}**",
@@ -70,10 +70,10 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def code_text(records: list[TrialRecord], sweep: dict) -> str:
-    """Which code trained the trials: each trial's worker names the commit it ran; a sweep from
-    before trials named theirs gives the one its sweep.json holds."""
-    ran = Counter(w["commit"] for r in records if (w := read_json(r.trial_dir / WORKER_FILE)) and w.get("commit"))
+def code_text(workers: list[dict], sweep: dict) -> str:
+    """Which code trained the trials: each trial's worker.json names the commit it ran; a sweep
+    from before trials named theirs gives the one its sweep.json holds."""
+    ran = Counter(w["commit"] for w in workers if w.get("commit"))
     if not ran:
         return f"the sweep ran commit {sweep.get('commit') or 'not recorded'}"
     if len(ran) == 1:
@@ -81,11 +81,10 @@ def code_text(records: list[TrialRecord], sweep: dict) -> str:
     return "its trials ran commits " + ", ".join(f"{c} ({n} trial{'s' * (n != 1)})" for c, n in ran.items())
 
 
-def wall_time(records: list[TrialRecord], finished: float | None) -> str:
-    """First trial's start to the sweep's last state update (its end, once it finished): the
-    study's wall time, including any time it spent interrupted."""
-    starts = [read_json(r.trial_dir / WORKER_FILE) for r in records]
-    starts = [w["started"] for w in starts if w and "started" in w]
+def wall_time(workers: list[dict], finished: float | None) -> str:
+    """First trial's start (its worker.json) to the sweep's last state update (its end, once it
+    finished): the study's wall time, including any time it spent interrupted."""
+    starts = [w["started"] for w in workers if "started" in w]
     if not starts or finished is None:
         return "wall time not recorded"
     return f"{(finished - min(starts)) / 60:.1f} min of wall time"

@@ -44,9 +44,10 @@ from altgrad.precision import BASELINE, PRECISION_PRESETS
 from altgrad.remote import is_remote
 from altgrad.tune.trial_spec import stall_reports_in_run
 
-# Run settings the grid sets itself (-> the sweep key that sets them): not allowed as extra axes.
-# What every sweep sets in each trial itself: a trial computes with its CPUs as threads.
+# Run settings every sweep sets in each trial itself (-> the sweep key that sets them): a trial
+# computes with its CPUs as threads (`trial_spec.trial_run_config`).
 TRIAL_FIELDS = {"train.threads": "resources.cpus_per_trial"}
+# Run settings the grid sets itself (-> the sweep key that sets them): not allowed as extra axes.
 FIXED_AXES = {"quant.format": "grid.formats", "optim.name": "grid.optimizers",
               "quant.precision": "grid.precisions", "train.seed": "grid.seeds",
               "preset": "the sweep's top-level preset", **TRIAL_FIELDS}
