@@ -11,7 +11,9 @@ positions file), the shadow, the optimizer step, and `other`, what no timed call
 schedule, clipping and the NaN probe, building the bit positions' row, re-quantizing stored
 weights, zeroing the grads, the host sync). It is how the diagnostics' cost is taken apart
 (docs/design.md); a phase a variant does not run is `-`. On CUDA a phase is the host's time to
-queue its work: the device time not yet done lands in `other`, at the step's host sync.
+queue its work: the device time not yet done lands in `other`, at the step's host sync. Where the
+diagnostics replay CUDA graphs (`train.cuda_graphs`), `after_backward` and `after_update` are the
+replays, and the calls inside them run only in the steps that record.
 
     python benchmarks/step_profile.py [--preset cpu|gpu|host] [--variants bf16,e4m3,e4m3+diag] [--rows 15]
                                       [--phases N] [--set KEY=VALUE] [--smoke]
@@ -49,8 +51,8 @@ from train_step import (
 from altgrad.train import Trainer
 
 # The calls a diagnostic step makes on `Diagnostics`.
-DIAGNOSTICS_CALLS = ("begin", "activation_metrics", "gradient_metrics", "snapshot", "update_metrics",
-                     "quant_metrics", "end")
+DIAGNOSTICS_CALLS = ("begin", "after_backward", "activation_metrics", "gradient_metrics", "snapshot",
+                     "after_update", "update_metrics", "quant_metrics", "end")
 
 
 def diagnostics_phase(call: str) -> str:
@@ -58,10 +60,10 @@ def diagnostics_phase(call: str) -> str:
 
 
 # `PhaseClock`'s phases, in the order `Trainer.train_step` runs them.
-PHASES = (diagnostics_phase("begin"), "forward", "backward", diagnostics_phase("activation_metrics"),
-          diagnostics_phase("gradient_metrics"), diagnostics_phase("snapshot"), "shadow", "optimizer step",
-          diagnostics_phase("update_metrics"), diagnostics_phase("quant_metrics"), diagnostics_phase("end"),
-          "bit tracking", "bit positions file")
+PHASES = (diagnostics_phase("begin"), "forward", "backward", diagnostics_phase("after_backward"),
+          diagnostics_phase("activation_metrics"), diagnostics_phase("gradient_metrics"), diagnostics_phase("snapshot"),
+          "shadow", "optimizer step", diagnostics_phase("after_update"), diagnostics_phase("update_metrics"),
+          diagnostics_phase("quant_metrics"), diagnostics_phase("end"), "bit tracking", "bit positions file")
 OTHER = "other"  # what no timed call covers (see the module docstring)
 STEP = "step"  # the whole step
 

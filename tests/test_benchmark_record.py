@@ -148,10 +148,11 @@ def test_step_profile_times_each_phase_a_variant_runs(capsys):
     assert lines[1].split()[-2:] == ["e4m3", "e4m3+diag"]
     table = {line[:30].strip(): line[30:].split() for line in lines[2:]}
     diagnostic = [f"diagnostics.{call}" for call in bench.DIAGNOSTICS_CALLS] + ["bit tracking", "bit positions file"]
-    assert list(table) == ["diagnostics.begin", "forward", "backward", "diagnostics.activation_metrics",
-                           "diagnostics.gradient_metrics", "diagnostics.snapshot", "optimizer step",
-                           "diagnostics.update_metrics", "diagnostics.quant_metrics", "diagnostics.end",
-                           "bit tracking", "bit positions file", "other", "step"]
+    assert list(table) == ["diagnostics.begin", "forward", "backward", "diagnostics.after_backward",
+                           "diagnostics.activation_metrics", "diagnostics.gradient_metrics", "diagnostics.snapshot",
+                           "optimizer step", "diagnostics.after_update", "diagnostics.update_metrics",
+                           "diagnostics.quant_metrics", "diagnostics.end", "bit tracking", "bit positions file",
+                           "other", "step"]
     for phase in diagnostic:
         assert table[phase][0] == "-" and float(table[phase][1]) > 0, phase
     for phase in ("forward", "backward", "optimizer step"):

@@ -20,7 +20,7 @@ from compiled_steps import (
 )
 from torch._dynamo.utils import counters
 
-from altgrad.experiment import read_jsonl
+from altgrad.experiment import BIT_POSITIONS_FILE, read_jsonl
 from altgrad.quant import FORMATS, code_moves, compile_status, decode, encode, quantize
 from altgrad.quant.kernels import Kernel
 from altgrad.quant.scaling import TensorScaler
@@ -28,6 +28,7 @@ from altgrad.quant.step import TensorStats
 from altgrad.scaling_policy import ScalingPolicy
 from altgrad.train import Trainer
 from altgrad.train.format_shift import shift_layers
+from altgrad.train.replay import ReplayedCall
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -75,9 +76,10 @@ def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, re
     """SPEC §5: one host sync per step, diagnostics included (bincount, .item(), a Python branch on
     a tensor would each add one), with the per-tensor kernels and with the step graph the gpu
     preset trains with, launched kernel by kernel or replayed as CUDA graphs (the first step warms
-    them up and the second records them, each syncing: the third is the first replay), and with
-    either optimizer. And no kernel falls back to eager at dynamo's recompile limit (autocast
-    state, Parameter vs Tensor or rank each made a new graph before)."""
+    the step graph up and the second records it, each syncing; the diagnostics' calls, replayed
+    too, record at the third: the fourth is the first step that only replays), and with either
+    optimizer. And no kernel falls back to eager at dynamo's recompile limit (autocast state,
+    Parameter vs Tensor or rank each made a new graph before)."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     model = TINY if compiled else ()  # the step graph's compile: seconds for one layer
     trainer = Trainer(make_config(*model, "quant.format=e4m3", f"optim.name={optimizer}", "train.device=cuda",
@@ -87,24 +89,70 @@ def test_a_cuda_training_step_syncs_with_the_host_once(make_config, tmp_path, re
     skips = cudagraph_skips()
     # (config.patch, not monkeypatch: undoing a monkeypatch deletes a torch config entry)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        for step in (2, 3):
+        for step in (2, 3, 4):
             trainer.train_step(step)
         torch.cuda.synchronize()
         recwarn.clear()
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            trainer.train_step(4)
+            trainer.train_step(5)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        launches = graph_launches(lambda: trainer.train_step(5))
+        launches = graph_launches(lambda: trainer.train_step(6))
     syncs = [w for w in recwarn if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert compile_status() == "compiled"
     assert not compiled or trainer.forward.graphs == 1
     # forward and backward, each one graph or more (inductor partitions a graph around its CPU ops;
-    # `cudagraph_skips` says the backward's are among them)
-    assert (launches >= 2) if cuda_graphs else (launches == 0), launches
+    # `cudagraph_skips` says the backward's are among them), and the diagnostics' three calls
+    assert (launches >= 2 + len(REPLAYED)) if cuda_graphs else (launches == 0), launches
     assert cudagraph_skips() == skips
+    assert all(replayed(trainer)[name] >= cuda_graphs for name in REPLAYED)
+
+
+# The calls outside the step graph that a diagnostic step replays as CUDA graphs (`ReplayedCall`).
+REPLAYED = ("after_backward", "after_update", "observe")
+
+
+def replayed(trainer: Trainer) -> dict[str, int]:
+    """How often each of a trainer's `REPLAYED` calls replayed a CUDA graph (0: never recorded),
+    each failing the test if its recording failed or if it keeps more than one per step graph."""
+    calls = {"after_backward": trainer.diagnostics.after_backward, "after_update": trainer.diagnostics.after_update,
+             "observe": trainer.bit_tracker.observe}
+    out = {}
+    for name, call in calls.items():
+        if not isinstance(call, ReplayedCall):
+            out[name] = 0
+            continue
+        assert call.error is None, (name, call.error)
+        assert len(call.graphs) <= trainer.forward.graphs, (name, len(call.graphs))
+        out[name] = call.replays
+    return out
+
+
+def test_a_replayed_call_reads_its_tensors_as_they_are_and_records_anew_where_they_moved():
+    """`ReplayedCall` runs its first call, records at the second with the same tensors and replays
+    from then on, reading what the tensors hold at each replay; a tensor elsewhere is a call of its
+    own (run, then recorded); a call that cannot be recorded (a read back to the host) warns and
+    runs kernel by kernel from then on, with the right result."""
+    x = torch.randn(1000, device=CUDA)
+    double = ReplayedCall(lambda t: t * 2 + 1, lambda t: [t])
+    outputs = [double(x).clone() for _ in range(3)]
+    assert all(torch.equal(out, x * 2 + 1) for out in outputs)
+    assert double.replays == 2 and len(double.graphs) == 1
+    x.mul_(-3.0)
+    assert torch.equal(double(x), x * 2 + 1) and double.replays == 3
+    y = torch.randn(500, device=CUDA)
+    assert torch.equal(double(y), y * 2 + 1) and double.replays == 3  # run as it is
+    assert torch.equal(double(y), y * 2 + 1) and double.replays == 4 and len(double.graphs) == 2
+    assert torch.equal(double(x), x * 2 + 1) and double.replays == 5  # the first recording still stands
+
+    synced = ReplayedCall(lambda t: t * t.sum().item(), lambda t: [t])
+    synced(x)
+    with pytest.warns(RuntimeWarning, match="could not be recorded"):
+        out = synced(x)
+    assert synced.error is not None and not synced.graphs
+    assert torch.equal(out, x * x.sum().item()) and torch.equal(synced(x), x * x.sum().item())
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["launched", "cuda-graphs"])
@@ -114,8 +162,9 @@ def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_pa
     """The step graph on the GPU (Triton kernels, every other op its ATen kernel, a Python wrapper),
     its kernels launched one by one or replayed as CUDA graphs, bf16 autocast on, against the eager
     model on the GPU: 8 steps (CUDA graphs: a warm-up, a recording, six replays; the eager model
-    evaluates at 1, 4 and 8), diagnostics every step; with stochastic rounding both draw from the
-    same CUDA generator state."""
+    evaluates at 1, 4 and 8), diagnostics every step, their calls after the backward and the update
+    replayed too with CUDA graphs (every metric and every bit positions row compared); with
+    stochastic rounding both draw from the same CUDA generator state."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     eager, compiled = eager_and_compiled(make_config, tmp_path, *TINY, *quant, "train.max_steps=100",
                                          "train.device=cuda", "train.autocast=true",
@@ -125,16 +174,19 @@ def test_the_compiled_step_on_cuda_is_bit_identical_to_eager(make_config, tmp_pa
         assert_step_identical(eager, compiled, step)
     launches = graph_launches(lambda: assert_step_identical(eager, compiled, 9))
     assert compiled.forward.graphs == 1 and compile_status() == "compiled"
-    assert (launches >= 2) if cuda_graphs else (launches == 0), launches
+    assert (launches >= 2 + len(REPLAYED)) if cuda_graphs else (launches == 0), launches
     assert cudagraph_skips() == skips
+    assert all(n >= 5 if cuda_graphs else n == 0 for n in replayed(compiled).values()), replayed(compiled)
+    assert read_jsonl(tmp_path / "eager" / BIT_POSITIONS_FILE) == read_jsonl(tmp_path / "compiled" / BIT_POSITIONS_FILE)
 
 
 def test_cuda_graphs_follow_the_step_graphs_of_a_run(make_config, tmp_path, monkeypatch):
     """A run switches step graphs: diagnostics every other step and at step 1 (two graphs, each
     warmed up at its first call, recorded at its second and replayed in turn after), then an
-    emergency format shift, after which both compile and record anew. Against the eager model on
-    the GPU, bit for bit over 14 steps, every graph replayed, none skipped. (Added after the third
-    lease: it first runs at the next.)"""
+    emergency format shift, after which both compile and record anew; the diagnostics' calls record
+    anew with them. Against the eager model on the GPU, bit for bit over 18 steps (every metric,
+    every bit positions row), every graph replayed, none skipped. (Added after the third lease: it
+    first ran at the fourth.)"""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     eager, compiled = eager_and_compiled(make_config, tmp_path, *TINY, *MIXED, "train.diag_every=2",
                                          "train.max_steps=100", "train.device=cuda", "train.autocast=true",
@@ -142,15 +194,22 @@ def test_cuda_graphs_follow_the_step_graphs_of_a_run(make_config, tmp_path, monk
     skips = cudagraph_skips()
     # Diagnostic steps 1, 2, 4, 6, ...: that graph records at 2 and replays from 4; the other warms up
     # at 3, records at 5 and replays at 7. Shifted before 9: warm-ups at 9 and 10, recordings at 11
-    # and 12, replays from 13.
-    for step in range(1, 15):
+    # and 12, replays from 13. The diagnostics' calls record at their graph's first replay, or at the
+    # next diagnostic step where that replay's tensors sit elsewhere than the recording's.
+    for step in range(1, 19):
         if step == 9:
             for trainer in (eager, compiled):
                 assert shift_layers(trainer.layers, [next(iter(trainer.layers))], "test")
         assert_step_identical(eager, compiled, step)
     assert compiled.forward.graphs == 4 and compile_status() == "compiled"  # (with, without diagnostics) x 2 formats
-    assert all(graph_launches(partial(compiled.train_step, step)) >= 2 for step in (15, 16))  # without, with
+    before = replayed(compiled)
+    without, with_diagnostics = (graph_launches(partial(compiled.train_step, step)) for step in (19, 20))
+    assert without >= 2 and with_diagnostics >= 2 + len(REPLAYED), (without, with_diagnostics)
     assert cudagraph_skips() == skips
+    after = replayed(compiled)  # the shifted diagnostics' recordings replay at step 20
+    assert all(after[name] == before[name] + 1 for name in REPLAYED), (before, after)
+    assert len(compiled.diagnostics.after_update.graphs) == 2  # one per format of the shifted layer
+    assert read_jsonl(tmp_path / "eager" / BIT_POSITIONS_FILE) == read_jsonl(tmp_path / "compiled" / BIT_POSITIONS_FILE)
 
 
 def test_a_run_with_cuda_graphs_resumes_exactly(make_config, tmp_path, monkeypatch):

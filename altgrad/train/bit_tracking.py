@@ -7,6 +7,8 @@ fixed seeded sample of weights (their trajectory across steps). The histogram co
 and scale: the grid the forward pass uses, rounded to nearest like the bit-stall rate); the sample
 codes are those of the weights as stored after the step. Everything is one device tensor, read in
 the trainer's one host sync, then written as one row per diagnostic step to `bit_positions.jsonl`.
+With `replay` (on CUDA), `observe` is recorded as a CUDA graph and replayed (`ReplayedCall`), as
+the diagnostics' other calls are.
 """
 
 from __future__ import annotations
@@ -19,17 +21,26 @@ from altgrad.experiment import BIT_POSITIONS_FILE
 from altgrad.metrics import STEP
 from altgrad.quant.codes import MOVE_BINS, encode_samples
 from altgrad.quant.linear import QuantizedLinear, by_weight_format
+from altgrad.train.replay import ReplayedCall
 from altgrad.train.run_files import RunFiles
 
 
 class BitTracker:
-    def __init__(self, layers: dict[str, QuantizedLinear], sample: int = 16, seed: int = 0):
+    def __init__(self, layers: dict[str, QuantizedLinear], sample: int = 16, seed: int = 0, replay: bool = False):
         self.layers = layers
         g = torch.Generator().manual_seed(seed)
         self.samples = {
             n: torch.randperm(m.weight.numel(), generator=g)[:sample].to(m.weight.device)
             for n, m in layers.items()
         }
+        if replay:
+            self.observe = ReplayedCall(self.observe, self.reads)
+
+    def reads(self, histograms: dict[str, torch.Tensor]) -> list[object]:
+        """What `observe(histograms)` reads that can move or change between steps (`ReplayedCall`):
+        the histograms and each layer's policy (its formats). The weights, their scales and the
+        sample indices stay where they are."""
+        return [*histograms, *histograms.values(), *(m.policy for m in self.layers.values())]
 
     @torch.no_grad()
     def observe(self, histograms: dict[str, torch.Tensor]) -> torch.Tensor:

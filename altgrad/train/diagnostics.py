@@ -30,6 +30,7 @@ from altgrad.quant.formats import FormatSpec
 from altgrad.quant.kernels import MAX, Kernel, family, grid_params, nearest_scaled
 from altgrad.quant.linear import ROLES, QuantizedLinear, by_weight_format
 from altgrad.quant.scaling import abs_max, scale_for
+from altgrad.train.replay import ReplayedCall
 
 Metrics = dict[str | tuple[str, ...], torch.Tensor]
 """A step's metrics on the device: a name maps to a 0-dim tensor, a tuple of names to a 1-d tensor
@@ -102,16 +103,23 @@ class Diagnostics:
     """Gradient, activation, quantizer and bit-stall metrics of one training step.
 
     A diagnostic step is `begin`, forward and backward (the quantizers count into their
-    `TensorStats`; a forward pre-hook on every linear takes its input's kurtosis),
-    `activation_metrics`, `gradient_metrics`, `snapshot`, the optimizer step, `update_metrics`,
-    `quant_metrics`, `end`. The hooks stay registered and do nothing outside `begin` ... `end`:
-    (un)registering 2 x layers hooks per step cost more than the step's counting."""
+    `TensorStats`; a forward pre-hook on every linear takes its input's kurtosis), `after_backward`
+    (activation and gradient metrics, and the snapshot of the weights), the optimizer step,
+    `after_update` (update and quantizer metrics), `end`. The hooks stay registered and do nothing
+    outside `begin` ... `end`: (un)registering 2 x layers hooks per step cost more than the step's
+    counting.
 
-    def __init__(self, model: nn.Module, grad_format: FormatSpec):
+    With `replay` (on CUDA), `after_backward` and `after_update` are each recorded as a CUDA graph
+    and replayed (`ReplayedCall`, keyed by everything they read: `reads`): a diagnostic step then
+    launches two graphs where it launched every kernel of the calls between. Their outputs are then
+    the graphs' own tensors, which the next diagnostic step overwrites."""
+
+    def __init__(self, model: nn.Module, grad_format: FormatSpec, replay: bool = False):
         self.linears: dict[str, nn.Linear] = {
             short_name(n): model.get_submodule(n) for n in linear_layers(model)
         }
         self.quantized = {n: m for n, m in self.linears.items() if isinstance(m, QuantizedLinear)}
+        self._weights = [m.weight for m in self.linears.values()]
         # Which of each layer's roles are quantized (a role switched off uses no codes at all).
         self._roles_on = torch.tensor([[m.policy.quantizes(r) for r in ROLES] for m in self.quantized.values()],
                                       dtype=torch.float32, device=self._device())
@@ -122,6 +130,30 @@ class Diagnostics:
         self._kurtosis: dict[str, torch.Tensor] = {}
         for name, layer in self.linears.items():
             layer.register_forward_pre_hook(self._kurtosis_hook(name))
+        if replay:
+            self.after_backward = ReplayedCall(self.after_backward, self.reads)
+            self.after_update = ReplayedCall(self.after_update, self.reads)
+
+    def reads(self) -> list[object]:
+        """What `after_backward` and `after_update` read that can move or change between steps
+        (`ReplayedCall`): the kurtosis values by layer, the gradients, the snapshot and each
+        quantized layer's policy (its formats). The weights and the scalers' and counters' buffers
+        are written in place, never replaced (by the optimizer, a checkpoint's load, a format shift)."""
+        return [*self._kurtosis, *self._kurtosis.values(), *(w.grad for w in self._weights), *self._before,
+                *(m.policy for m in self.quantized.values())]
+
+    def after_backward(self) -> Metrics:
+        """What is measured between the backward and the update: the activation and gradient
+        metrics; and the snapshot of the weights that `after_update` compares the update with."""
+        metrics = {**self.activation_metrics(), **self.gradient_metrics()}
+        self.snapshot()
+        return metrics
+
+    def after_update(self) -> tuple[Metrics, dict[str, torch.Tensor]]:
+        """The update metrics and the quantizer metrics, and each quantized layer's code-move
+        histogram (`update_metrics`)."""
+        update, moves = self.update_metrics()
+        return {**update, **self.quant_metrics()}, moves
 
     # -- forward: activation kurtosis and quantizer counters --------------------------------
     def begin(self) -> None:
@@ -185,21 +217,22 @@ class Diagnostics:
 
     # -- optimizer: bit-stall on the weights each quantized layer stores ---------------------
     @torch.no_grad()
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """Weights before the optimizer step (all linears; the baseline measures zero updates),
-        copied into buffers kept for the purpose."""
-        weights = [m.weight.detach() for m in self.linears.values()]
+    def snapshot(self) -> None:
+        """Copy the weights before the optimizer step (all linears; the baseline measures zero
+        updates) into buffers kept for the purpose, which `update_metrics` reads."""
+        weights = [w.detach() for w in self._weights]
         if not self._before:
             self._before = [torch.empty_like(w) for w in weights]
         torch._foreach_copy_(self._before, weights)
-        return dict(zip(self.linears, self._before, strict=True))
 
-    def update_metrics(self, before: dict[str, torch.Tensor]) -> tuple[Metrics, dict[str, torch.Tensor]]:
-        """Bit-stall over the quantized layers' moved weights; zero-update fraction over all.
+    def update_metrics(self) -> tuple[Metrics, dict[str, torch.Tensor]]:
+        """Bit-stall over the quantized layers' moved weights since `snapshot`; zero-update
+        fraction over all.
 
         Also returns each quantized layer's code-move histogram (`code_moves`), for bit tracking.
         The code moves are one compiled call per weight format.
         """
+        before = dict(zip(self.linears, self._before, strict=True))
         by_format = by_weight_format({n: self.quantized[n] for n in before if n in self.quantized})
         out: Metrics = {}
         histograms: dict[str, torch.Tensor] = {}

@@ -175,12 +175,14 @@ class Trainer:
         k = cfg.optim.partition_clip_k
         self.clipper = PartitionClipper(self.layers, k, cfg.quant.scaling.history_len) if k and self.layers else None
         self.nan_origin = NanOrigin(self.layers, self.model)
-        self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format))
+        # the diagnostics' calls outside the step graph are replayed where the step graph is
+        replay = t.compile and t.cuda_graphs and self.device.type == "cuda"
+        self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format), replay)
         self.shadow = FP32Shadow(self.model.config, self.device) if t.shadow_every else None
         self.monitor = StabilityMonitor(cfg.stability)
         self.checkpoints = CheckpointManager(self.run_dir, t.keep_last)
         self.files = RunFiles(self.run_dir)
-        self.bit_tracker = BitTracker(self.layers, seed=t.seed) if self.layers and t.diag_every else None
+        self.bit_tracker = BitTracker(self.layers, seed=t.seed, replay=replay) if self.layers and t.diag_every else None
         self.bit_file = BitPositionsFile(self.files)
         self.best_val = math.inf
         self.val_loss = math.nan
@@ -257,9 +259,7 @@ class Trainer:
         loss.backward()
         m: Metrics = {}
         if diag:
-            m.update(self.diagnostics.activation_metrics())
-            m.update(self.diagnostics.gradient_metrics())
-            before = self.diagnostics.snapshot()
+            m.update(self.diagnostics.after_backward())
         if shadow:
             m.update(self.shadow.cosines(self.model, x, y))
 
@@ -270,9 +270,8 @@ class Trainer:
         self.optimizer.step()
         bits = None
         if diag:
-            update, moves = self.diagnostics.update_metrics(before)  # the raw update, before re-quantizing
+            update, moves = self.diagnostics.after_update()  # the raw update, before re-quantizing
             m.update(update)
-            m.update(self.diagnostics.quant_metrics())
             self.diagnostics.end()
         if self.cfg.quant.master_weights == "format":
             self._requantize_weights()
