@@ -201,6 +201,7 @@ def test_cuda_graphs_follow_the_step_graphs_of_a_run(make_config, tmp_path, monk
             for trainer in (eager, compiled):
                 assert shift_layers(trainer.layers, [next(iter(trainer.layers))], "test")
         assert_step_identical(eager, compiled, step)
+    assert read_jsonl(tmp_path / "eager" / BIT_POSITIONS_FILE) == read_jsonl(tmp_path / "compiled" / BIT_POSITIONS_FILE)
     assert compiled.forward.graphs == 4 and compile_status() == "compiled"  # (with, without diagnostics) x 2 formats
     before = replayed(compiled)
     without, with_diagnostics = (graph_launches(partial(compiled.train_step, step)) for step in (19, 20))
@@ -209,7 +210,6 @@ def test_cuda_graphs_follow_the_step_graphs_of_a_run(make_config, tmp_path, monk
     after = replayed(compiled)  # the shifted diagnostics' recordings replay at step 20
     assert all(after[name] == before[name] + 1 for name in REPLAYED), (before, after)
     assert len(compiled.diagnostics.after_update.graphs) == 2  # one per format of the shifted layer
-    assert read_jsonl(tmp_path / "eager" / BIT_POSITIONS_FILE) == read_jsonl(tmp_path / "compiled" / BIT_POSITIONS_FILE)
 
 
 def test_a_run_with_cuda_graphs_resumes_exactly(make_config, tmp_path, monkeypatch):

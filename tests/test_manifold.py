@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
 from bitwise import ordinal
 from host_reads import host_reads
 from torch import nn
+from torch._dynamo.utils import counters
 
 from altgrad.config import ConfigError
 from altgrad.experiment import read_jsonl
-from altgrad.optim import build_optimizer
+from altgrad.optim import build_optimizer, manifold
 from altgrad.optim.manifold import ManifoldAdamW
 from altgrad.quant import compile_status
 from altgrad.quant.codes import decode, encode
 from altgrad.quant.formats import FORMATS, FormatSpec
+from altgrad.quant.kernels import Kernel
 from altgrad.quant.linear import LinearQuantPolicy, QuantizedLinear
 from altgrad.quant.quantize import quantize
 from altgrad.quant.stall import bit_stall_mask, stiffness
@@ -147,6 +150,38 @@ def test_the_compiled_update_reads_nothing_back_to_the_host(monkeypatch):
         opt.step()
     assert compile_status() == "compiled"
     assert not host_reads(prof.events())
+
+
+def own_code(fn: types.FunctionType) -> types.FunctionType:
+    """fn with a code object of its own: dynamo keeps compiled code per code object, so a test's
+    compiles are its own, whatever compiled fn earlier in the process."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+@pytest.mark.parametrize("specialize_float", [False, True], ids=["symbolic-floats", "specialized-floats"])
+def test_the_update_compiles_once_while_the_lr_follows_its_schedule(monkeypatch, specialize_float):
+    """The lr schedule changes the lr every step, and with it the ULP step and the decay: that
+    compiles no new graph of the update, also on a torch that specializes floats (2.11 does; 2.13,
+    pinned here, traces them as symbols). There, given as floats, each step's were a graph of its
+    own: on a GPU each compile read constants back to the host (syncs, found at a lease), and at
+    dynamo's recompile limit the update would have run eagerly."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    monkeypatch.setattr(manifold, "_ADAMW_ULP_ALL", Kernel(own_code(manifold._adamw_ulp_all)))
+    layers = [quantized_linear(FORMATS[f], 1, seed=i) for i, f in enumerate(("e5m2", "e3m4"))]
+    opt = ManifoldAdamW([layer.weight for layer in layers], {layer.weight: layer for layer in layers},
+                        lr=1e-3, weight_decay=0.1)
+    opt.found_inf = torch.tensor(0.0)
+    graphs = []
+    with torch._dynamo.config.patch(specialize_float=specialize_float):
+        for step in range(6):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (1 - step / 10)
+            for layer in layers:
+                layer.weight.grad = torch.randn_like(layer.weight)
+            opt.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert compile_status() == "compiled"
+    assert graphs[1:] == graphs[:1] * 5, graphs
 
 
 def test_steps_follow_adamw_measured_in_ulps(path):

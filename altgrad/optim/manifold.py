@@ -95,10 +95,11 @@ class ManifoldAdamW(torch.optim.Optimizer):
         # whose shapes dynamo compiles statically (and so the grads' and moments'): inductor's loops
         # are ~18% faster than with symbolic sizes on the 3.2M-element head. A run's shapes never
         # change; a format shift that regroups the layers compiles one more graph.
+        scheduled = scheduled_rates(lr_ulp, lr * group["weight_decay"], device)
         for fmt, ps in by_weight_format({p: self.layers[p] for p in quantized}).items():
             states = [self.state[p] for p in ps]
             _ADAMW_ULP_ALL(grid_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
-                           _Hyper(lr, beta1, beta2, group["eps"], group["weight_decay"], lr_ulp),
+                           _Hyper(beta1, beta2, group["eps"]), scheduled,
                            ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
                            [s["exp_avg_sq"] for s in states],
                            [s["step"] for s in states], [self.layers[p].weight_scale for p in ps])
@@ -128,17 +129,28 @@ def _fused_adamw(params: list[torch.Tensor], states: list[dict], group: dict,
 
 
 class _Hyper(NamedTuple):
-    """A group's hyperparameters at this step. Python floats, which dynamo traces as symbols
-    (`specialize_float=False`, the default of the torch we pin, 2.13), so the scheduled lr changes
-    no graph; on a torch that specializes floats the kernel recompiles per lr and, at dynamo's
-    recompile limit, falls back to eager (a warning says so)."""
+    """A group's hyperparameters that no schedule changes: Python floats, constants of the compiled
+    update."""
 
-    lr: float
     beta1: float
     beta2: float
     eps: float
-    weight_decay: float
-    lr_ulp: float  # ULPs per unit Adam direction at this step's lr
+
+
+# The entries of `scheduled_rates`: what the lr schedule changes every step.
+LR_ULP = 0  # ULPs per unit Adam direction at this step's lr
+DECAY_RATE = 1  # lr * weight_decay
+
+
+def scheduled_rates(lr_ulp: float, decay_rate: float, device: torch.device) -> torch.Tensor:
+    """The update's scalars that follow the lr schedule, as a float32 tensor on the device (entries
+    LR_ULP, DECAY_RATE): a tensor's value is no part of a compiled graph. As Python floats they
+    were, on a torch that specializes floats (2.11 does; 2.13 traces them as symbols): the update
+    compiled anew every step, each compile reading constants back to the host, until dynamo's
+    recompile limit sent it to eager. Made by `full`, whose value is a kernel argument: a tensor
+    made on the host and copied would be a host sync on a GPU. Each is the float32 rounding of the
+    double, as an eager `tensor * float` rounds the float."""
+    return torch.stack([torch.full((), v, dtype=torch.float32, device=device) for v in (lr_ulp, decay_rate)])
 
 
 # The rows of `_adamw_ulp_all`'s per-weight coefficients.
@@ -166,7 +178,7 @@ def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
 
 
 def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyper: _Hyper,
-                   ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
+                   scheduled: torch.Tensor, ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
                    vs: list[torch.Tensor], steps: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
     """`_adamw_ulp` on every weight of one format, as one compiled graph with its step
     counts, gates and bias corrections: a compiled call or an eager op costs more host time than a
@@ -182,9 +194,9 @@ def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyp
     torch._foreach_add_(steps, [go] * len(steps))
     t = torch.stack(steps).clamp_min(1)  # a skipped first step must not divide by a zero bias correction
     scale = torch.stack(scales)
-    rate = go * hyper.lr_ulp / (1 - hyper.beta1**t)  # with bias correction 1
+    rate = go * scheduled[LR_ULP] / (1 - hyper.beta1**t)  # with bias correction 1
     w1, w2 = go * (1 - hyper.beta1), go * (1 - hyper.beta2)  # the moments' weights of the new grad
-    gates = torch.stack([1 - w1, w1, 1 - w2, w2, 1 - go * (hyper.lr * hyper.weight_decay)])
+    gates = torch.stack([1 - w1, w1, 1 - w2, w2, 1 - go * scheduled[DECAY_RATE]])
     coef = torch.cat([torch.stack([scale, rate / scale, (1 - hyper.beta2**t).rsqrt()]),  # SCALE, RATE, V_CORRECTION
                       gates[:, None].expand(-1, len(ps))])
     for i in range(len(ps)):
