@@ -276,10 +276,11 @@ class TrainConfig(StrictModel):
     cuda_graphs: bool = Field(
         True, description="on CUDA, each compiled step graph (forward and backward) is recorded as "
         "CUDA graphs at its second call and replayed after (inductor's cudagraph trees), and so are "
-        "a diagnostic step's calls after the backward and after the update (altgrad.train.replay): "
-        "the host launches a few graphs instead of every kernel, whose launches are what bounds a "
-        "small model's step on a GPU. Bit-identical to eager (tests/test_cuda.py). Ignored on the "
-        "CPU and with compile off")
+        "a diagnostic step's calls after the backward and after the update and its bit tracking, "
+        "once the tensors they read stay put (altgrad.train.replay): the host launches a few graphs "
+        "instead of every kernel, whose launches are what bounds a small model's step on a GPU. "
+        "Bit-identical to eager (tests/test_cuda.py). Ignored on the CPU, with compile off and "
+        "with ALTGRAD_NO_COMPILE=1")
 
 
 class StabilityConfig(StrictModel):

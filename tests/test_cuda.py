@@ -132,9 +132,10 @@ def replayed(trainer: Trainer) -> dict[str, int]:
 
 def test_a_replayed_call_reads_its_tensors_as_they_are_and_records_anew_where_they_moved():
     """`ReplayedCall` runs its first call, records at the second with the same tensors and replays
-    from then on, reading what the tensors hold at each replay; a tensor elsewhere is a call of its
-    own (run, then recorded); a call that cannot be recorded (a read back to the host) warns and
-    runs kernel by kernel from then on, with the right result."""
+    from then on, reading what the tensors hold at each replay; a tensor elsewhere, or another value
+    of what decides the kernels, is a call of its own (run, then recorded); a call that cannot be
+    recorded (a read back to the host) warns and runs kernel by kernel from then on, with the right
+    result."""
     x = torch.randn(1000, device=CUDA)
     double = ReplayedCall(lambda t: t * 2 + 1, lambda t: [t])
     outputs = [double(x).clone() for _ in range(3)]
@@ -146,6 +147,12 @@ def test_a_replayed_call_reads_its_tensors_as_they_are_and_records_anew_where_th
     assert torch.equal(double(y), y * 2 + 1) and double.replays == 3  # run as it is
     assert torch.equal(double(y), y * 2 + 1) and double.replays == 4 and len(double.graphs) == 2
     assert torch.equal(double(x), x * 2 + 1) and double.replays == 5  # the first recording still stands
+
+    factor = {"value": 2.0}  # what decides the kernels, not a tensor: a key of its own
+    scaled = ReplayedCall(lambda t: t * factor["value"], lambda t: [t, factor["value"]])
+    assert [torch.equal(scaled(x), x * 2.0) for _ in range(3)] == [True] * 3 and scaled.replays == 2
+    factor["value"] = 3.0
+    assert torch.equal(scaled(x), x * 3.0) and scaled.replays == 2  # run as it is, not the recording
 
     synced = ReplayedCall(lambda t: t * t.sum().item(), lambda t: [t])
     synced(x)

@@ -54,6 +54,12 @@ def test_diagnostics_update_metrics_over_mixed_formats(path):
     assert out["quant/zero_update_frac"].item() == pytest.approx(1 - moved / (4 * 16 * 16))
 
 
+def test_update_metrics_need_a_snapshot(path):
+    """Without a snapshot there is nothing to compare the update with: a clear error, not a zip's."""
+    with pytest.raises(RuntimeError, match="call snapshot first"):
+        Diagnostics(mixed_model(), FORMATS["e5m2"]).update_metrics()
+
+
 @pytest.mark.parametrize("last_roles", [ROLES, ("input", "weight")])
 def test_diagnostics_quant_metrics_per_layer_and_overall(path, last_roles):
     """Overflow / underflow rates and codes used, from every layer's counters at once, equal the

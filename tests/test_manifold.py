@@ -166,7 +166,7 @@ def test_the_update_compiles_once_while_the_lr_follows_its_schedule(monkeypatch,
     own: on a GPU each compile read constants back to the host (syncs, found at a lease), and at
     dynamo's recompile limit the update would have run eagerly."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
-    monkeypatch.setattr(manifold, "_ADAMW_ULP_ALL", Kernel(own_code(manifold._adamw_ulp_all)))
+    monkeypatch.setattr(manifold, "ADAMW_ULP_ALL", Kernel(own_code(manifold.adamw_ulp_all)))
     layers = [quantized_linear(FORMATS[f], 1, seed=i) for i, f in enumerate(("e5m2", "e3m4"))]
     opt = ManifoldAdamW([layer.weight for layer in layers], {layer.weight: layer for layer in layers},
                         lr=1e-3, weight_decay=0.1)

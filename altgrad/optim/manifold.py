@@ -98,8 +98,8 @@ class ManifoldAdamW(torch.optim.Optimizer):
         scheduled = scheduled_rates(lr_ulp, lr * group["weight_decay"], device)
         for fmt, ps in by_weight_format({p: self.layers[p] for p in quantized}).items():
             states = [self.state[p] for p in ps]
-            _ADAMW_ULP_ALL(grid_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
-                           _Hyper(beta1, beta2, group["eps"]), scheduled,
+            ADAMW_ULP_ALL(grid_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
+                           Hyperparameters(beta1, beta2, group["eps"]), scheduled,
                            ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
                            [s["exp_avg_sq"] for s in states],
                            [s["step"] for s in states], [self.layers[p].weight_scale for p in ps])
@@ -128,9 +128,9 @@ def _fused_adamw(params: list[torch.Tensor], states: list[dict], group: dict,
             torch._foreach_sub_(steps, [device_found] * len(steps))
 
 
-class _Hyper(NamedTuple):
-    """A group's hyperparameters that no schedule changes: Python floats, constants of the compiled
-    update."""
+class Hyperparameters(NamedTuple):
+    """A group's hyperparameters that no schedule changes: Python floats, the same at every step
+    (a torch that specializes floats compiles them in as constants; 2.13 traces them as symbols)."""
 
     beta1: float
     beta2: float
@@ -153,7 +153,7 @@ def scheduled_rates(lr_ulp: float, decay_rate: float, device: torch.device) -> t
     return torch.stack([torch.full((), v, dtype=torch.float32, device=device) for v in (lr_ulp, decay_rate)])
 
 
-# The rows of `_adamw_ulp_all`'s per-weight coefficients.
+# The rows of `adamw_ulp_all`'s per-weight coefficients.
 SCALE = 0           # the weight's scale
 RATE = 1            # lr_ulp / (1 - beta1^t) / scale: ULPs of the scaled weight -> the weight's step
 V_CORRECTION = 2    # 1 / sqrt(1 - beta2^t)
@@ -166,7 +166,7 @@ def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
 
     S is the ULP of the weight before the step, in its format at its scale. The coefficients (rows
     SCALE ... DECAY) fold the scalars of the update, so each element costs a single division; the
-    moments' weights and the decay are gated by `go` (see `_adamw_ulp_all`). When `go` is 0 nothing
+    moments' weights and the decay are gated by `go` (see `adamw_ulp_all`). When `go` is 0 nothing
     changes, exactly: the moments keep weight 1, the step is 0, the decay factor 1, and the grads
     (NaN on a skipped step) are zeroed.
     """
@@ -177,7 +177,7 @@ def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     p.mul_(coef[DECAY]).sub_(m / (v.sqrt() * coef[V_CORRECTION] + eps) * step * coef[RATE])
 
 
-def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyper: _Hyper,
+def adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyper: Hyperparameters,
                    scheduled: torch.Tensor, ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
                    vs: list[torch.Tensor], steps: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
     """`_adamw_ulp` on every weight of one format, as one compiled graph with its step
@@ -203,7 +203,7 @@ def _adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyp
         _adamw_ulp(ps[i], gs[i], ms[i], vs[i], coef[:, i], go, hyper.eps, fmt_params, ftz)
 
 
-_ADAMW_ULP_ALL = Kernel(_adamw_ulp_all)
+ADAMW_ULP_ALL = Kernel(adamw_ulp_all)  # what `ManifoldAdamW.step` calls, once per weight format
 
 
 def quantized_weights(model: nn.Module) -> dict[nn.Parameter, QuantizedLinear]:

@@ -418,6 +418,10 @@ class Kernel(Compiled):
                 with _no_autocast(first):
                     return self.compiled(x, *args)
             except Exception as err:  # noqa: BLE001 - any compiler failure means: use eager
+                if first.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    # (a recompile while a CUDA graph is recorded, say): the recording's failure,
+                    # which `ReplayedCall` handles; the kernel compiled, and stays so
+                    raise
                 self._fail(err, "quantizer")
         return self.fn(x, *args)
 

@@ -110,9 +110,10 @@ class Diagnostics:
     counting.
 
     With `replay` (on CUDA), `after_backward` and `after_update` are each recorded as a CUDA graph
-    and replayed (`ReplayedCall`, keyed by everything they read: `reads`): a diagnostic step then
-    launches two graphs where it launched every kernel of the calls between. Their outputs are then
-    the graphs' own tensors, which the next diagnostic step overwrites."""
+    and replayed (`ReplayedCall`, keyed by what they read that can move: `backward_reads`,
+    `update_reads`): a diagnostic step then launches two graphs where it launched every kernel of
+    the calls between. Their outputs are then the graphs' own tensors, which the next diagnostic
+    step overwrites."""
 
     def __init__(self, model: nn.Module, grad_format: FormatSpec, replay: bool = False):
         self.linears: dict[str, nn.Linear] = {
@@ -131,16 +132,21 @@ class Diagnostics:
         for name, layer in self.linears.items():
             layer.register_forward_pre_hook(self._kurtosis_hook(name))
         if replay:
-            self.after_backward = ReplayedCall(self.after_backward, self.reads)
-            self.after_update = ReplayedCall(self.after_update, self.reads)
+            self.after_backward = ReplayedCall(self.after_backward, self.backward_reads)
+            self.after_update = ReplayedCall(self.after_update, self.update_reads)
 
-    def reads(self) -> list[object]:
-        """What `after_backward` and `after_update` read that can move or change between steps
-        (`ReplayedCall`): the kurtosis values by layer, the gradients, the snapshot and each
-        quantized layer's policy (its formats). The weights and the scalers' and counters' buffers
-        are written in place, never replaced (by the optimizer, a checkpoint's load, a format shift)."""
-        return [*self._kurtosis, *self._kurtosis.values(), *(w.grad for w in self._weights), *self._before,
-                *(m.policy for m in self.quantized.values())]
+    # What can move or change between steps (`ReplayedCall`), besides the weights and the
+    # scalers' and counters' buffers, which are written in place and never replaced (by the
+    # optimizer, a checkpoint's load, a format shift).
+    def backward_reads(self) -> list[object]:
+        """What `after_backward` reads: the kurtosis values by layer (outputs of the step graph),
+        the gradients, and the snapshot's buffers (allocated at the first)."""
+        return [*self._kurtosis, *self._kurtosis.values(), *(w.grad for w in self._weights), *self._before]
+
+    def update_reads(self) -> list[object]:
+        """What `after_update` reads: the snapshot, and each quantized layer's policy (its formats
+        decide which kernels run)."""
+        return [*self._before, *(m.policy for m in self.quantized.values())]
 
     def after_backward(self) -> Metrics:
         """What is measured between the backward and the update: the activation and gradient
@@ -232,8 +238,10 @@ class Diagnostics:
         Also returns each quantized layer's code-move histogram (`code_moves`), for bit tracking.
         The code moves are one compiled call per weight format.
         """
+        if not self._before:
+            raise RuntimeError("Diagnostics.update_metrics compares the weights with a snapshot: call snapshot first")
         before = dict(zip(self.linears, self._before, strict=True))
-        by_format = by_weight_format({n: self.quantized[n] for n in before if n in self.quantized})
+        by_format = by_weight_format(self.quantized)
         out: Metrics = {}
         histograms: dict[str, torch.Tensor] = {}
         stalled, changed = [], []

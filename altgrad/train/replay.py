@@ -35,16 +35,17 @@ class ReplayedCall:
     `reads(*args)` lists everything `fn(*args)` reads -- its tensors, and whatever decides which
     kernels it launches (formats, which gradients exist) -- and `fn` must depend on nothing else:
     a replay reads the recorded addresses and runs none of `fn`'s Python. A call whose `identity`
-    of `reads(*args)` matches a recording replays it; the first call
-    with a new identity runs `fn` as it is (compiling its kernels, filling the caches it reads),
-    and a second in a row with the same identity records it. A recording runs nothing, so it is
-    replayed at once; the replay's outputs are the recording's tensors, which every replay
-    overwrites: the caller must be done with one call's outputs before the next call.
+    of `reads(*args)` matches a recording replays it; the first call with a new identity runs
+    `fn` as it is (compiling its kernels, filling the caches it reads), and a second in a row with
+    the same identity records it. A recording launches nothing, so it is replayed at once. A
+    replay returns what the recording returned, the same objects every time (containers too),
+    whose tensors every replay overwrites: the caller must neither change them nor keep them past
+    the next call.
 
-    What `fn` may not do, recorded: read a value back to the host (a sync), or draw random
-    numbers. A recording that fails is dropped with a warning, and this call runs `fn`
-    eagerly from then on (`error` says why): nothing of `fn` ran while it was being recorded. So
-    does a call past `MAX_GRAPHS` recordings, whose tensors keep moving.
+    What `fn` may not do, recorded: read a value back to the host (a sync), copy from the host,
+    compile, or draw random numbers. A recording that fails is dropped with a warning, and this
+    call runs `fn` eagerly from then on (`error` says why): none of the kernels `fn` launched while
+    it was recorded ran. So does a call past `MAX_GRAPHS` recordings, whose tensors keep moving.
     """
 
     def __init__(self, fn: Callable[..., Any], reads: Callable[..., Iterable[Any]], max_graphs: int = MAX_GRAPHS):
@@ -77,8 +78,8 @@ class ReplayedCall:
     def _record(self, args: tuple[Any, ...]) -> tuple[torch.cuda.CUDAGraph, Any] | None:
         graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: CUDA calls of the process's other threads (a checkpoint being written)
-            # are theirs, not part of the recording
+            # thread_local: CUDA calls of the process's other threads (a library's) are theirs,
+            # not an error of the recording
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = self.fn(*args)
         except Exception as err:  # noqa: BLE001 - whatever the recording met, the call runs eagerly
