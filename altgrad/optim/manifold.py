@@ -99,10 +99,10 @@ class ManifoldAdamW(torch.optim.Optimizer):
         for fmt, ps in by_weight_format({p: self.layers[p] for p in quantized}).items():
             states = [self.state[p] for p in ps]
             ADAMW_ULP_ALL(grid_params(fmt, True, torch.float32, device), not fmt.subnormals, found,
-                           Hyperparameters(beta1, beta2, group["eps"]), scheduled,
-                           ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
-                           [s["exp_avg_sq"] for s in states],
-                           [s["step"] for s in states], [self.layers[p].weight_scale for p in ps])
+                          Hyperparameters(beta1, beta2, group["eps"]), scheduled,
+                          ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
+                          [s["exp_avg_sq"] for s in states],
+                          [s["step"] for s in states], [self.layers[p].weight_scale for p in ps])
 
 
 def _fused_adamw(params: list[torch.Tensor], states: list[dict], group: dict,
@@ -178,8 +178,8 @@ def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
 
 
 def adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyper: Hyperparameters,
-                   scheduled: torch.Tensor, ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
-                   vs: list[torch.Tensor], steps: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
+                  scheduled: torch.Tensor, ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
+                  vs: list[torch.Tensor], steps: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
     """`_adamw_ulp` on every weight of one format, as one compiled graph with its step
     counts, gates and bias corrections: a compiled call or an eager op costs more host time than a
     small weight's update, so a step is one call per format.

@@ -223,13 +223,6 @@ def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[
     return {t.seed: t.best_val_loss(upto) for t in trials}
 
 
-def excludes(estimate: Interval, null: float) -> bool:
-    """Whether the 95 % interval lies wholly on one side of `null`: a call (`reading` says which)."""
-    if estimate.half_width is None or not math.isfinite(estimate.mean):
-        return False
-    return estimate.hi < null or estimate.lo > null
-
-
 @dataclass(frozen=True)
 class FamilyWise:
     """A comparison's two-sided p against its null, and Holm's adjustment of it over its family
@@ -238,7 +231,7 @@ class FamilyWise:
     p: float
     adjusted: float
     family: int  # the comparisons in the family that have an interval
-    called: bool  # the interval excludes the null (`excludes`)
+    called: bool  # the interval excludes the null (`Interval.excludes`)
     alpha: float = 0.05
 
     @property
@@ -261,16 +254,16 @@ def family_wise(comparisons: list[tuple[Interval, float]]) -> list[FamilyWise | 
     ps = [estimate.p_value(null) for estimate, null in comparisons]
     adjusted = iter(holm([p for p in ps if p is not None]))
     m = sum(p is not None for p in ps)
-    return [None if p is None else FamilyWise(p, next(adjusted), m, excludes(estimate, null), 1 - estimate.confidence)
+    return [None if p is None else FamilyWise(p, next(adjusted), m, estimate.excludes(null), 1 - estimate.confidence)
             for p, (estimate, null) in zip(ps, comparisons, strict=True)]
 
 
 def reading(estimate: Interval, null: float, below: str, above: str) -> str:
-    """`below` / `above` when the 95 % interval excludes `null` on that side (`excludes`, the one
-    rule by which the report calls a difference a difference), else "indistinguishable"."""
-    if estimate.half_width is None or not math.isfinite(estimate.mean):
+    """`below` / `above` when the 95 % interval excludes `null` on that side (`Interval.excludes`,
+    the one rule by which the report calls a difference a difference), else "indistinguishable"."""
+    if not estimate.bounded:
         return "indistinguishable (no interval)"
-    if not excludes(estimate, null):
+    if not estimate.excludes(null):
         return "indistinguishable"
     return below if estimate.hi < null else above
 

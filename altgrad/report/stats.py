@@ -169,6 +169,16 @@ class Interval:
         return self.hi < other.lo or other.hi < self.lo
 
     @property
+    def bounded(self) -> bool:
+        """Whether there is an interval to read: a finite estimate with a half-width (n >= 2)."""
+        return self.half_width is not None and math.isfinite(self.mean)
+
+    def excludes(self, null: float) -> bool:
+        """Whether the interval lies wholly on one side of `null`: the one rule by which the report
+        calls a difference a difference."""
+        return self.bounded and (self.hi < null or self.lo > null)
+
+    @property
     def df(self) -> float:
         """The degrees of freedom of the t distribution behind the interval."""
         return self.n - 1
@@ -177,7 +187,7 @@ class Interval:
         """Two-sided p of the t test of "the true value is `null`" that the interval inverts: p
         < 1 - confidence when the interval excludes `null` and only then (up to rounding at the
         boundary). None without an interval."""
-        if self.half_width is None or not math.isfinite(self.mean):
+        if not self.bounded:
             return None
         if self.half_width == 0.0:  # no spread at all: either exactly the null or certainly not
             return 1.0 if self.mean == null else 0.0
