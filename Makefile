@@ -46,18 +46,21 @@ bench: venv
 # On a GPU machine, with whatever Python has torch there (`make gpu-check GPU_PY=python3`; no Ray
 # needed): the CUDA tests, the gpu preset's step (bf16, e4m3 and e4m3 with its diagnostics every
 # step, the step a sweep trial takes by default; not the other variants: each is a step graph to
-# compile, the slow part there), with CUDA graphs and without, and four trainers sharing the GPU
-# against one alone (docs/design.md, "GPU runs", has what such a run took). Compiling is what takes
-# long there, so the benchmark's step graphs compile cold beside the tests (a run of one step whose
-# timings are thrown away), and the timed runs then load them from that cache, alone on the machine.
+# compile, the slow part there), and four trainers sharing the GPU against one alone
+# (docs/design.md, "GPU runs", has what such runs took). Compiling is what takes long there, so
+# every step graph the timed runs need compiles cold at once, beside the tests: each variant in a
+# process of its own, and the sharing benchmark's one-thread trainers in one more (from the
+# benchmark's cache alone they did not finish in a lease), each a run of one step whose timings are
+# thrown away. The timed runs then load their graphs from that cache, alone on the machine.
 GPU_PY ?= $(PY)
 gpu-check:
-	$(GPU_PY) -m pytest tests/test_cuda.py -p no:cacheprovider -n 6 & tests=$$!; \
-	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3,e4m3+diag --steps 1 --warmup 1 > /dev/null; \
-	wait $$tests
+	$(GPU_PY) -m pytest tests/test_cuda.py -p no:cacheprovider -n 5 & tests=$$!; \
+	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3 --steps 1 --warmup 1 > /dev/null & e4m3=$$!; \
+	$(GPU_PY) benchmarks/gpu_sharing.py --preset gpu --processes 1 --steps 1 --warmup 1 > /dev/null & trial=$$!; \
+	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3+diag --steps 1 --warmup 1 > /dev/null; \
+	wait $$e4m3; wait $$trial; wait $$tests
 	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3,e4m3+diag --steps 20
-	$(GPU_PY) benchmarks/gpu_sharing.py --preset gpu --steps 20
-	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3,e4m3+diag --steps 20 --set train.cuda_graphs=false
+	$(GPU_PY) benchmarks/gpu_sharing.py --preset gpu --steps 20 --warmup 2
 
 lint: venv
 	$(PY) -m ruff check altgrad sweeps tests benchmarks

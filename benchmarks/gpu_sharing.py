@@ -10,6 +10,10 @@ model, its own diagnostics cadence included, for the same warm-up (untimed: comp
 timed steps, which start together behind a barrier. Aggregate tokens/s is
 every process's timed tokens over the wall time from the first timed step to the last; the ratio is
 against the process alone. Each step ends in the trainer's host sync, so the timing is the GPU's.
+Each phase also reports its start-up: from launching its processes to their first timed step
+(imports, the model, compiling or loading its graphs, the warm-up steps), what a sweep's trials
+pay before their first step (`estimate.startup_s`, `estimate.compile_s`). Each phase's row is
+printed when the phase ends, so a run cut short still reports the process alone.
 
     python benchmarks/gpu_sharing.py [--processes 4] [--cpus 1] [--preset gpu] [--steps N] [--set K=V]
                                      [--smoke]
@@ -63,6 +67,7 @@ def run_phase(processes: int, gpu_fraction: float, cpus: int, overrides: list[st
         procs = [ctx.Process(target=worker, args=(rank, overrides, warmup, steps, cpus, gpu_fraction, tmp,
                                                   barrier, results))
                  for rank in range(processes)]
+        launched = time.time()
         for p in procs:
             p.start()
         got: list[dict[str, Any]] = []
@@ -77,9 +82,15 @@ def run_phase(processes: int, gpu_fraction: float, cpus: int, overrides: list[st
                     raise SystemExit(f"gpu_sharing: a trainer process failed (exit code {failed[0]})") from None
         for p in procs:
             p.join()
-    wall = max(r["end"] for r in got) - min(r["start"] for r in got)
+    first = min(r["start"] for r in got)
     return {"processes": sorted(got, key=lambda r: r["rank"]),
-            "tokens_per_s": sum(r["tokens"] for r in got) / wall}
+            "tokens_per_s": sum(r["tokens"] for r in got) / (max(r["end"] for r in got) - first),
+            "startup_s": first - launched}
+
+
+def phase_row(name: str, phase: dict[str, Any], cap: str, alone: dict[str, Any]) -> str:
+    return (f"{name:<8} {len(phase['processes']):>9} {cap:>10} {phase['tokens_per_s']:>10.0f} "
+            f"{phase['tokens_per_s'] / alone['tokens_per_s']:>8.2f}x {phase['startup_s']:>8.1f}s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*common, *VARIANT]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU: CPU processes"
 
-    alone = run_phase(1, 0.0, args.cpus, overrides, warmup, steps)
-    shared = run_phase(args.processes, 1 / args.processes, args.cpus, overrides, warmup, steps)
     print(f"{device}; preset {args.preset}; {steps} timed steps per process; {args.cpus} threads each")
-    print(f"{'phase':<8} {'processes':>9} {'memory cap':>10} {'tokens/s':>10} {'vs alone':>9}")
-    for name, phase, cap in (("alone", alone, "none"), ("shared", shared, f"{1 / args.processes:.2f}")):
-        print(f"{name:<8} {len(phase['processes']):>9} {cap:>10} {phase['tokens_per_s']:>10.0f} "
-              f"{phase['tokens_per_s'] / alone['tokens_per_s']:>8.2f}x")
+    print(f"{'phase':<8} {'processes':>9} {'memory cap':>10} {'tokens/s':>10} {'vs alone':>9} {'start-up':>9}",
+          flush=True)
+    alone = run_phase(1, 0.0, args.cpus, overrides, warmup, steps)
+    print(phase_row("alone", alone, "none", alone), flush=True)
+    shared = run_phase(args.processes, 1 / args.processes, args.cpus, overrides, warmup, steps)
+    print(phase_row("shared", shared, f"{1 / args.processes:.2f}", alone), flush=True)
     per_process = [r["tokens"] / (r["end"] - r["start"]) for r in shared["processes"]]
     print("shared, each process's own tokens/s: " + ", ".join(f"{t:.0f}" for t in per_process))
     print("threads per process: " + ", ".join(str(r["threads"]) for r in alone["processes"] + shared["processes"]))

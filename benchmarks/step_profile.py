@@ -31,12 +31,13 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd.profiler_util import FunctionEventAvg
+from torch.profiler import DeviceType, ProfilerActivity, profile
 from train_step import (
     VARIANTS,
     add_preset_arguments,
@@ -182,6 +183,25 @@ def time_phases(variants: list[str], common: list[str], steps: int, warmup: int)
     return {name: clock.medians() for name, clock in clocks.items()}
 
 
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def profile_summary(ops: Iterable[FunctionEventAvg], cuda: bool) -> str:
+    """The step's CPU time and, on CUDA, its device time and the host's launches.
+
+    Device time is the sum over the device's own events (kernels, copies). A host op's device time
+    is the kernels it launched, which the device's events count already: a replayed CUDA graph's
+    whole run is the self device time of the host op that launched it, so summing every op would
+    count each replayed kernel twice."""
+    line = f"CPU {sum(e.self_cpu_time_total for e in ops) / 1e3:.1f} ms"
+    if cuda:
+        device = sum(e.self_device_time_total for e in ops if e.device_type != DeviceType.CPU)
+        kernels = sum(e.count for e in ops if e.key in KERNEL_LAUNCHES)
+        graphs = sum(e.count for e in ops if e.key == "cudaGraphLaunch")
+        line += f"; device {device / 1e3:.1f} ms; {kernels} kernel launches, {graphs} graph launches"
+    return line
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_preset_arguments(ap)
@@ -216,12 +236,7 @@ def main(argv: list[str] | None = None) -> None:
                 if cuda:
                     torch.cuda.synchronize()
             ops = prof.key_averages()
-            line = f"CPU {sum(e.self_cpu_time_total for e in ops) / 1e3:.1f} ms"
-            if cuda:
-                launches = sum(e.count for e in ops if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
-                                                                 "cuLaunchKernelEx"))
-                line += f"; device {sum(e.self_device_time_total for e in ops) / 1e3:.1f} ms; {launches} launches"
-            print(line)
+            print(profile_summary(ops, cuda))
             sort = "self_device_time_total" if cuda else "self_cpu_time_total"
             print(ops.table(sort_by=sort, row_limit=args.rows))
 

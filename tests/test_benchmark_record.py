@@ -211,3 +211,32 @@ def test_a_benchmark_rejects_a_bad_option_before_it_starts(script, argv, says, c
     with pytest.raises(SystemExit) as exit_:
         load(script).main([*argv, "--smoke"])
     assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_profiled_steps_device_time_counts_each_kernel_once():
+    """A replayed CUDA graph's kernels are the device's events, and the host op that launched the
+    graph carries their time as its own device time too (H200 profile of a diagnostic step: 18.6 ms
+    printed where the device ran 9.8): the device time is the device's events alone. Launches are
+    told apart: kernels launched one by one, graphs."""
+    from torch.autograd.profiler_util import FunctionEvent, FunctionEventAvg
+    from torch.profiler import DeviceType
+
+    def event(i: int, name: str, start: int, end: int, device: DeviceType = DeviceType.CPU) -> FunctionEvent:
+        return FunctionEvent(i, name, thread=0, start_us=start, end_us=end, use_device="cuda", device_type=device)
+
+    graph_call, mm = event(0, "## Call CompiledFxGraph", 0, 50), event(1, "aten::mm", 60, 70)
+    graph_launch, kernel_launch = event(2, "cudaGraphLaunch", 5, 45), event(3, "cudaLaunchKernel", 61, 69)
+    device = [event(4, "triton_poi_fused_0", 10, 310, DeviceType.CUDA),
+              event(5, "triton_red_fused_1", 310, 410, DeviceType.CUDA),
+              event(6, "gemm", 420, 620, DeviceType.CUDA)]
+    for kernel in device[:2]:
+        graph_call.append_kernel(kernel.name, 0, kernel.time_range.elapsed_us())
+    mm.append_kernel("gemm", 0, 200)
+    ops = []
+    for e in (graph_call, mm, graph_launch, kernel_launch, *device):  # as key_averages() groups a profile
+        ops.append(FunctionEventAvg())
+        ops[-1].add(e)
+    summary = load("step_profile").profile_summary(ops, cuda=True)
+    assert re.search(r"; device ([\d.]+) ms", summary).group(1) == "0.6"  # 300 + 100 + 200 us
+    assert summary.endswith("1 kernel launches, 1 graph launches")
+    assert re.fullmatch(r"CPU [\d.]+ ms", load("step_profile").profile_summary(ops, cuda=False))
