@@ -142,6 +142,19 @@ def test_the_step_graph_has_a_cpp_wrapper_on_the_cpu_only():
                    for device, asked in (("cpu", True), ("meta", True), ("cuda", False)))
 
 
+def test_a_step_graph_says_where_it_replays(monkeypatch):
+    """`StepGraph.replays_on`, which decides whether the trainer's diagnostics replay too: on CUDA
+    where the run asks for CUDA graphs, as its options record them, and not with compiling off."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    asked, not_asked = StepGraph(torch.nn.Identity(), cuda_graphs=True), StepGraph(torch.nn.Identity())
+    assert asked.replays_on(cuda) and not asked.replays_on(cpu) and not not_asked.replays_on(cuda)
+    for graph, device in ((asked, cuda), (asked, cpu), (not_asked, cuda)):
+        assert graph.replays_on(device) == step_graph_options(device.type, graph.cuda_graphs)["triton.cudagraphs"]
+    monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")  # everything eager: nothing is recorded
+    assert not asked.replays_on(cuda)
+
+
 class AmaxHistory(torch.nn.Module):
     """A layer in miniature, none of its ops a kernel's: it writes its state (an amax history, as
     a scaler does) and multiplies through views and transposes of its weight and input."""

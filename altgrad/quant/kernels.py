@@ -302,6 +302,12 @@ STEP_REALIZE_OPS = 8
 STEP_MIN_CHUNK = 4096
 
 
+def replays_cuda_graphs(device_type: str, cuda_graphs: bool) -> bool:
+    """Whether a step graph on `device_type` is recorded as CUDA graphs and replayed: where the
+    run asks for it (`train.cuda_graphs`) and the graph is on CUDA."""
+    return cuda_graphs and device_type == "cuda"
+
+
 def step_graph_options(device_type: str, cuda_graphs: bool = False) -> dict[str, Any]:
     """Inductor options of a `StepGraph` on `device_type`: "lite" mode (every op falls back to its
     ATen kernel but those marked `compile_with_inductor`: the kernels' ops, marked while traced,
@@ -326,7 +332,7 @@ def step_graph_options(device_type: str, cuda_graphs: bool = False) -> dict[str,
                "cpp_wrapper_build_separate": True}
     if device_type == "cpu":
         return options
-    return {**python_wrapper(options), "triton.cudagraphs": cuda_graphs and device_type == "cuda"}
+    return {**python_wrapper(options), "triton.cudagraphs": replays_cuda_graphs(device_type, cuda_graphs)}
 
 
 def python_wrapper(options: dict[str, Any]) -> dict[str, Any]:
@@ -459,6 +465,11 @@ class StepGraph(Compiled):
         self.graphs = 0  # graphs dynamo captured (diagnostics on / off, formats, models)
         self._ran = False  # compiled code has started to run in the current call
         self._rollback: Callable[[], None] | None = None  # undoes the current call's compiled code
+
+    def replays_on(self, device: torch.device) -> bool:
+        """Whether this step graph's calls on `device` are replayed CUDA graphs (unless compiling
+        fails): where the work around it is worth replaying too (the trainer's diagnostics)."""
+        return not compiling_disabled() and replays_cuda_graphs(device.type, self.cuda_graphs)
 
     def __call__(self, *args, **kwargs) -> Any:
         if self.error is None and not compiling_disabled():

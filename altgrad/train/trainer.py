@@ -50,7 +50,7 @@ from altgrad.model import GPT, GPTConfig
 from altgrad.optim import build_optimizer
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, quantized_layers
 from altgrad.quant.formats import get_format
-from altgrad.quant.kernels import StepGraph, compile_status, compiling_disabled
+from altgrad.quant.kernels import StepGraph, compile_status
 from altgrad.quant.linear import LinearQuantPolicy
 from altgrad.quant.quantize import quantize
 from altgrad.train.bit_tracking import BitPositionsFile, BitTracker
@@ -176,7 +176,7 @@ class Trainer:
         self.clipper = PartitionClipper(self.layers, k, cfg.quant.scaling.history_len) if k and self.layers else None
         self.nan_origin = NanOrigin(self.layers, self.model)
         # the diagnostics' calls outside the step graph are replayed where the step graph is
-        replay = t.compile and t.cuda_graphs and self.device.type == "cuda" and not compiling_disabled()
+        replay = isinstance(self.forward, StepGraph) and self.forward.replays_on(self.device)
         self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format), replay)
         self.shadow = FP32Shadow(self.model.config, self.device) if t.shadow_every else None
         self.monitor = StabilityMonitor(cfg.stability)
