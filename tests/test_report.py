@@ -188,6 +188,26 @@ def test_a_marginal_call_among_many_comparisons_does_not_hold_family_wise(tmp_pa
     assert "**Family-wise (Holm)**" in text  # defined where every number is
 
 
+def test_a_sole_sweet_spot_says_which_of_its_calls_do_not_hold_family_wise():
+    """bf16 alone is the sweet spot when every eligible cell is worse: each a × bf16 call, which
+    may not survive the report's many comparisons. family_study's five matching formats moved to
+    another precision: e5m2's call holds, e4m3's marginal one does not (× 6 over the family of 7)."""
+    records = [replace(r, precision="mlp") if r.format in ("e0m7", "e1m6", "e2m5", "e3m4", "e6m1") else r
+               for r in family_study()]
+    f = compute_findings(records)
+    assert spot(f, "all").group == ("bf16",)
+    assert spot(f, "all").text == "bf16 (every format is worse; not family-wise for e4m3)"
+    strong_only = compute_findings([r for r in records if r.format != "e4m3"])
+    assert spot(strong_only, "all").text == "bf16 (every format is worse)"
+    # a format alone: its call against bf16, the same marginal margin below bf16 among seven
+    sd = 0.0165 / 4.302653 * math.sqrt(3)
+    better = [r for r in records if r.format != "e4m3"] + seeded("e4m3", [0.9773 - sd, 0.9773, 0.9773 + sd])
+    alone = spot(compute_findings(better), "all")
+    assert alone.group == ("e4m3",) and alone.text.endswith("× bf16 (better than bf16, not family-wise)")
+    clear = seeded("e4m3", [0.90, 0.91, 0.92])
+    assert spot(compute_findings([*records[:3], *clear]), "all").text.endswith("× bf16")  # its call holds
+
+
 def test_one_seed_says_n_1_and_is_never_called_different():
     f = compute_findings([trial("bf16"), trial("e4m3", scale=1.5), trial("e5m2", scale=1.01)])
     cell = f.cells["e4m3", "adamw", "all", ()]

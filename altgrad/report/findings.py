@@ -98,7 +98,9 @@ DEFINITIONS = f"""\
 - **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
   ran the full budget and did not break ({" / ".join(BROKEN_STOPS)}), and bf16 (× 1 exactly), the
   lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
-  a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16").
+  a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16"). A sole sweet spot rests on × bf16
+  calls (bf16 alone: every eligible cell is worse; a format alone: it is better than bf16) and says
+  which of them do not hold family-wise ("bf16 (every format is worse; not family-wise for e4m3)").
 - **Failures**: every trial whose stop reason is not `completed` or that recorded a collapse. Step:
   `collapse_step` from the summary, else the first non-finite training loss, else the last step.
   Where: `collapse_where` when the trainer recorded it; a `bit_stall` stop is an optimizer stall;
@@ -318,6 +320,9 @@ class SweetSpot:
     group: tuple[str, ...]  # the leader and every name tied with it ("bf16" may be one of them)
     leader: Cell | None  # None: bf16 leads, or no eligible cell
     excluded: tuple[str, ...]  # formats not eligible: broke, or not at full budget
+    # A sole sweet spot rests on × bf16 calls (bf16 leading: every eligible cell's "worse"; a
+    # format leading: its own "better"); the cells of those calls that do not hold family-wise.
+    not_family_wise: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
@@ -326,8 +331,10 @@ class SweetSpot:
         if len(self.group) > 1:
             return f"tie: {' ≈ '.join(self.group)} (intervals overlap)"
         if self.leader is None:
-            return f"{BASELINE} (every format is worse)"
-        return f"{self.leader.name} at {self.leader.ratio.text('.3f')}× {BASELINE}"
+            caveat = f"; not family-wise for {', '.join(self.not_family_wise)}" if self.not_family_wise else ""
+            return f"{BASELINE} (every format is worse{caveat})"
+        caveat = f" (better than {BASELINE}, not family-wise)" if self.not_family_wise else ""
+        return f"{self.leader.name} at {self.leader.ratio.text('.3f')}× {BASELINE}{caveat}"
 
 
 @dataclass(frozen=True)
@@ -459,7 +466,10 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
         entries.append((BASELINE, Interval(1.0, 0.0, n)))  # bf16 against itself: exactly 1
     group = tuple(leader_group(entries))
     by_name = {c.name: c for c in eligible}
-    return SweetSpot(precision, optimizer, axes, group, by_name.get(group[0]) if group else None, excluded)
+    leader = by_name.get(group[0]) if group else None
+    calls = (eligible if leader is None else [leader]) if len(group) == 1 else []
+    unheld = tuple(c.name for c in calls if c.family_wise is None or not c.family_wise.holds)
+    return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld)
 
 
 def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: bool,
