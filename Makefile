@@ -37,7 +37,7 @@ test: venv
 bench: venv
 	$(PY) benchmarks/quantize.py --record
 	$(PY) benchmarks/train_step.py --preset cpu --record
-	$(PY) benchmarks/train_step.py --preset host --steps 40 --record
+	$(PY) benchmarks/train_step.py --preset host --steps 40 --repeat 3 --record
 	$(PY) benchmarks/optimizer_step.py --preset cpu --record
 	$(PY) benchmarks/sweep_overhead.py --record
 	$(PY) benchmarks/warm_trial.py --record

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import sys
 import time
@@ -114,6 +115,50 @@ def test_train_step_runs_the_chosen_variants_and_their_targets_only(capsys):
             bench.main(["--preset", "cpu", "--smoke", *argv])
         assert exit_.value.code == 2
     assert "unknown variant(s) e9m9" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_train_step_repeated_in_fresh_processes_checks_the_median_ratio(tmp_path, capsys):
+    """`--repeat 2` measures in two processes of their own, prints each one's steps, and records
+    each target on the median of the two ratios, with both ratios, their milliseconds and in how
+    many processes the target held; `--repeat 0` is a usage error."""
+    bench = load("train_step")
+    bench.main(["--preset", "host", "--smoke", "--repeat", "2", "--record", str(tmp_path)])
+    out = capsys.readouterr().out
+    pids = [int(p) for p in re.findall(r"^process \d of 2 \(pid (\d+)\):$", out, re.M)]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    saved = json.loads((tmp_path / "train_step-host.json").read_text())
+    assert {(c["what"], c["baseline"], c["target"]) for c in saved["claims"]} == {
+        tuple(target) for target in bench.TARGETS["host"]}
+    for claim in saved["claims"]:
+        each = re.findall(r"([\d.]+)x \(([\d.]+) vs ([\d.]+) ms\)", claim["detail"])
+        assert len(each) == 2
+        ratios = [float(r) for r, _, _ in each]
+        for r, a, b in each:  # each process's ratio is that process's milliseconds, printed rounded
+            assert (float(a) - 0.05) / (float(b) + 0.05) - 0.005 <= float(r) <= (float(a) + 0.05) / (float(b) - 0.05) + 0.005
+        assert abs(claim["ratio"] - sum(ratios) / 2) <= 0.005 + 1e-9  # the median of two
+        held = int(re.fullmatch(r".*; held in (\d) of 2", claim["detail"]).group(1))
+        surely = sum(r < claim["target"] - 0.005 for r in ratios)  # (printed to 0.01)
+        assert surely <= held <= sum(r <= claim["target"] + 0.005 for r in ratios)
+        line = next(row for row in out.splitlines() if row.startswith(f"{claim['what']} / {claim['baseline']}:"))
+        assert f"median {claim['ratio']:.2f}x of {' '.join(f'{r:.2f}x' for r in ratios)}" in line
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--preset", "host", "--smoke", "--repeat", "0"])
+    assert exit_.value.code == 2
+
+
+def test_a_repeated_target_is_the_median_process_and_says_where_it_held():
+    """Three processes whose e4m3 took 1.2x, 1.4x and 1.25x their bf16: the claim is 1.25x (the
+    median, not the first or the mean), held in 2 of 3 against 1.3x; one process is its own."""
+    bench = load("train_step")
+    runs = [bench.Measurement({"bf16": 0.010, "e4m3": 0.010 * r}, {}, 40) for r in (1.2, 1.4, 1.25)]
+    claim = bench.target_claim(runs, "e4m3", "bf16", 1.3)
+    assert claim.ratio == pytest.approx(1.25) and claim.met
+    assert claim.detail == ("median of 3 processes, each the median of 40 steps: 1.20x (12.0 vs 10.0 ms), "
+                            "1.40x (14.0 vs 10.0 ms), 1.25x (12.5 vs 10.0 ms); held in 2 of 3")
+    assert not bench.target_claim(runs, "e4m3", "bf16", 1.22).met  # the median misses, one process held
+    one = bench.target_claim(runs[1:2], "e4m3", "bf16", 1.3)
+    assert (one.ratio, one.met, one.detail) == (pytest.approx(1.4), False, "14.0 vs 10.0 ms, median of 40 steps")
 
 
 @pytest.mark.usefixtures("eager_kernels")
