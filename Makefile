@@ -36,7 +36,7 @@ test: venv
 # performance table is then rendered from those files.
 bench: venv
 	$(PY) benchmarks/quantize.py --record
-	$(PY) benchmarks/train_step.py --preset cpu --record
+	$(PY) benchmarks/train_step.py --preset cpu --repeat 3 --record
 	$(PY) benchmarks/train_step.py --preset host --steps 40 --repeat 3 --record
 	$(PY) benchmarks/optimizer_step.py --preset cpu --record
 	$(PY) benchmarks/sweep_overhead.py --record

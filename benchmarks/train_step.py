@@ -28,7 +28,7 @@ ran are checked): each variant is a step graph of its own to compile, the slow p
 `--repeat N` takes the whole measurement in N fresh processes, one after another, and checks each
 target on the median of their N ratios, printing every process's ratio and in how many the target
 held. Interleaving evens out noise within a process, not between processes: this 2-core VM runs a
-whole process at one of a few speeds, and the host proxy's e4m3 ratio moves with it (1.23x-1.37x
+whole process at one of a few speeds, and the host proxy's e4m3 ratio moves with it (1.21x-1.37x
 in one afternoon; docs/design.md), so one process can pass or fail a target that sits at its edge.
 """
 
