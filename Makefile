@@ -51,7 +51,9 @@ bench: venv
 # every step graph the timed runs need compiles cold at once, beside the tests: each variant in a
 # process of its own, and the sharing benchmark's one-thread trainers in one more (from the
 # benchmark's cache alone they did not finish in a lease), each a run of one step whose timings are
-# thrown away. The timed runs then load their graphs from that cache, alone on the machine.
+# thrown away. The timed runs then load their graphs from that cache, alone on the machine. Last,
+# the e4m3 step and the diagnostic step profiled side by side: how the diagnostics' extra time
+# splits into device and host time, which no lease has measured yet.
 GPU_PY ?= $(PY)
 gpu-check:
 	$(GPU_PY) -m pytest tests/test_cuda.py -p no:cacheprovider -n 5 & tests=$$!; \
@@ -61,6 +63,7 @@ gpu-check:
 	wait $$e4m3; wait $$trial; wait $$tests
 	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3,e4m3+diag --steps 20
 	$(GPU_PY) benchmarks/gpu_sharing.py --preset gpu --steps 20 --warmup 2
+	$(GPU_PY) benchmarks/step_profile.py --preset gpu --variants e4m3,e4m3+diag --rows 40
 
 lint: venv
 	$(PY) -m ruff check altgrad sweeps tests benchmarks
