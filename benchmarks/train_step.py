@@ -28,8 +28,8 @@ ran are checked): each variant is a step graph of its own to compile, the slow p
 `--repeat N` takes the whole measurement in N fresh processes, one after another, and checks each
 target on the median of their N ratios, printing every process's ratio and in how many the target
 held. Interleaving evens out noise within a process, not between processes: this 2-core VM runs a
-whole process at one of a few speeds, and the host proxy's e4m3 ratio moves with it (1.21x-1.37x
-in one afternoon; docs/design.md), so one process can pass or fail a target that sits at its edge.
+whole process at one of a few speeds, and the host proxy's e4m3 ratio moves with it (docs/design.md
+has the runs), so one process can pass or fail a target that sits at its edge.
 """
 
 from __future__ import annotations
@@ -193,6 +193,10 @@ def print_steps(run: Measurement) -> None:
         print(f"{name:<18} {1000 * t:>10.1f}ms {t / run.medians['bf16']:>7.2f}x {run.first[name]:>10.1f}s")
 
 
+def held(ratios: list[float], limit: float) -> str:
+    return f"held in {sum(r <= limit for r in ratios)} of {len(ratios)}"
+
+
 def target_claim(runs: list[Measurement], name: str, ref: str, limit: float) -> Claim:
     """A target checked on one run's ratio, or on the median of several processes' ratios (each
     process's ratio and milliseconds in the detail, and in how many the target held)."""
@@ -203,19 +207,16 @@ def target_claim(runs: list[Measurement], name: str, ref: str, limit: float) -> 
     each = ", ".join(f"{r:.2f}x ({run.detail(name, ref)})" for r, run in zip(ratios, runs, strict=True))
     return Claim(name, statistics.median(ratios), ref, limit,
                  f"median of {len(runs)} processes, each the median of {runs[0].steps} steps: {each}; "
-                 f"held in {sum(r <= limit for r in ratios)} of {len(runs)}")
+                 f"{held(ratios, limit)}")
 
 
 def target_line(runs: list[Measurement], claim: Claim) -> str:
     """The printed verdict on a target: its ratio, or the median and every process's ratio."""
-    ratio = f"{claim.ratio:.2f}x"
-    held = ""
+    ratio, where = f"{claim.ratio:.2f}x", ""
     if len(runs) > 1:
         ratios = [run.ratio(claim.what, claim.baseline) for run in runs]
-        ratio = f"median {ratio} of {' '.join(f'{r:.2f}x' for r in ratios)}"
-        held = f"; held in {sum(r <= claim.target for r in ratios)} of {len(runs)}"
-    return (f"{claim.what} / {claim.baseline}: {ratio} "
-            f"(target <= {claim.target}x: {'ok' if claim.met else 'MISSED'}{held})")
+        ratio, where = f"median {ratio} of {' '.join(f'{r:.2f}x' for r in ratios)}", f"; {held(ratios, claim.target)}"
+    return f"{claim.what} / {claim.baseline}: {ratio} (target <= {claim.target}x: {'ok' if claim.met else 'MISSED'}{where})"
 
 
 def main(argv: list[str] | None = None) -> None:
