@@ -467,7 +467,9 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
     group = tuple(leader_group(entries))
     by_name = {c.name: c for c in eligible}
     leader = by_name.get(group[0]) if group else None
-    calls = (eligible if leader is None else [leader]) if len(group) == 1 else []
+    # the × bf16 calls a sole sweet spot rests on: every eligible cell's "worse" when bf16 leads
+    # alone, the leader's own "better" when a format does; a tie rests on none
+    calls = [] if len(group) != 1 else eligible if leader is None else [leader]
     unheld = tuple(c.name for c in calls if c.family_wise is None or not c.family_wise.holds)
     return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld)
 
