@@ -347,6 +347,21 @@ def test_missing_optimizer_baseline_is_borrowed_and_noted():
     assert any("`manifold` has no bf16 trial" in n for n in f.notes)
 
 
+@pytest.mark.parametrize("manifold_scales, noted", [([1.0, 1.02], True), ([1.0, 1.0200001], False), ([1.0], False)])
+def test_bf16_measured_twice_is_said_to_be_one_measurement(tmp_path, manifold_scales, noted):
+    """bf16 under `manifold` takes AdamW's steps (no quantized weight): when its losses equal
+    adamw's seed for seed, the report says it is one measurement twice; a loss off in its last
+    digits, or a seed missing, is two measurements and says nothing."""
+    records = [*seeded("bf16", [1.0, 1.02]), *seeded("bf16", manifold_scales, "manifold"),
+               *seeded("e4m3", [1.1, 1.12]), *seeded("e4m3", [1.05, 1.06], "manifold")]
+    f = compute_findings(records)
+    said = [n for n in f.notes if "one measurement twice" in n]
+    assert len(said) == int(noted)
+    if noted:
+        assert said[0].startswith("`manifold`'s bf16 trials equal `adamw`'s") and "takes `adamw`'s steps" in said[0]
+        assert said[0] in write_report(records, tmp_path).read_text()
+
+
 def test_loss_plot_draws_the_seed_mean_and_band(tmp_path):
     records = study()
     f = compute_findings(records)

@@ -444,7 +444,21 @@ def _baselines(records: list[TrialRecord], optimizers: tuple[str, ...],
         if opt not in own and lender is not None:
             notes.append(f"`{opt}` has no {BASELINE} trial with a finite loss: its × {BASELINE} uses the `{lender}` "
                          "baseline.")
+        elif opt != lender and lender is not None and _same_losses(own[opt], own[lender]):
+            why = (f" {BASELINE} quantizes no weight, so `{MANIFOLD}` takes `{STANDARD}`'s steps there (it measures "
+                   "a step in a format's ULPs)." if (opt, lender) == (MANIFOLD, STANDARD) else "")
+            notes.append(f"`{opt}`'s {BASELINE} trials equal `{lender}`'s, seed for seed (best val loss, to the last "
+                         f"bit): one measurement twice, not two that agree.{why}")
     return {opt: own.get(opt) or own[lender] for opt in optimizers if opt in own or lender is not None}
+
+
+def _same_losses(a: list[TrialRecord], b: list[TrialRecord]) -> bool:
+    """Whether two optimizers' bf16 trials have the same seeds and extra axes and, for each, the
+    same best val loss (finite, equal as floats)."""
+    def losses(trials: list[TrialRecord]) -> dict[tuple[int, AxesKey], float]:
+        return {(t.seed, axes_key(t)): t.best_val_loss() for t in trials}
+
+    return losses(a) == losses(b)
 
 
 def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ...],
