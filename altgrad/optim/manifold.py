@@ -91,10 +91,7 @@ class ManifoldAdamW(torch.optim.Optimizer):
         if found is None:
             found = torch.zeros((), device=device)
         lr_ulp = group["lr_ulp"] * (lr / group["base_lr"] if group["follow_lr"] else 1.0)
-        # One kernel call per format, every weight of it in place. The weights go in as Parameters,
-        # whose shapes dynamo compiles statically (and so the grads' and moments'): inductor's loops
-        # are ~18% faster than with symbolic sizes on the 3.2M-element head. A run's shapes never
-        # change; a format shift that regroups the layers compiles one more graph.
+        # One kernel call per format, every weight of it in place (`ADAMW_ULP_ALL`: static shapes).
         scheduled = scheduled_rates(lr_ulp, lr * group["weight_decay"], device)
         for fmt, ps in by_weight_format({p: self.layers[p] for p in quantized}).items():
             states = [self.state[p] for p in ps]
@@ -203,7 +200,11 @@ def adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hype
         _adamw_ulp(ps[i], gs[i], ms[i], vs[i], coef[:, i], go, hyper.eps, fmt_params, ftz)
 
 
-ADAMW_ULP_ALL = Kernel(adamw_ulp_all)  # what `ManifoldAdamW.step` calls, once per weight format
+# What `ManifoldAdamW.step` calls, once per weight format. Static shapes: a run's shapes never
+# change (a format shift that regroups the layers compiles one more graph, as it would with
+# dynamic ones, whose Parameters dynamo specializes anyway). Dynamic, the other tensors' sizes
+# (grads, moments, the scales' buffers) were symbols guarded in Python at every call.
+ADAMW_ULP_ALL = Kernel(adamw_ulp_all, static_shapes=True)
 
 
 def quantized_weights(model: nn.Module) -> dict[nn.Parameter, QuantizedLinear]:

@@ -170,8 +170,9 @@ def _encode_samples(xs: list[torch.Tensor], samples: list[torch.Tensor], scales:
 
 
 _ENCODE = Kernel(_encode)
-_ENCODE_SAMPLES = Kernel(_encode_samples)
-_MOVES = Kernel(_moves_all)
+# Called on a run's layers at every diagnostic step, with the same shapes: static (`Kernel`).
+_ENCODE_SAMPLES = Kernel(_encode_samples, static_shapes=True)
+_MOVES = Kernel(_moves_all, static_shapes=True)
 
 
 def encode(x: torch.Tensor, fmt: str | FormatSpec, scale: Scale = None) -> torch.Tensor:

@@ -407,7 +407,16 @@ class Kernel(Compiled):
     `Kernel(fn)(x, *args)` is `fn(x, *args)`. x (a tensor, or a non-empty list of them for one call
     over many) decides whether to compile (tensors of 0/1 elements are not) and which device's
     autocast to leave. Traced inside a `StepGraph`, the kernel is not a call of its own: its ops
-    are marked for inductor to lower and fuse, with the same options, inside the step's graph."""
+    are marked for inductor to lower and fuse, with the same options, inside the step's graph.
+
+    Compiled with dynamic shapes, so that the many sizes a quantizer meets share a graph. With
+    `static_shapes`, for a kernel that meets one set of shapes per run (the optimizer's update of
+    a run's weights): then each call's guards are the C++ checks of its tensors, where symbolic
+    sizes add a guard function in Python, and the loops' bounds are constants (docs/design.md)."""
+
+    def __init__(self, fn: Callable[..., Any], static_shapes: bool = False):
+        super().__init__(fn)
+        self.static_shapes = static_shapes
 
     def __call__(self, x: torch.Tensor | list[torch.Tensor], *args) -> torch.Tensor:
         first = x[0] if isinstance(x, list) else x
@@ -419,7 +428,7 @@ class Kernel(Compiled):
             try:
                 if self.compiled is None:
                     allow_recompiles()
-                    self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
+                    self.compiled = torch.compile(self.fn, dynamic=not self.static_shapes, fullgraph=True,
                                                   options=compile_options())
                 with _no_autocast(first):
                     return self.compiled(x, *args)

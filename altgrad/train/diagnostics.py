@@ -77,7 +77,7 @@ def _gradient_stats_all(gs: list[torch.Tensor], p: torch.Tensor, m0: bool, ftz: 
     return torch.stack([_gradient_stats(g.reshape(-1), p, m0, ftz) for g in gs])
 
 
-_GRADIENT_STATS = Kernel(_gradient_stats_all)
+_GRADIENT_STATS = Kernel(_gradient_stats_all, static_shapes=True)  # a run's gradients: the same shapes every step
 GRADIENT_STATS = ("l2", "linf", "dead_frac", "snr")
 
 
