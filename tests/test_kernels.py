@@ -23,6 +23,7 @@ from altgrad.quant import compile_status
 from altgrad.quant.kernels import (
     TRANSPOSES,
     Compiled,
+    Kernel,
     StepGraph,
     as_permute,
     graph_device_type,
@@ -364,3 +365,15 @@ def test_a_rollback_point_puts_back_the_buffers_and_the_generator_but_not_the_we
     assert torch.equal(buffer, torch.arange(4.0)) and torch.equal(batch, torch.ones(3))
     assert torch.equal(weight, torch.full((2,), 2.0))
     assert torch.equal(torch.rand(5), draw)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_static_kernel_compiles_each_shape_and_a_dynamic_one_shares_a_graph(fresh_counters, static):
+    """`static_shapes` (the kernels called every step on one run's tensors): a graph per shape,
+    with no symbolic size to guard in Python; by default one graph serves every size."""
+    kernel = Kernel(lambda x, s: x * s, static_shapes=static)
+    for n in (8, 24, 40):
+        x = torch.arange(n, dtype=torch.float32)
+        torch.testing.assert_close(kernel(x, torch.tensor(3.0)), x * 3, rtol=0, atol=0)
+    assert kernel.error is None
+    assert counters["stats"]["unique_graphs"] == (3 if static else 1)
