@@ -13,7 +13,7 @@ every parameter of the bf16 baseline) get plain AdamW steps, from torch's fused 
 
 Like fused AdamW under AMP, it honours `found_inf` (a 0-dim tensor, 1 when a gradient is not
 finite, as GradScaler sets it): then nothing changes (parameters, moments, step counts), decided
-on the device with gates instead of a host branch. Compiled and eager steps agree to float32
+on the device with a select instead of a host branch. Compiled and eager steps agree to float32
 rounding (~1e-7 relative), not bit for bit: inductor orders the update's arithmetic its own way.
 Formats and scales are read at each step, so an emergency mantissa shift takes effect at once.
 The ULP is computed as `altgrad.quant.stall.stiffness` does, fused into the update kernel.
@@ -70,7 +70,7 @@ class ManifoldAdamW(torch.optim.Optimizer):
         """Plain parameters in one fused AdamW call; quantized weights in fused ULP kernels.
 
         Per-parameter work on the host is what made this slower than fused AdamW, so the quantized
-        weights' updates, step counts, gates and bias corrections are one compiled call per
+        weights' updates, step counts and bias corrections are one compiled call per
         weight format, and nothing else runs on the host.
         """
         device = params[0].device
@@ -154,7 +154,7 @@ def scheduled_rates(lr_ulp: float, decay_rate: float, device: torch.device) -> t
 SCALE = 0           # the weight's scale
 RATE = 1            # lr_ulp / (1 - beta1^t) / scale: ULPs of the scaled weight -> the weight's step
 V_CORRECTION = 2    # 1 / sqrt(1 - beta2^t)
-M_KEEP, M_NEW, V_KEEP, V_NEW, DECAY = 3, 4, 5, 6, 7  # the moments' weights and the decay, gated
+M_KEEP, M_NEW, V_KEEP, V_NEW, DECAY = 3, 4, 5, 6, 7  # the moments' weights and the decay factor
 
 
 def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, coef: torch.Tensor,
@@ -162,40 +162,44 @@ def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     """In place: p <- p * decay - lr_ulp * S(p) * m_hat / (sqrt(v_hat) + eps), when `go` is 1.
 
     S is the ULP of the weight before the step, in its format at its scale. The coefficients (rows
-    SCALE ... DECAY) fold the scalars of the update, so each element costs a single division; the
-    moments' weights and the decay are gated by `go` (see `adamw_ulp_all`). When `go` is 0 nothing
-    changes, exactly: the moments keep weight 1, the step is 0, the decay factor 1, and the grads
-    (NaN on a skipped step) are zeroed.
+    SCALE ... DECAY) fold the scalars of the update, so each element costs a single division (see
+    `adamw_ulp_all`). When `go` is 0 nothing changes, exactly: the new values are computed and not
+    kept (the grads of a skipped step may be NaN). Selected at the end, not by zeroing the grad
+    first: inductor loads a grad gated by a scalar through a masked load, which stalled the loop
+    (docs/design.md).
     """
     step = ulp((p * coef[SCALE]).abs(), fmt_params, ftz)
-    g = torch.where(go > 0, g, 0)
-    m.mul_(coef[M_KEEP]).add_(g * coef[M_NEW])
-    v.mul_(coef[V_KEEP]).add_(g * g * coef[V_NEW])
-    p.mul_(coef[DECAY]).sub_(m / (v.sqrt() * coef[V_CORRECTION] + eps) * step * coef[RATE])
+    m_new = m * coef[M_KEEP] + g * coef[M_NEW]
+    v_new = v * coef[V_KEEP] + g * g * coef[V_NEW]
+    p_new = p * coef[DECAY] - m_new / (v_new.sqrt() * coef[V_CORRECTION] + eps) * step * coef[RATE]
+    keep = go > 0
+    for old, new in ((m, m_new), (v, v_new), (p, p_new)):
+        old.copy_(torch.where(keep, new, old))
 
 
 def adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hyper: Hyperparameters,
                   scheduled: torch.Tensor, ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
                   vs: list[torch.Tensor], steps: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
     """`_adamw_ulp` on every weight of one format, as one compiled graph with its step
-    counts, gates and bias corrections: a compiled call or an eager op costs more host time than a
+    counts and bias corrections: a compiled call or an eager op costs more host time than a
     small weight's update, so a step is one call per format.
 
     Every scalar the element loops need is computed here, once, into `coef` (one column per weight):
     inductor inlines scalar arithmetic into the loops that use it, which would recompute the bias
-    corrections' `pow`s and the gates for every element (measured in docs/design.md).
+    corrections' `pow`s for every element (measured in docs/design.md).
     """
-    go = (found <= 0).float()  # 1: step, 0: skip
+    go = (found <= 0).float()  # 1: step, 0: skip (a skipped step counts no step; `_adamw_ulp` keeps all)
     # A list of tensors, not the 0-dim `go` alone: AOTAutograd decomposes `_foreach_add_(list,
     # tensor)` through the tensor's `.item()`, a host sync on a GPU (SPEC §5 allows one per step).
     torch._foreach_add_(steps, [go] * len(steps))
     t = torch.stack(steps).clamp_min(1)  # a skipped first step must not divide by a zero bias correction
     scale = torch.stack(scales)
-    rate = go * scheduled[LR_ULP] / (1 - hyper.beta1**t)  # with bias correction 1
-    w1, w2 = go * (1 - hyper.beta1), go * (1 - hyper.beta2)  # the moments' weights of the new grad
-    gates = torch.stack([1 - w1, w1, 1 - w2, w2, 1 - go * scheduled[DECAY_RATE]])
+    rate = scheduled[LR_ULP] / (1 - hyper.beta1**t)  # with bias correction 1
+    # the moments' weights of the new grad (`full_like`, a fill on the device: see `scheduled_rates`)
+    w1, w2 = (torch.full_like(go, 1 - beta) for beta in (hyper.beta1, hyper.beta2))
+    weights = torch.stack([1 - w1, w1, 1 - w2, w2, 1 - scheduled[DECAY_RATE]])
     coef = torch.cat([torch.stack([scale, rate / scale, (1 - hyper.beta2**t).rsqrt()]),  # SCALE, RATE, V_CORRECTION
-                      gates[:, None].expand(-1, len(ps))])
+                      weights[:, None].expand(-1, len(ps))])
     for i in range(len(ps)):
         _adamw_ulp(ps[i], gs[i], ms[i], vs[i], coef[:, i], go, hyper.eps, fmt_params, ftz)
 
