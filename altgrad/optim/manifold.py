@@ -165,8 +165,8 @@ def _adamw_ulp(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     SCALE ... DECAY) fold the scalars of the update, so each element costs a single division (see
     `adamw_ulp_all`). When `go` is 0 nothing changes, exactly: the new values are computed and not
     kept (the grads of a skipped step may be NaN). Selected at the end, not by zeroing the grad
-    first: inductor loads a grad gated by a scalar through a masked load, which stalled the loop
-    (docs/design.md).
+    first: compiled, a grad zeroed under a scalar condition became a masked load (the C++
+    compiler's, of inductor's blend), on which the loop stalled (docs/design.md).
     """
     step = ulp((p * coef[SCALE]).abs(), fmt_params, ftz)
     m_new = m * coef[M_KEEP] + g * coef[M_NEW]
