@@ -368,7 +368,7 @@ def test_a_rollback_point_puts_back_the_buffers_and_the_generator_but_not_the_we
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_a_static_kernel_compiles_each_shape_and_a_dynamic_one_shares_a_graph(fresh_counters, static):
+def test_a_static_kernel_compiles_each_shape_and_a_dynamic_one_shares_a_graph(static):
     """`static_shapes` (the kernels called every step on one run's tensors): a graph per shape,
     with no symbolic size to guard in Python; by default one graph serves every size."""
     kernel = Kernel(lambda x, s: x * s, static_shapes=static)
