@@ -10,6 +10,7 @@ from typing import get_args
 
 import pytest
 import torch
+from bitwise import same_values
 from host_reads import CPU_ONLY_READS, host_reads
 
 from altgrad.__main__ import main
@@ -276,8 +277,9 @@ def test_resume_is_bit_identical_for_drawn_configs(make_config, tmp_path, seed):
         return path.read_text() if path.exists() else None
 
     assert bit_positions("straight") == bit_positions("resumed")
+    # bit for bit, NaN matching NaN: a skipped step leaves one in a scaler's raw amax
     for (name, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
-        assert torch.equal(p, q), name
+        assert same_values(p, q), name
 
 
 def test_nan_gradients_are_skipped_then_stop_the_run(make_config, tmp_path):
