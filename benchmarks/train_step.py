@@ -193,6 +193,11 @@ def print_steps(run: Measurement) -> None:
         print(f"{name:<18} {1000 * t:>10.1f}ms {t / run.medians['bf16']:>7.2f}x {run.first[name]:>10.1f}s")
 
 
+def ratios(runs: list[Measurement], name: str, ref: str) -> list[float]:
+    """Each process's ratio of `name` to `ref`."""
+    return [run.ratio(name, ref) for run in runs]
+
+
 def held(ratios: list[float], limit: float) -> str:
     return f"held in {sum(r <= limit for r in ratios)} of {len(ratios)}"
 
@@ -203,19 +208,20 @@ def target_claim(runs: list[Measurement], name: str, ref: str, limit: float) -> 
     if len(runs) == 1:
         run = runs[0]
         return Claim(name, run.ratio(name, ref), ref, limit, f"{run.detail(name, ref)}, median of {run.steps} steps")
-    ratios = [run.ratio(name, ref) for run in runs]
-    each = ", ".join(f"{r:.2f}x ({run.detail(name, ref)})" for r, run in zip(ratios, runs, strict=True))
-    return Claim(name, statistics.median(ratios), ref, limit,
+    each_ratio = ratios(runs, name, ref)
+    each = ", ".join(f"{r:.2f}x ({run.detail(name, ref)})" for r, run in zip(each_ratio, runs, strict=True))
+    return Claim(name, statistics.median(each_ratio), ref, limit,
                  f"median of {len(runs)} processes, each the median of {runs[0].steps} steps: {each}; "
-                 f"{held(ratios, limit)}")
+                 f"{held(each_ratio, limit)}")
 
 
 def target_line(runs: list[Measurement], claim: Claim) -> str:
     """The printed verdict on a target: its ratio, or the median and every process's ratio."""
     ratio, where = f"{claim.ratio:.2f}x", ""
     if len(runs) > 1:
-        ratios = [run.ratio(claim.what, claim.baseline) for run in runs]
-        ratio, where = f"median {ratio} of {' '.join(f'{r:.2f}x' for r in ratios)}", f"; {held(ratios, claim.target)}"
+        each_ratio = ratios(runs, claim.what, claim.baseline)
+        ratio, where = (f"median {ratio} of {' '.join(f'{r:.2f}x' for r in each_ratio)}",
+                        f"; {held(each_ratio, claim.target)}")
     return f"{claim.what} / {claim.baseline}: {ratio} (target <= {claim.target}x: {'ok' if claim.met else 'MISSED'}{where})"
 
 
@@ -234,15 +240,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeat < 1:
         parser.error("--repeat needs at least one process")
 
-    if args.repeat == 1:
-        runs = [measure(common, variants, steps, warmup)]
-        print_steps(runs[0])
-    else:
-        runs = []
-        for i in range(args.repeat):
-            runs.append(measure_in_fresh_process(common, variants, steps, warmup))
+    measure_once = measure if args.repeat == 1 else measure_in_fresh_process
+    runs = []
+    for i in range(args.repeat):
+        runs.append(measure_once(common, variants, steps, warmup))
+        if args.repeat > 1:
             print(f"process {i + 1} of {args.repeat} (pid {runs[-1].pid}):")
-            print_steps(runs[-1])
+        print_steps(runs[-1])
     preset = build_run_config({}, common).preset
     label = preset if args.preset == "auto" else args.preset
     targets = [(name, ref, limit) for name, ref, limit in TARGETS[label] if {name, ref} <= set(variants)]

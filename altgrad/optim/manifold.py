@@ -204,10 +204,9 @@ def adamw_ulp_all(fmt_params: torch.Tensor, ftz: bool, found: torch.Tensor, hype
         _adamw_ulp(ps[i], gs[i], ms[i], vs[i], coef[:, i], go, hyper.eps, fmt_params, ftz)
 
 
-# What `ManifoldAdamW.step` calls, once per weight format. Static shapes: a run's shapes never
-# change (a format shift that regroups the layers compiles one more graph, as it would with
-# dynamic ones, whose Parameters dynamo specializes anyway). Dynamic, the other tensors' sizes
-# (grads, moments, the scales' buffers) were symbols guarded in Python at every call.
+# What `ManifoldAdamW.step` calls, once per weight format. Static shapes (`Kernel`): a run's
+# shapes never change, and a format shift that regroups the layers compiles one more graph
+# either way (dynamo specializes Parameters' shapes even in a dynamic graph).
 ADAMW_ULP_ALL = Kernel(adamw_ulp_all, static_shapes=True)
 
 

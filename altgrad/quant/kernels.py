@@ -410,8 +410,8 @@ class Kernel(Compiled):
     are marked for inductor to lower and fuse, with the same options, inside the step's graph.
 
     Compiled with dynamic shapes, so that the many sizes a quantizer meets share a graph. With
-    `static_shapes`, for a kernel that meets one set of shapes per run (the optimizer's update of
-    a run's weights): then each call's guards are the C++ checks of its tensors, where symbolic
+    `static_shapes`, for a kernel that meets one set of shapes per run (the manifold update, the
+    diagnostics' kernels over a run's layers): then each call's guards are the C++ checks of its tensors, where symbolic
     sizes add a guard function in Python, and the loops' bounds are constants (docs/design.md)."""
 
     def __init__(self, fn: Callable[..., Any], static_shapes: bool = False):
