@@ -10,7 +10,7 @@ export TIKTOKEN_CACHE_DIR ?= $(SHARED)/data/tiktoken_cache
 export WANDB_MODE ?= offline
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: venv sweep study test bench gpu-check lint clean
+.PHONY: venv sweep study test bench gpu-check gpu-profile lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,17 +44,20 @@ bench: venv
 	$(PY) benchmarks/record.py
 
 # On a GPU machine, with whatever Python has torch there (`make gpu-check GPU_PY=python3`; no Ray
-# needed): the CUDA tests, the gpu preset's step (bf16, e4m3 and e4m3 with its diagnostics every
-# step, the step a sweep trial takes by default; not the other variants: each is a step graph to
-# compile, the slow part there), and four trainers sharing the GPU against one alone
-# (docs/design.md, "GPU runs", has what such runs took). Compiling is what takes long there, so
-# every step graph the timed runs need compiles cold at once, beside the tests: each variant in a
-# process of its own, and the sharing benchmark's one-thread trainers in one more (from the
-# benchmark's cache alone they did not finish in a lease), each a run of one step whose timings are
-# thrown away. The timed runs then load their graphs from that cache, alone on the machine. Last,
-# the e4m3 step and the diagnostic step profiled side by side: how the diagnostics' extra time
-# splits into device and host time, which no lease has measured yet.
+# needed, but pydantic is, which the GPU machines' image lacks: docs/design.md, "GPU runs", says how
+# a lease brings it; the checkout goes on PYTHONPATH, so nothing is installed): the CUDA tests, the
+# gpu preset's step (bf16, e4m3 and e4m3 with its diagnostics every step, the step a sweep trial
+# takes by default; not the other variants: each is a step graph to compile, the slow part there),
+# and four trainers sharing the GPU against one alone (docs/design.md, "GPU runs", has what such
+# runs took). Compiling is what takes long there, so every step graph the timed runs need compiles
+# cold at once, beside the tests: each variant in a process of its own, and the sharing benchmark's
+# one-thread trainers in one more (from the benchmark's cache alone they did not finish in a
+# lease), each a run of one step whose timings are thrown away. The timed runs then load their
+# graphs from that cache, alone on the machine. `make gpu-profile`, a call of its own after it
+# (the two did not fit one 10-minute call), profiles the e4m3 step and the diagnostic one side by
+# side: how the diagnostics' extra time splits into device and host time.
 GPU_PY ?= $(PY)
+gpu-check gpu-profile: export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 gpu-check:
 	$(GPU_PY) -m pytest tests/test_cuda.py -p no:cacheprovider -n 5 & tests=$$!; \
 	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3 --steps 1 --warmup 1 > /dev/null & e4m3=$$!; \
@@ -63,6 +66,8 @@ gpu-check:
 	wait $$e4m3; wait $$trial; wait $$tests
 	$(GPU_PY) benchmarks/train_step.py --preset gpu --variants e4m3,e4m3+diag --steps 20
 	$(GPU_PY) benchmarks/gpu_sharing.py --preset gpu --steps 20 --warmup 2
+
+gpu-profile:
 	$(GPU_PY) benchmarks/step_profile.py --preset gpu --variants e4m3,e4m3+diag --rows 40
 
 lint: venv
