@@ -55,7 +55,8 @@ bench: venv
 # lease), each a run of one step whose timings are thrown away. The timed runs then load their
 # graphs from that cache, alone on the machine. `make gpu-profile`, a call of its own after it
 # (the two did not fit one 10-minute call), profiles the e4m3 step and the diagnostic one side by
-# side: how the diagnostics' extra time splits into device and host time.
+# side: how the diagnostics' extra time splits into device and host time, and which functions
+# launch the kernels a step still launches one by one (`--callers`).
 GPU_PY ?= $(PY)
 gpu-check gpu-profile: export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 gpu-check:
@@ -68,7 +69,7 @@ gpu-check:
 	$(GPU_PY) benchmarks/gpu_sharing.py --preset gpu --steps 20 --warmup 2
 
 gpu-profile:
-	$(GPU_PY) benchmarks/step_profile.py --preset gpu --variants e4m3,e4m3+diag --rows 40
+	$(GPU_PY) benchmarks/step_profile.py --preset gpu --variants e4m3,e4m3+diag --rows 40 --callers 25
 
 lint: venv
 	$(PY) -m ruff check altgrad sweeps tests benchmarks

@@ -3,6 +3,10 @@
 Builds the variants of `train_step.py`, warms them up, then profiles one step of each with
 torch.profiler and prints launches, CPU and device time and the ops that cost most. On CUDA it
 also lists every host sync with the Python lines that caused it (SPEC §5 allows one per step).
+`--callers N` profiles one more step with Python's stack and lists the N altgrad functions whose
+native calls (ATen ops, compiled graphs, kernel launches) took most host time, with the kernel and
+CUDA graph launches beneath them: on a GPU, which code launches the kernels a step still launches
+one by one.
 
 `--phases N` times N steps of each variant instead, interleaved as in `train_step.py`, and prints
 the median wall time of each phase of `Trainer.train_step` side by side: the compiled forward and
@@ -16,7 +20,7 @@ diagnostics replay CUDA graphs (`train.cuda_graphs`), `after_backward` and `afte
 replays, and the calls inside them run only in the steps that record.
 
     python benchmarks/step_profile.py [--preset cpu|gpu|host] [--variants bf16,e4m3,e4m3+diag] [--rows 15]
-                                      [--phases N] [--set KEY=VALUE] [--smoke]
+                                      [--callers N] [--phases N] [--set KEY=VALUE] [--smoke]
 
 `--preset host` is `train_step.py`'s host-bound proxy (the same bundle of overrides); `--smoke`
 warms up for one step instead of four (and with `--phases`, times 3 steps whatever N says).
@@ -26,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import statistics
 import tempfile
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +190,67 @@ def time_phases(variants: list[str], common: list[str], steps: int, warmup: int)
 
 
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+PYTHON_FRAME = re.compile(r"^(?P<path>.+)\((?P<line>\d+)\): (?P<name>.+)$")  # a with_stack Python event's name
+
+
+@dataclass
+class CallerRow:
+    """What one Python call site started in a profiled step: native calls (ATen ops, compiled
+    graphs, launches made straight from Python), their host time, and the kernel and CUDA graph
+    launches beneath them."""
+
+    calls: int = 0
+    host_us: float = 0.0
+    kernels: int = 0
+    graphs: int = 0
+
+
+def altgrad_frames(event: Any) -> list[str]:
+    """The altgrad functions above a profiled event, innermost first, each as `function (file:line)`
+    with the line the function starts at: the profiler records a Python call, not the line it
+    made its calls from."""
+    frames = []
+    parent = event.cpu_parent
+    while parent is not None:
+        match = PYTHON_FRAME.match(parent.name) if getattr(parent, "is_python_function", False) else None
+        if match and "altgrad/" in match["path"]:
+            frames.append(f"{match['name']} ({Path(match['path']).name}:{match['line']})")
+        parent = parent.cpu_parent
+    return frames
+
+
+def launches_beneath(event: Any, names: tuple[str, ...]) -> int:
+    return (event.name in names) + sum(launches_beneath(child, names) for child in event.cpu_children)
+
+
+def op_callers(events: Iterable[Any], depth: int = 2) -> dict[str, CallerRow]:
+    """The native work of a step profiled `with_stack=True`, by the altgrad functions that started
+    it (the `depth` innermost, as `inner < outer`; none on autograd's backward thread, CUDA's). Counted at the top of each native call tree (an
+    event that is not a Python function, under one that is or under none), so an op inside
+    another, or a kernel launch inside an op, is not counted twice. Where the host's time goes on a
+    GPU, whose eager launches are its cost."""
+    rows: dict[str, CallerRow] = collections.defaultdict(CallerRow)
+    for event in events:
+        parent = event.cpu_parent
+        if getattr(event, "is_python_function", False) or (
+                parent is not None and not getattr(parent, "is_python_function", False)):
+            continue
+        row = rows[" < ".join(altgrad_frames(event)[:depth]) or "(no altgrad frame)"]
+        row.calls += 1
+        row.host_us += event.cpu_time_total
+        row.kernels += launches_beneath(event, KERNEL_LAUNCHES)
+        row.graphs += launches_beneath(event, ("cudaGraphLaunch",))
+    return dict(rows)
+
+
+def caller_table(rows: dict[str, CallerRow], limit: int, cuda: bool) -> str:
+    """The `limit` callers with the most host time, one line each."""
+    head = f"{'calls':>6} {'host ms':>8}" + (f" {'kernels':>7} {'graphs':>6}" if cuda else "") + "  called from"
+    lines = [head]
+    for site, row in sorted(rows.items(), key=lambda item: -item[1].host_us)[:limit]:
+        counts = f" {row.kernels:7d} {row.graphs:6d}" if cuda else ""
+        lines.append(f"{row.calls:6d} {row.host_us / 1e3:8.3f}{counts}  {site}")
+    return "\n".join(lines)
 
 
 def profile_summary(ops: Iterable[FunctionEventAvg], cuda: bool) -> str:
@@ -208,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     add_variants_argument(ap, "bf16,e4m3,e4m3+diag")
     ap.add_argument("--rows", type=int, default=15, help="ops listed per variant")
     ap.add_argument("--phases", type=int, metavar="N", help="time N steps per variant, phase by phase, instead")
+    ap.add_argument("--callers", type=int, default=0, metavar="N",
+                    help="then profile one more step with Python's stack and list the N altgrad "
+                         "functions whose native work took most host time")
     ap.add_argument("--smoke", action="store_true", help="one warm-up step, to check the script runs")
     args = ap.parse_args(argv)
     variants, common = chosen_variants(ap, args.variants), preset_overrides(ap, args)
@@ -239,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
             print(profile_summary(ops, cuda))
             sort = "self_device_time_total" if cuda else "self_cpu_time_total"
             print(ops.table(sort_by=sort, row_limit=args.rows))
+            if args.callers:  # a step of its own: recording Python's stack slows the host
+                with profile(activities=activities, with_stack=True) as traced:
+                    trainer.train_step(8)
+                    if cuda:
+                        torch.cuda.synchronize()
+                print(caller_table(op_callers(traced.events()), args.callers, cuda))
 
 
 if __name__ == "__main__":

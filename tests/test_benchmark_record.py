@@ -164,7 +164,8 @@ def test_a_repeated_target_is_the_median_process_and_says_where_it_held():
 @pytest.mark.usefixtures("eager_kernels")
 def test_step_profile_profiles_the_host_proxy(monkeypatch, capsys):
     """`step_profile.py --preset host` profiles train_step's host-bound proxy, with --set on top
-    (it was a ConfigError traceback: 'host' is a bundle, not a RunConfig preset)."""
+    (it was a ConfigError traceback: 'host' is a bundle, not a RunConfig preset), and with
+    --callers lists the functions that made each variant's native calls."""
     bench = load("step_profile")
     built = []
 
@@ -173,14 +174,43 @@ def test_step_profile_profiles_the_host_proxy(monkeypatch, capsys):
         return trainer
 
     monkeypatch.setattr(bench, "build", build)
-    bench.main(["--preset", "host", "--set", "optim.lr=0.01", "--variants", "bf16,e4m3", "--smoke", "--rows", "3"])
+    bench.main(["--preset", "host", "--set", "optim.lr=0.01", "--variants", "bf16,e4m3", "--smoke", "--rows", "3",
+                "--callers", "50"])
     out = capsys.readouterr().out
     assert [line for line in out.splitlines() if line.startswith("== ")] == ["== bf16", "== e4m3"]
     assert len(re.findall(r"^CPU [\d.]+ ms$", out, flags=re.M)) == 2
+    bf16, e4m3 = (part.split("called from\n")[1] for part in out.split("== ")[1:])
+    assert "(trainer.py:" in bf16 and "(trainer.py:" in e4m3  # --callers: the step's native work, by function
+    assert "round_nearest (kernels.py:" in e4m3 and "round_nearest (" not in bf16  # the quantizers, where they run
     for trainer, fmt in zip(built, ("bf16", "e4m3"), strict=True):
         cfg = trainer.cfg
         assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size, cfg.train.batch_size) == (6, 16, 8, 1)
         assert cfg.train.compile and cfg.optim.lr == 0.01 and cfg.quant.format == fmt
+
+
+def test_op_callers_counts_each_native_call_once_under_the_altgrad_function_that_made_it(eager_kernels):
+    """Two ops called from here (no altgrad frame), and a quantize, whose ATen ops nest (an op
+    inside another counts once) under altgrad's functions."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from altgrad.quant import FORMATS, quantize
+
+    bench = load("step_profile")
+    x = torch.randn(64)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        y = x * 2
+        torch.zeros(3)
+        quantize(y, FORMATS["e4m3"])
+    rows = bench.op_callers(prof.events())
+    assert rows["(no altgrad frame)"].calls == 2
+    quantizer = {site: row for site, row in rows.items() if site != "(no altgrad frame)"}
+    assert quantizer and all(".py:" in site and "(" in site for site in quantizer)
+    assert any(site.startswith("quantize (") or "< quantize (" in site for site in quantizer)
+    top_level = [e for e in prof.events() if e.name.startswith("aten::") and not e.cpu_parent.name.startswith("aten::")]
+    assert sum(row.calls for row in rows.values()) == len(top_level)
+    assert all(row.kernels == row.graphs == 0 and row.host_us > 0 for row in rows.values())
+    table = bench.caller_table(rows, 1, cuda=False).splitlines()
+    assert len(table) == 2 and table[1].split()[0] == str(max(rows.values(), key=lambda r: r.host_us).calls)
 
 
 @pytest.mark.usefixtures("eager_kernels")
