@@ -50,14 +50,24 @@ QUANTIZER_OPS = ("aten::copysign", "aten::aminmax")
 
 
 def profiled_step(trainer: Trainer, step: int) -> list:
-    """The profiler's events of one training step of `trainer`."""
-    with profile() as prof:
+    """The profiler's events of one training step of `trainer`, with their inputs' shapes."""
+    with profile(record_shapes=True) as prof:
         trainer.train_step(step)
     return prof.events()
 
 
 def aten_ops(events: list) -> set[str]:
     return {event.name for event in events}
+
+
+def logits_sized_fills(events: list, trainer: Trainer) -> int:
+    """Fills of a tensor the logits' shape (batch x block x vocab): what AOTAutograd makes as the
+    gradient of a step graph output that no loss reaches (the cross-entropy's own gradient is
+    the flattened (batch * block) x vocab)."""
+    cfg = trainer.cfg
+    logits = [cfg.train.batch_size, cfg.model.block_size, trainer.model.config.vocab_size]
+    return sum(event.name in ("aten::fill_", "aten::zero_") and event.input_shapes[:1] == [logits]
+               for event in events)
 
 
 def graph_ops(events: list) -> set[str]:
@@ -91,6 +101,7 @@ def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypa
     assert step_graphs == 1  # training with diagnostics (evaluation runs the eager model)
     events = profiled_step(compiled, 11)
     assert not set(QUANTIZER_OPS) & aten_ops(events)
+    assert logits_sized_fills(events, compiled) == 0  # the graph returns the loss alone
     assert set(host_reads(events)) <= CPU_ONLY_READS  # (SPEC §5: see tests/host_reads.py)
     lrs = {compiled.train_step(step).metrics["train/lr"] for step in range(12, 32)}
     assert len(lrs) == 20

@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,14 @@ def build_model(cfg: RunConfig) -> GPT:
     return model
 
 
+def batch_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The model's loss on a batch, and nothing else: the training forward. Compiled as the step
+    graph, every output that needs a gradient gets one in the backward: had the graph returned the
+    logits too, which no loss reaches, AOTAutograd would hand the backward a zero gradient the
+    logits' size every step (a fill and an add over batch x block x vocab, and their memory)."""
+    return model(x, y)[1]
+
+
 def with_threads(cfg: RunConfig) -> RunConfig:
     """Compute with the run's `train.threads` (the process's count where it names none) and return
     the config that records it, for config.yaml. The count is the process's from then on: a run
@@ -166,7 +175,8 @@ class Trainer:
 
         torch.manual_seed(t.seed)
         self.model = build_model(cfg).to(self.device)
-        self.forward = StepGraph(self.model, t.cuda_graphs) if t.compile else self.model  # (x, y) -> (logits, loss)
+        loss_of = partial(batch_loss, self.model)  # (x, y) -> loss
+        self.forward = StepGraph(loss_of, t.cuda_graphs) if t.compile else loss_of
         self.optimizer = build_optimizer(cfg.optim.name, self.model, cfg.optim)
         self.params = list(self.model.parameters())  # walked every step: listed once
         if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
@@ -255,7 +265,7 @@ class Trainer:
         if diag:
             self.diagnostics.begin()
         with self._autocast():
-            _, loss = self.forward(x, y)
+            loss = self.forward(x, y)
         loss.backward()
         m: Metrics = {}
         if diag:
@@ -331,7 +341,7 @@ class Trainer:
         compiling a graph of its own (bit-identical either way)."""
         self.model.eval()
         with self._autocast():
-            losses = [self.model(x, y)[1] for x, y in self.val_batches]
+            losses = [batch_loss(self.model, x, y) for x, y in self.val_batches]
         self.model.train()
         return torch.stack(losses).mean()
 
