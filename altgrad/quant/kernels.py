@@ -447,10 +447,10 @@ GRAPHS_PER_STEP = 64
 
 
 class StepGraph(Compiled):
-    """`fn` (a model's forward) compiled whole: dynamo traces it into one graph, AOTAutograd derives
-    the backward graph, and inductor compiles both with `step_graph_options`: the kernels' ops
-    lowered into fused loops, every other op the eager ATen kernel, all called from one wrapper
-    per graph (C++ on the CPU, Python on CUDA). The result is bit-identical to eager -- inductor
+    """`fn` (the trainer's forward: a model's loss on a batch) compiled whole: dynamo traces it
+    into one graph, AOTAutograd derives the backward graph, and inductor compiles both with
+    `step_graph_options`: the kernels' ops lowered into fused loops, every other op the eager
+    ATen kernel, all called from one wrapper per graph (C++ on the CPU, Python on CUDA). The result is bit-identical to eager -- inductor
     lowering the whole graph would re-associate the model's reductions and the quantizers'
     backward arithmetic -- while a step makes one compiled call instead of one per quantized
     tensor. Where the C++ wrapper fails to build, the graph gets the Python one; where inductor
