@@ -16,9 +16,11 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal (so -0 != +0), except that any NaN matches any NaN."""
     if a.dtype != b.dtype:
         a, b = a.double(), b.double()
-    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(a.dtype, torch.int16)
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(
+    if not a.is_floating_point():  # (integers, bools, generator states: no NaN, no -0)
+        return torch.equal(a, b)
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[a.element_size()]
+    nan = a.float().isnan()  # (float8 has no isnan of its own)
+    return torch.equal(nan, b.float().isnan()) and torch.equal(
         a.view(bits).masked_fill(nan, 0), b.view(bits).masked_fill(nan, 0))
 
 
