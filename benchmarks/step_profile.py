@@ -195,9 +195,9 @@ PYTHON_FRAME = re.compile(r"^(?P<path>.+)\((?P<line>\d+)\): (?P<name>.+)$")  # a
 
 @dataclass
 class CallerRow:
-    """What one Python call site started in a profiled step: native calls (ATen ops, compiled
-    graphs, launches made straight from Python), their host time, and the kernel and CUDA graph
-    launches beneath them."""
+    """What one chain of altgrad functions started in a profiled step: native calls (ATen ops,
+    compiled graphs, launches made straight from Python), their host time, and the kernel and CUDA
+    graph launches beneath them."""
 
     calls: int = 0
     host_us: float = 0.0
@@ -225,10 +225,10 @@ def launches_beneath(event: Any, names: tuple[str, ...]) -> int:
 
 def op_callers(events: Iterable[Any], depth: int = 2) -> dict[str, CallerRow]:
     """The native work of a step profiled `with_stack=True`, by the altgrad functions that started
-    it (the `depth` innermost, as `inner < outer`; none on autograd's backward thread, CUDA's). Counted at the top of each native call tree (an
-    event that is not a Python function, under one that is or under none), so an op inside
-    another, or a kernel launch inside an op, is not counted twice. Where the host's time goes on a
-    GPU, whose eager launches are its cost."""
+    it (the `depth` innermost, as `inner < outer`; none on autograd's backward thread, CUDA's).
+    Counted at the top of each native call tree (an event that is not a Python function, under one
+    that is or under none), so an op inside another, or a kernel launch inside an op, is not
+    counted twice. Where the host's time goes on a GPU, whose eager launches are its cost."""
     rows: dict[str, CallerRow] = collections.defaultdict(CallerRow)
     for event in events:
         parent = event.cpu_parent
