@@ -411,8 +411,9 @@ class Kernel(Compiled):
 
     Compiled with dynamic shapes, so that the many sizes a quantizer meets share a graph. With
     `static_shapes`, for a kernel that meets one set of shapes per run (the manifold update, the
-    diagnostics' kernels over a run's layers): then each call's guards are the C++ checks of its tensors, where symbolic
-    sizes add a guard function in Python, and the loops' bounds are constants (docs/design.md)."""
+    diagnostics' kernels over a run's layers): then each call's guards are the C++ checks of its
+    tensors, where symbolic sizes add a guard function in Python, and the loops' bounds are
+    constants (docs/design.md)."""
 
     def __init__(self, fn: Callable[..., Any], static_shapes: bool = False):
         super().__init__(fn)
@@ -450,10 +451,10 @@ class StepGraph(Compiled):
     """`fn` (the trainer's forward: a model's loss on a batch) compiled whole: dynamo traces it
     into one graph, AOTAutograd derives the backward graph, and inductor compiles both with
     `step_graph_options`: the kernels' ops lowered into fused loops, every other op the eager
-    ATen kernel, all called from one wrapper per graph (C++ on the CPU, Python on CUDA). The result is bit-identical to eager -- inductor
-    lowering the whole graph would re-associate the model's reductions and the quantizers'
-    backward arithmetic -- while a step makes one compiled call instead of one per quantized
-    tensor. Where the C++ wrapper fails to build, the graph gets the Python one; where inductor
+    ATen kernel, all called from one wrapper per graph (C++ on the CPU, Python on CUDA). The
+    result is bit-identical to eager -- inductor lowering the whole graph would re-associate the
+    model's reductions and the quantizers' backward arithmetic -- while a step makes one compiled
+    call instead of one per quantized tensor. Where the C++ wrapper fails to build, the graph gets the Python one; where inductor
     fails altogether, or a new graph fails in its first run (rolled back first), the step
     runs eager (`compile_status` says why).
 
