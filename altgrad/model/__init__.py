@@ -1,3 +1,3 @@
-from altgrad.model.gpt import GPT, GPTConfig
+from altgrad.model.gpt import GPT, GPTConfig, batch_loss
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "batch_loss"]

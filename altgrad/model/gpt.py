@@ -133,3 +133,11 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
+
+
+def batch_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The model's loss on a batch, and nothing else: the training forward. Compiled as the step
+    graph, every output that needs a gradient gets one in the backward: had the graph returned the
+    logits too, which no loss reaches, AOTAutograd would hand the backward a zero gradient the
+    logits' size every step (a fill and an add over batch x block x vocab, and their memory)."""
+    return model(x, y)[1]

@@ -47,7 +47,7 @@ from altgrad.metrics import (
     is_logged_step,
     is_shadow_step,
 )
-from altgrad.model import GPT, GPTConfig
+from altgrad.model import GPT, GPTConfig, batch_loss
 from altgrad.optim import build_optimizer
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, quantized_layers
 from altgrad.quant.formats import get_format
@@ -139,14 +139,6 @@ def build_model(cfg: RunConfig) -> GPT:
         policy = LayerPolicy.build(precision, q.format, template)
         convert_to_quantized(model, policy)
     return model
-
-
-def batch_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The model's loss on a batch, and nothing else: the training forward. Compiled as the step
-    graph, every output that needs a gradient gets one in the backward: had the graph returned the
-    logits too, which no loss reaches, AOTAutograd would hand the backward a zero gradient the
-    logits' size every step (a fill and an add over batch x block x vocab, and their memory)."""
-    return model(x, y)[1]
 
 
 def with_threads(cfg: RunConfig) -> RunConfig:
