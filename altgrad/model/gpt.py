@@ -136,8 +136,9 @@ class GPT(nn.Module):
 
 
 def batch_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The model's loss on a batch, and nothing else: the training forward. Compiled as the step
-    graph, every output that needs a gradient gets one in the backward: had the graph returned the
-    logits too, which no loss reaches, AOTAutograd would hand the backward a zero gradient the
-    logits' size every step (a fill and an add over batch x block x vocab, and their memory)."""
+    """The model's loss on a batch, and nothing else: what the trainer steps (compiled as the step
+    graph, or eager), evaluates and runs the FP32 shadow on. In the step graph every output that
+    needs a gradient gets one in the backward: had the graph returned the logits too, which no
+    loss reaches, AOTAutograd would hand the backward a zero gradient the logits' size every step
+    (a fill and an add over batch x block x vocab, and their memory)."""
     return model(x, y)[1]

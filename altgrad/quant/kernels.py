@@ -448,15 +448,15 @@ GRAPHS_PER_STEP = 64
 
 
 class StepGraph(Compiled):
-    """`fn` (the trainer's forward: a model's loss on a batch) compiled whole: dynamo traces it
-    into one graph, AOTAutograd derives the backward graph, and inductor compiles both with
-    `step_graph_options`: the kernels' ops lowered into fused loops, every other op the eager
-    ATen kernel, all called from one wrapper per graph (C++ on the CPU, Python on CUDA). The
-    result is bit-identical to eager -- inductor lowering the whole graph would re-associate the
-    model's reductions and the quantizers' backward arithmetic -- while a step makes one compiled
-    call instead of one per quantized tensor. Where the C++ wrapper fails to build, the graph gets the Python one; where inductor
-    fails altogether, or a new graph fails in its first run (rolled back first), the step
-    runs eager (`compile_status` says why).
+    """`fn` (the trainer's forward: a model's loss on a batch) compiled whole: dynamo traces it into
+    one graph, AOTAutograd derives the backward graph, and inductor compiles both with
+    `step_graph_options`: the kernels' ops lowered into fused loops, every other op the eager ATen
+    kernel, all called from one wrapper per graph (C++ on the CPU, Python on CUDA). The result is
+    bit-identical to eager -- inductor lowering the whole graph would re-associate the model's
+    reductions and the quantizers' backward arithmetic -- while a step makes one compiled call
+    instead of one per quantized tensor. Where the C++ wrapper fails to build, the graph gets the
+    Python one; where inductor fails altogether, or a new graph fails in its first run (rolled back
+    first), the step runs eager (`compile_status` says why).
 
     With `cuda_graphs`, on CUDA, inductor records the forward and the backward graph as CUDA
     graphs (its cudagraph trees: a graph's first call warms up, the second records) and replays
