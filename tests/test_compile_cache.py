@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,18 +43,33 @@ print(json.dumps({"held": held, "published": published, "again": cache.publish()
                   "misses": counters["inductor"]["fxgraph_cache_miss"],
                   "aot_hits": aot["autograd_cache_hit"], "aot_misses": aot["autograd_cache_miss"],
                   "aot_bypasses": aot["autograd_cache_bypass"],
-                  "grad": None if x.grad is None else x.grad.tolist()}))
+                  "grad": None if x.grad is None else x.grad.tolist(), "altgrad": q.__file__}))
 """
 
 
-def trial(uri: str, node: Path, step: str = "kernel") -> dict:
-    """The trial in a fresh process on `node` (its temp dir; no inductor cache of its own)."""
+def trial(uri: str, node: Path, step: str = "kernel", altgrad: Path | None = None) -> dict:
+    """The trial in a fresh process on `node` (its temp dir; no inductor cache of its own), with
+    the `altgrad` package found in that directory if given."""
     node.mkdir(parents=True, exist_ok=True)
     env = {**{k: v for k, v in os.environ.items() if k not in ("ALTGRAD_NO_COMPILE", "TORCHINDUCTOR_CACHE_DIR")},
            "TMPDIR": str(node)}
-    out = subprocess.run([sys.executable, "-c", TRIAL, uri, step], env=env, check=True,
+    if altgrad is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(altgrad), *filter(None, [os.environ.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, "-c", TRIAL, uri, step], env=env, cwd=node, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def changed_lowering(directory: Path) -> Path:
+    """A copy of the altgrad package in `directory` whose step graph lowers nothing of what computes
+    nothing (`kernels.computes_nothing`): those ops fall back to ATen, values unchanged."""
+    import altgrad
+
+    shutil.copytree(Path(altgrad.__file__).parent, directory / "altgrad",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    kernels = directory / "altgrad" / "quant" / "kernels.py"
+    kernels.write_text(kernels.read_text() + "\n\ndef computes_nothing(node):  # (the test's change)\n    return False\n")
+    return directory
 
 
 def test_local_storage_a_later_trial_compiles_nothing_again_step_graph_included(tmp_path):
@@ -75,6 +91,14 @@ def test_local_storage_a_later_trial_compiles_nothing_again_step_graph_included(
     doubled = trial(cache.as_uri(), tmp_path / "node", step="doubled")
     assert doubled["aot_misses"] == 1 and doubled["aot_hits"] == 1  # the step graph; the kernel hit
     assert doubled["grad"] == [2 * g for g in first["grad"]] and any(first["grad"])
+    # Another altgrad whose step graph lowers another set of ops: the graphs trace alike, and the
+    # marks that decide the lowering are metadata neither cache's key reads, so a cache filled by
+    # this altgrad would serve the changed one this one's graphs (docs/design.md).
+    changed = changed_lowering(tmp_path / "changed")
+    relowered = trial(cache.as_uri(), tmp_path / "node", step="ste", altgrad=changed)
+    assert Path(relowered["altgrad"]).is_relative_to(changed)
+    assert relowered["aot_misses"] == 1 and relowered["aot_hits"] == 1  # the step graph; the kernel hit
+    assert relowered["grad"] == first["grad"]  # lowering changes no value
     # the comparison can fail: the same trial with an empty cache compiles
     assert trial((tmp_path / "other" / "compile_cache").as_uri(), tmp_path / "node")["misses"] > 0
 

@@ -30,12 +30,14 @@ ALTGRAD_NO_COMPILE=1 forces eager.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
 from functools import cache, wraps
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -401,6 +403,16 @@ def lower_what_computes_nothing(gm: torch.fx.GraphModule, example_inputs: Sequen
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
+@cache
+def lowering_key() -> str:
+    """A digest of this module, part of a step graph's keys in inductor's and AOTAutograd's caches
+    (`cache_key_tag`). Both key a graph on what it traces and on inductor's options, not on what
+    this module decides beside them -- the marks (node metadata: a graph traced with and without
+    them is one key) and `lower_what_computes_nothing`, which runs after AOTAutograd's key is
+    taken -- so a cache filled by another version of it would serve that version's lowering."""
+    return "altgrad.quant.kernels:" + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
 class Kernel(Compiled):
     """A kernel function, compiled on first use; eager when compiling is off or has failed.
 
@@ -542,14 +554,15 @@ class StepGraph(Compiled):
             #
             # The backward graph is compiled now, not at the first backward (AOTAutograd's
             # default): a failure then surfaces here, where it can be handled, and not out of
-            # `loss.backward()`.
+            # `loss.backward()` -- and both graphs are looked up under this module's key.
             device_type = graph_device_type(example_inputs)
             # Compiled before it first runs: the state it will start from, unless a graph of this
             # call ran already (a graph break), which made the state no longer the call's own.
             self._rollback = None if self._ran else rollback_point(example_inputs, device_type)
             options = step_graph_options(device_type, self.cuda_graphs)
-            with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
-                                               force_non_lazy_backward_lowering=True):
+            with (torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
+                                                force_non_lazy_backward_lowering=True),
+                  torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + lowering_key())):
                 try:
                     return self._entered(compile_fx(gm, example_inputs, lower_what_computes_nothing, options))
                 except Exception as err:
