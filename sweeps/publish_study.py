@@ -40,6 +40,8 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
     report = write_report(records, exp_dir / REPORT_DIR, title=f"AltGrad report: {exp_dir.name}")
     f = compute_findings(records)
     (readme_dir / IMAGES).mkdir(parents=True, exist_ok=True)
+    for stale in (readme_dir / IMAGES).glob("heatmap_*.png"):  # an earlier study's, whose facets may differ
+        stale.unlink()
     images = []
     for png in sorted(report.parent.glob("heatmap_*.png")):
         shutil.copyfile(png, readme_dir / IMAGES / png.name)

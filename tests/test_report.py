@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -630,6 +631,11 @@ def test_the_published_study_names_the_code_its_trials_ran(tmp_path):
             worker = {"started": 1000.0 + i, **({"commit": commit} if commit else {})}
             (exp / TRIALS_DIR / r.trial_id / WORKER_FILE).write_text(json.dumps(worker))
         readme.write_text("# x\n<!-- study:begin -->\nSTALE SECTION\n<!-- study:end -->\nafter\n")
+        stale = tmp_path / publish.IMAGES / "heatmap_adamw_grad_format-e4m3.png"  # an earlier study's facet
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_bytes(b"png")
         assert publish.main([str(exp), "--readme", str(readme)]) == 0
         text = readme.read_text()
         assert f"; {said}: 18 trials, seeds 0, 1, 2;" in text and "STALE" not in text and text.endswith("after\n")
+        shown = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
+        assert shown and sorted(p.name for p in (tmp_path / publish.IMAGES).iterdir()) == sorted(Path(s).name for s in shown)
