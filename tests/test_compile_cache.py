@@ -92,8 +92,8 @@ def test_local_storage_a_later_trial_compiles_nothing_again_step_graph_included(
     assert doubled["aot_misses"] == 1 and doubled["aot_hits"] == 1  # the step graph; the kernel hit
     assert doubled["grad"] == [2 * g for g in first["grad"]] and any(first["grad"])
     # Another altgrad whose step graph lowers another set of ops: the graphs trace alike, and the
-    # marks that decide the lowering are metadata neither cache's key reads, so a cache filled by
-    # this altgrad would serve the changed one this one's graphs (docs/design.md).
+    # marks that decide the lowering are metadata neither cache's key reads, so without
+    # `kernels.lowering_key` the changed altgrad was served this one's graphs (docs/design.md).
     changed = changed_lowering(tmp_path / "changed")
     relowered = trial(cache.as_uri(), tmp_path / "node", step="ste", altgrad=changed)
     assert Path(relowered["altgrad"]).is_relative_to(changed)

@@ -560,9 +560,10 @@ class StepGraph(Compiled):
             # call ran already (a graph break), which made the state no longer the call's own.
             self._rollback = None if self._ran else rollback_point(example_inputs, device_type)
             options = step_graph_options(device_type, self.cuda_graphs)
+            key_tag = torch.compiler.config.cache_key_tag + lowering_key()  # (a user's own tag kept)
             with (torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
                                                 force_non_lazy_backward_lowering=True),
-                  torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + lowering_key())):
+                  torch.compiler.config.patch(cache_key_tag=key_tag)):
                 try:
                     return self._entered(compile_fx(gm, example_inputs, lower_what_computes_nothing, options))
                 except Exception as err:
