@@ -191,6 +191,15 @@ def time_phases(variants: list[str], common: list[str], steps: int, warmup: int)
 
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
 PYTHON_FRAME = re.compile(r"^(?P<path>.+)\((?P<line>\d+)\): (?P<name>.+)$")  # a with_stack Python event's name
+PYTHON_CALL = re.compile(rf"{PYTHON_FRAME.pattern}|^<built-in .+>$|^nn\.Module: .+$")  # the tracer's other events
+
+
+def is_python_call(event: Any) -> bool:
+    """Whether a profiled event is one of the Python tracer's calls rather than native work.
+    torch 2.11 (the GPU machines' image) has no `FunctionEvent.is_python_function`; there the
+    tracer's events are known by the names it gives them: a function, a builtin, a module."""
+    flag = getattr(event, "is_python_function", None)
+    return bool(PYTHON_CALL.match(event.name)) if flag is None else flag
 
 
 @dataclass
@@ -212,7 +221,7 @@ def altgrad_frames(event: Any) -> list[str]:
     frames = []
     parent = event.cpu_parent
     while parent is not None:
-        match = PYTHON_FRAME.match(parent.name) if getattr(parent, "is_python_function", False) else None
+        match = PYTHON_FRAME.match(parent.name) if is_python_call(parent) else None
         if match and "altgrad/" in match["path"]:
             frames.append(f"{match['name']} ({Path(match['path']).name}:{match['line']})")
         parent = parent.cpu_parent
@@ -232,8 +241,7 @@ def op_callers(events: Iterable[Any], depth: int = 2) -> dict[str, CallerRow]:
     rows: dict[str, CallerRow] = collections.defaultdict(CallerRow)
     for event in events:
         parent = event.cpu_parent
-        if getattr(event, "is_python_function", False) or (
-                parent is not None and not getattr(parent, "is_python_function", False)):
+        if is_python_call(event) or (parent is not None and not is_python_call(parent)):
             continue
         row = rows[" < ".join(altgrad_frames(event)[:depth]) or "(no altgrad frame)"]
         row.calls += 1

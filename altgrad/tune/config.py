@@ -342,17 +342,17 @@ class EstimateSettings(StrictModel):
     # with four trials sharing it and CUDA graphs on (docs/design.md, "Budgets at the cpu preset"
     # and "GPU runs"). A new measurement replaces them here, for every sweep config at once.
     step_time_s: dict[Literal["cpu", "gpu"], float] = Field(
-        default_factory=lambda: {"cpu": 0.25, "gpu": 0.052},
+        default_factory=lambda: {"cpu": 0.25, "gpu": 0.050},
         description="stored seconds per step of one trial, per preset, used when the preset cannot be "
                     "measured here (gpu on a cpu machine) or measure_steps is 0")
     startup_s: PerUnitSeconds = Field(
-        default_factory=lambda: {"cpu": {KERNEL_SET: 6.0, STEP_GRAPH: 14.5}, "gpu": {STEP_GRAPH: 52.0}},
+        default_factory=lambda: {"cpu": {KERNEL_SET: 6.0, STEP_GRAPH: 14.5}, "gpu": {STEP_GRAPH: 49.0}},
         description="stored seconds, per preset and what its trials compile (step_graph: train.compile "
         "on; kernel_set: off), from a trial's start to its first step when that is in the "
         "experiment's compile cache (building the model, loading its compiled code). Used with "
         "step_time_s; a kind with none stored is not counted")
     compile_s: PerUnitSeconds = Field(
-        default_factory=lambda: {"cpu": {KERNEL_SET: 18.0, STEP_GRAPH: 32.0}, "gpu": {STEP_GRAPH: 169.0}},
+        default_factory=lambda: {"cpu": {KERNEL_SET: 18.0, STEP_GRAPH: 32.0}, "gpu": {STEP_GRAPH: 178.0}},
         description="stored seconds, per preset and kind of compiled unit (a step graph, or a set of "
         "per-tensor kernels, which compiles faster), that compiling one takes beyond startup_s, "
         "counted once per distinct one in the grid (estimate.compile_keys): a later trial with the "
