@@ -64,6 +64,7 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
           for s in f.sweet_spots],
         *[f"- {d.what} on {d.b.name} / {d.b.precision}: {d.diff.text()}, {d.verdict}"
           + (f" ({d.family_wise.text})" if d.family_wise else "") for d in f.axis_effects],
+        *[f"- Gradients against the FP32 shadow, {line}" for line in f.fidelity_summary()],
         *[f"- Many comparisons at once: {m}" for m in f.multiplicity()],
         f"- {spread(f)}",
         "",

@@ -46,10 +46,12 @@ def trial(
     status: str = "TERMINATED",
     steps: int = STEPS,
     summary: dict | None = None,
+    cos: float | None = 0.99,
     **signals: float,
 ) -> TrialRecord:
     """A trial whose val loss is `scale` × a fixed curve; from `nan_from` on the loss is NaN and
-    the forward overflow rate ramps up before it. `signals` are extra constant metrics."""
+    the forward overflow rate ramps up before it. At each evaluation the FP32 shadow's gradient
+    cosine is `cos` - step / 1e4 (None: no shadow). `signals` are extra constant metrics."""
     history, best = [], math.inf
     for step in range(1, steps + 1):
         broken = nan_from is not None and step >= nan_from
@@ -65,9 +67,8 @@ def trial(
         if step % EVAL == 0 or step == 1:
             val = math.inf if broken else curve(step, scale)
             best = min(best, val)
-            history.append(
-                {**row, "val/loss": val, "val/step": step, "shadow/cos_mean": 0.99 - step / 1e4}
-            )
+            shadow = {} if cos is None else {"shadow/cos_mean": cos - step / 1e4}
+            history.append({**row, "val/loss": val, "val/step": step, **shadow})
         else:
             history.append(
                 {**row, "val/loss": history[-1]["val/loss"], "val/step": history[-1]["val/step"]}
@@ -177,7 +178,9 @@ def test_a_marginal_call_among_many_comparisons_does_not_hold_family_wise(tmp_pa
         fw = cells[fmt].family_wise
         assert cells[fmt].vs_bf16 == "indistinguishable" and not fw.called and not fw.holds and fw.adjusted >= fw.p
     assert f.multiplicity() == ["× bf16: 7 comparisons with an interval, 2 called at 95 % each where chance alone "
-                                "would call 0.35; 1 holds family-wise (Holm)"]
+                                "would call 0.35; 1 holds family-wise (Holm)",
+                                "gradient cosine − bf16: 7 comparisons with an interval, 0 called at 95 % each "
+                                "where chance alone would call 0.35; 0 hold family-wise (Holm)"]  # the same cosines
     # alone with bf16 the same cell is its own family, and its call holds
     alone = compute_findings([r for r in family_study() if r.format in ("bf16", "e4m3")]).cells["e4m3", "adamw", "all", ()]
     assert alone.family_wise.family == 1 and alone.family_wise.adjusted == pytest.approx(p, rel=1e-6)
@@ -278,6 +281,74 @@ def test_failure_site(record, where, evidence):
     assert evidence in failure.evidence
     if record.stop_detail:
         assert failure.evidence.startswith("asha: 23 % behind bf16 at step 20")
+
+
+EVAL_STEPS = [1, *range(EVAL, STEPS + 1, EVAL)]  # where `trial` writes the shadow's cosine
+
+
+def cosine_study() -> list[TrialRecord]:
+    """Three seeds, per seed a loss scale and a gradient cosine: e7m0's gradients far off FP32's
+    while its loss ties with bf16; e6m1's far off and its loss worse; e5m2's seed 2 non-finite."""
+    cells = {"bf16": ([1.0, 1.0, 1.0], [0.999, 0.998, 0.999]),
+             "e3m4": ([1.00, 1.01, 1.00], [0.992, 0.990, 0.988]),
+             "e4m3": ([1.00, 1.01, 0.99], [0.990, 0.985, 0.990]),
+             "e5m2": ([1.01, 1.00, 1.02], [0.970, 0.960, math.nan]),
+             "e6m1": ([1.20, 1.21, 1.22], [0.80, 0.85, 0.75]),
+             "e7m0": ([1.00, 1.02, 0.99], [0.70, 0.75, 0.65])}
+    return [trial(fmt, scale=scale, seed=seed, cos=cos)
+            for fmt, (scales, cosines) in cells.items()
+            for seed, (scale, cos) in enumerate(zip(scales, cosines, strict=True))]
+
+
+def test_gradient_cosine_is_the_mean_over_the_shadow_steps_up_to_a_budget():
+    from altgrad.report.findings import gradient_cosine
+
+    r = trial("e4m3", cos=0.9)
+    assert gradient_cosine(r) == pytest.approx(0.9 - sum(EVAL_STEPS) / len(EVAL_STEPS) / 1e4)
+    assert gradient_cosine(r, 30) == pytest.approx(0.9 - (1 + 10 + 20 + 30) / 4 / 1e4)
+    assert math.isnan(gradient_cosine(trial("e4m3", cos=None)))  # no shadow
+    broken = trial("e4m3", cos=0.9)
+    broken.history[-1]["shadow/cos_mean"] = math.nan  # the last shadow step's gradient non-finite
+    assert math.isnan(gradient_cosine(broken)) and gradient_cosine(broken, STEPS - 1) == gradient_cosine(r, STEPS - 1)
+
+
+def test_gradients_off_fp32_are_said_even_where_the_loss_ties(tmp_path):
+    """Per cell the gradient cosine over seeds and its per-seed difference from bf16's, as a family
+    of its own; the formats closest to FP32 (the sweet spot's overlap rule, highest first), the
+    ones further, and which of those the loss alone would call a tie with bf16."""
+    f = compute_findings(cosine_study())
+    fid = {g.cell.format: g for g in f.fidelity}
+    assert set(fid) == {"e3m4", "e4m3", "e5m2", "e6m1", "e7m0"}
+    drift = sum(EVAL_STEPS) / len(EVAL_STEPS) / 1e4
+    mean, hw = hand_interval([0.70 - drift, 0.75 - drift, 0.65 - drift])
+    assert fid["e7m0"].cosine.mean == pytest.approx(mean) and fid["e7m0"].cosine.half_width == pytest.approx(hw, rel=1e-5)
+    mean, hw = hand_interval([0.70 - 0.999, 0.75 - 0.998, 0.65 - 0.999])
+    assert fid["e7m0"].diff.mean == pytest.approx(mean) and fid["e7m0"].diff.half_width == pytest.approx(hw, rel=1e-5)
+    assert fid["e7m0"].diff.paired and fid["e7m0"].verdict == "lower" and fid["e7m0"].family_wise.holds
+    assert fid["e7m0"].cell.vs_bf16 == "indistinguishable" and fid["e6m1"].cell.vs_bf16 == "worse"
+    # e5m2's non-finite seed is left out: unpaired against bf16's three, and said
+    assert fid["e5m2"].cosine.n == 2 and not fid["e5m2"].diff.paired and "{2} not finite" in fid["e5m2"].diff.note
+    assert {g.family_wise.family for g in f.fidelity} == {5}
+    assert f.multiplicity()[1].startswith("gradient cosine − bf16: 5 comparisons with an interval")
+    summary = f.fidelity_summary()
+    assert len(summary) == 1
+    e3m4 = fid["e3m4"].cosine.text(".3f")
+    assert summary[0] == (f"all / adamw: closest to FP32: e3m4 {e3m4} ≈ e4m3 ≈ e5m2; further: "
+                          f"e6m1 {fid['e6m1'].cosine.text('.3f')}, e7m0 {fid['e7m0'].cosine.text('.3f')}; "
+                          "loss indistinguishable from bf16 for e7m0")
+
+    text = write_report(cosine_study(), tmp_path).read_text()
+    assert f"- **Gradients against the FP32 shadow**, {summary[0]}." in text
+    section = text.split("## Gradients against the FP32 shadow", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith("| e7m0 |"))
+    assert (f"| {fid['e7m0'].cosine.text()} | {fid['e7m0'].baseline.text()} | {fid['e7m0'].diff.text()} | lower | "
+            f"{fid['e7m0'].family_wise.text} | indistinguishable |") in row
+    assert "- gradient cosine, e5m2 / all, adamw: " in text and "**Gradient cosine** of a trial" in text
+    # without the shadow there is nothing to say, and the report says nothing
+    quiet = [replace(r, history=[{k: v for k, v in row.items() if k != "shadow/cos_mean"} for row in r.history])
+             for r in cosine_study()]
+    assert compute_findings(quiet).fidelity == [] and len(compute_findings(quiet).multiplicity()) == 1
+    assert "## Gradients against the FP32 shadow" not in write_report(quiet, tmp_path / "quiet").read_text()
 
 
 def test_manifold_delta_per_format_with_its_interval():
@@ -637,5 +708,6 @@ def test_the_published_study_names_the_code_its_trials_ran(tmp_path):
         assert publish.main([str(exp), "--readme", str(readme)]) == 0
         text = readme.read_text()
         assert f"; {said}: 18 trials, seeds 0, 1, 2;" in text and "STALE" not in text and text.endswith("after\n")
+        assert "\n- Gradients against the FP32 shadow, all / adamw: closest to FP32: e4m3 " in text
         shown = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
         assert shown and sorted(p.name for p in (tmp_path / publish.IMAGES).iterdir()) == sorted(Path(s).name for s in shown)

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from statistics import fmean
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from altgrad.config import StabilityConfig
 from altgrad.experiment import (
@@ -32,6 +32,7 @@ from altgrad.metrics import (
     GRAD_HAS_NAN,
     LOSS_IS_NAN,
     OVERFLOW_RATE,
+    SHADOW_COS_MEAN,
     STEP,
     TRAIN_LOSS,
     UNDERFLOW_RATE,
@@ -91,10 +92,11 @@ DEFINITIONS = f"""\
   alone, and a report reads many. So every comparison with an interval also has its two-sided p
   (the t test its interval inverts: p < 0.05 when the interval excludes the null) and
   Holm's adjustment of it over its family, the comparisons of its kind in this report: every × bf16,
-  every manifold − standard, every extra-axis effect. A call "holds" when its adjusted p is below
-  0.05: then the chance of any false call in its family is at most 5 %. A call that does not hold is
-  a lead for more seeds, not a finding. The verdict is one comparison named in advance and is not
-  adjusted; sweet-spot ties use the unadjusted intervals (a tie is already the cautious reading).
+  every manifold − standard, every extra-axis effect, every gradient cosine − bf16. A call "holds"
+  when its adjusted p is below 0.05: then the chance of any false call in its family is at most 5 %.
+  A call that does not hold is a lead for more seeds, not a finding. The verdict is one comparison
+  named in advance and is not adjusted; sweet-spot ties use the unadjusted intervals (a tie is
+  already the cautious reading).
 - **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
   ran the full budget and did not break ({" / ".join(BROKEN_STOPS)}), and bf16 (× 1 exactly), the
   lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
@@ -113,6 +115,18 @@ DEFINITIONS = f"""\
 - **Manifold − standard**: per seed, best val loss with `{MANIFOLD}` minus with `{STANDARD}` (same
   format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
   **Extra axes**: the same per-seed difference between two values of one axis, all else equal.
+- **Gradient cosine** of a trial: the mean, over the steps it ran the FP32 shadow (`shadow_every`)
+  up to its cell's steps, of `{SHADOW_COS_MEAN}`: the cosine between each layer's gradient and the
+  gradient an FP32 copy of the same weights computes on the same batch, averaged over layers. 1 is
+  the FP32 direction; it measures what the format does to the gradient, step by step, where the
+  loss shows only what accumulated. A trial with a non-finite cosine has none (left out, and
+  said). **Cosine − bf16**: per seed, the cell's minus bf16's over the same steps, mean ± t
+  interval; "lower" when the interval lies below 0. **Closest to FP32** (per layer precision,
+  optimizer and extra-axis values, among the cells that ran the full budget and did not break): the
+  highest gradient cosine and every cell whose interval overlaps it, the sweet spot's rule; the
+  others are **further**, their intervals wholly below the leader's. A format can be further while
+  its loss is indistinguishable from bf16's: its gradients are measurably off, and at this budget
+  that did not show in the loss.
 - **Verdict**: PASS when the upper end of the {VERDICT_FORMAT} cell's × bf16 interval is ≤
   {1 + VERDICT_TOLERANCE:.2f}: the cell {VERDICT_FORMAT} / {VERDICT_PRECISION} / {STANDARD} (the first
   extra-axis values), else the {VERDICT_FORMAT} cell that ran the full budget, preferring precision
@@ -223,6 +237,14 @@ def completed_budget(r: TrialRecord) -> bool:
 def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[int, float]:
     """Each seed's best val loss (up to step `upto`); non-finite where it has none."""
     return {t.seed: t.best_val_loss(upto) for t in trials}
+
+
+def gradient_cosine(r: TrialRecord, upto: int | None = None) -> float:
+    """A trial's gradient cosine (see DEFINITIONS) up to step `upto`: nan without a shadow step,
+    or when one of them is non-finite (a broken gradient has no direction to compare)."""
+    steps, values = r.series(SHADOW_COS_MEAN)
+    kept = [v for s, v in zip(steps, values, strict=True) if upto is None or s <= upto]
+    return fmean(kept) if kept and all(math.isfinite(v) for v in kept) else math.nan
 
 
 @dataclass(frozen=True)
@@ -364,6 +386,23 @@ class Difference:
 
 
 @dataclass(frozen=True)
+class GradientFidelity:
+    """A cell's gradient cosine against bf16's (same seeds, same steps): how far the format turns
+    the gradient away from FP32's, whatever it did to the loss."""
+
+    cell: Cell
+    cosine: Interval  # the cell's, over seeds
+    baseline: Interval  # bf16's, over the seeds it is compared on
+    diff: Comparison  # cell − bf16, per seed
+    family_wise: FamilyWise | None = None  # of `diff`, over every cell's
+    NULL: ClassVar[float] = 0.0
+
+    @property
+    def verdict(self) -> str:
+        return reading(self.diff, self.NULL, "lower", "higher")
+
+
+@dataclass(frozen=True)
 class Verdict:
     passed: bool
     cell: Cell | None
@@ -393,6 +432,7 @@ class Findings:
     verdict: Verdict
     missing: list[str]
     notes: list[str] = field(default_factory=list)
+    fidelity: list[GradientFidelity] = field(default_factory=list)  # cells with a gradient cosine
 
     def cell(self, fmt: str, optimizer: str, precision: str, axes: AxesKey) -> Cell | None:
         """The cell of a format, or of the format whose trials measured it."""
@@ -404,7 +444,8 @@ class Findings:
         Holm's correction; a family with no interval is left out."""
         families = (("× " + BASELINE, [c.family_wise for c in self.cells.values()]),
                     (f"{MANIFOLD} − {STANDARD}", [d.family_wise for d in self.deltas]),
-                    ("extra-axis effects", [d.family_wise for d in self.axis_effects]))
+                    ("extra-axis effects", [d.family_wise for d in self.axis_effects]),
+                    (f"gradient cosine − {BASELINE}", [g.family_wise for g in self.fidelity]))
         out = []
         for what, members in families:
             tested = [fw for fw in members if fw is not None]
@@ -415,6 +456,29 @@ class Findings:
                            f"{len(called)} called at 95 % each where chance alone would call "
                            f"{tested[0].alpha * len(tested):.2g}; {holding} hold{'s' * (holding == 1)} "
                            "family-wise (Holm)")
+        return out
+
+    def fidelity_summary(self) -> list[str]:
+        """Per layer precision, optimizer and extra-axis values: the formats whose gradients are
+        closest to FP32's, those further (see DEFINITIONS), and which of the further ones have a
+        loss indistinguishable from bf16's: what the loss alone would hide."""
+        out = []
+        for where in dict.fromkeys((g.cell.precision, g.cell.optimizer, g.cell.axes) for g in self.fidelity):
+            group = {g.cell.name: g for g in self.fidelity if (g.cell.precision, g.cell.optimizer, g.cell.axes)
+                     == where and g.cell.full_budget and not g.cell.broke}
+            # leader_group ranks the lowest first; the highest cosine leads here
+            closest = leader_group((n, replace(g.cosine, mean=-g.cosine.mean)) for n, g in group.items())
+            if not closest:
+                continue
+            further = sorted((g for n, g in group.items() if n not in closest and math.isfinite(g.cosine.mean)),
+                             key=lambda g: -g.cosine.mean)
+            parts = [f"closest to FP32: {closest[0]} {group[closest[0]].cosine.text('.3f')}"
+                     + "".join(f" ≈ {n}" for n in closest[1:])]
+            if further:
+                parts.append("further: " + ", ".join(f"{g.cell.name} {g.cosine.text('.3f')}" for g in further))
+                if hidden := [g.cell.name for g in further if g.cell.vs_bf16 == "indistinguishable"]:
+                    parts.append(f"loss indistinguishable from {BASELINE} for {', '.join(hidden)}")
+            out.append(f"{' / '.join(x for x in (where[0], where[1], axes_text(where[2])) if x)}: {'; '.join(parts)}")
         return out
 
     def baseline_best(self, optimizer: str, axes: AxesKey = ()) -> Interval:
@@ -536,6 +600,17 @@ def _difference(what: str, a: Cell, b: Cell) -> Difference | None:
     return Difference(what, a, b, diff)
 
 
+def _fidelity(cell: Cell, bf16: list[TrialRecord]) -> GradientFidelity | None:
+    """The cell's gradient cosine against bf16's over the cell's steps; None when none of its
+    trials ran the shadow."""
+    values = {t.seed: gradient_cosine(t, cell.steps) for t in cell.trials}
+    if not any(math.isfinite(v) for v in values.values()):
+        return None
+    base = {t.seed: gradient_cosine(t, cell.steps) for t in baseline_trials(bf16, cell.axes)}
+    diff = difference_interval(values, base, labels=(cell.name, BASELINE))
+    return GradientFidelity(cell, mean_interval(values.values()), mean_interval(base.values()), diff)
+
+
 def compute_findings(records: list[TrialRecord], missing: list[str] | None = None) -> Findings:
     """All findings of an experiment; `missing` names grid points that never started."""
     started = [r for r in records if r.status != TrialStatus.PENDING or r.history]
@@ -589,14 +664,18 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     deltas = [d for (f, o, p, ax), c in cells.items() if o == STANDARD
               and (m := cells.get((f, MANIFOLD, p, ax))) is not None
               and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None]
+    fidelity = [g for c in cells.values() if (g := _fidelity(c, bf16.get(c.optimizer, []))) is not None]
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
                     _with_family_wise(deltas), _with_family_wise(_axis_effects(cells, axes)),
                     _verdict(cells, bool(bf16), axes_order),
-                    _missing(records, missing or []), notes)
+                    _missing(records, missing or []), notes, _with_family_wise(fidelity))
 
 
-def _with_family_wise(diffs: list[Difference]) -> list[Difference]:
-    """The differences of one table, each with its `FamilyWise` over the table."""
+Compared = TypeVar("Compared", Difference, GradientFidelity)
+
+
+def _with_family_wise(diffs: list[Compared]) -> list[Compared]:
+    """The comparisons of one table, each with its `FamilyWise` over the table."""
     adjusted = family_wise([(d.diff, d.NULL) for d in diffs])
     return [replace(d, family_wise=fw) for d, fw in zip(diffs, adjusted, strict=True)]
 

@@ -15,6 +15,7 @@ from altgrad.report.findings import (
     Difference,
     FamilyWise,
     Findings,
+    GradientFidelity,
     axes_text,
     format_key,
     name,
@@ -60,6 +61,7 @@ def _overview(records: list[TrialRecord], f: Findings) -> str:
                                              if any(f.axes) else "") +
              f". bf16 best val loss: {baselines or 'none'}.", ""]
     lines += [f"- Sweet spot for **{_where(s.precision, s.optimizer, s.axes)}**: {s.text}" for s in f.sweet_spots]
+    lines += [f"- **Gradients against the FP32 shadow**, {line}." for line in f.fidelity_summary()]
     lines += [f"- **Many comparisons at once:** {m}." for m in f.multiplicity()]
     lines += [f"- **One measurement, two names:** {alias} was not run: under this sweep's per-tensor amax "
               f"scaling it quantizes every tensor exactly like {measured_by} (one grid up to a power of "
@@ -121,11 +123,23 @@ def _cells(f: Findings) -> str:
                    "× bf16 (95 %)", "vs bf16", "family-wise (Holm)", "stops"], rows)
 
 
+def _fidelity(fidelity: list[GradientFidelity]) -> str:
+    rows = [[g.cell.name, g.cell.optimizer, g.cell.precision, axes_text(g.cell.axes) or "—", g.cell.steps,
+             g.cosine.text(".4f"), g.baseline.text(".4f"), g.diff.text(".4f"), g.verdict,
+             _family_wise(g.family_wise), g.cell.vs_bf16]
+            for g in sorted(fidelity, key=lambda g: (g.cell.optimizer, g.cell.precision, g.cell.axes,
+                                                      format_key(g.cell.format)))]
+    return _table(["format", "optimizer", "precision", "extra axes", "steps", "gradient cosine (95 %)",
+                   "bf16's", "− bf16 (95 %)", "reading", "family-wise (Holm)", "loss vs bf16"], rows)
+
+
 def _pairing(f: Findings) -> str:
     notes = [f"- {c.name} / {_where(c.precision, c.optimizer, c.axes)}: {c.ratio.note}"
              for c in f.cells.values() if c.ratio.note]
     notes += [f"- {d.what}, {d.a.name} / {d.a.precision}: {d.diff.note}" for d in [*f.deltas, *f.axis_effects]
               if d.diff.note]
+    notes += [f"- gradient cosine, {g.cell.name} / {_where(g.cell.precision, g.cell.optimizer, g.cell.axes)}: "
+              f"{g.diff.note}" for g in f.fidelity if g.diff.note]
     return "\n".join(notes) or "Every comparison was paired by seed."
 
 
@@ -146,6 +160,8 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
     ]
     if f.axis_effects:
         sections += ["## Extra grid axes", _differences(f.axis_effects, "")]
+    if f.fidelity:
+        sections += ["## Gradients against the FP32 shadow", _fidelity(f.fidelity)]
     sections += [
         "## Comparisons that could not be paired by seed", _pairing(f),
         "## What is missing",
