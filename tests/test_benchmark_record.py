@@ -191,27 +191,30 @@ def test_step_profile_profiles_the_host_proxy(monkeypatch, capsys):
 @pytest.mark.parametrize("torch_events", ["current", "2.11"])
 def test_op_callers_counts_each_native_call_once_under_the_altgrad_function_that_made_it(eager_kernels, torch_events):
     """Two ops called from here (no altgrad frame), and a quantize, whose ATen ops nest (an op
-    inside another counts once) under altgrad's functions. Also with the events as torch 2.11, the
-    GPU machines', gives them: without `is_python_function`, which left its lease's table with
-    every call under "(no altgrad frame)"."""
+    inside another counts once) under altgrad's functions, and a module's call (the tracer's
+    `nn.Module:` event). Also with the events as torch 2.11, the GPU machines', gives them: without
+    `is_python_function`, which left its lease's table with every call under "(no altgrad frame)"
+    (this torch's events with that attribute deleted: the names are the tracer's on both)."""
     from torch.profiler import ProfilerActivity, profile
 
     from altgrad.quant import FORMATS, quantize
 
     bench = load("step_profile")
-    x = torch.randn(64)
+    x, linear = torch.randn(64), torch.nn.Linear(64, 2)
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         y = x * 2
         torch.zeros(3)
         quantize(y, FORMATS["e4m3"])
+        linear(x)
     python_calls = {id(e) for e in prof.events() if e.is_python_function}
-    assert any(e.name.startswith("<built-in") for e in prof.events() if id(e) in python_calls)
+    assert {"<built-in", "nn.Module: Linear"} <= {e.name[:len(kind)] for e in prof.events() if id(e) in python_calls
+                                                 for kind in ("<built-in", "nn.Module: Linear")}
     if torch_events == "2.11":
         for event in prof.events():
             del event.is_python_function
     assert {id(e) for e in prof.events() if bench.is_python_call(e)} == python_calls
     rows = bench.op_callers(prof.events())
-    assert rows["(no altgrad frame)"].calls == 2
+    assert rows["(no altgrad frame)"].calls == 3  # x * 2, zeros, and the linear's one ATen call
     quantizer = {site: row for site, row in rows.items() if site != "(no altgrad frame)"}
     assert quantizer and all(".py:" in site and "(" in site for site in quantizer)
     assert any(site.startswith("quantize (") or "< quantize (" in site for site in quantizer)

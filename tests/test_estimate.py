@@ -145,8 +145,10 @@ def test_measured_step_cost_is_timed_here(make_config, monkeypatch, tmp_path):
 
     with monkeypatch.context() as eager_kernels:
         eager_kernels.setenv("ALTGRAD_NO_COMPILE", "1")  # the child inherits it
-        eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5"),
-                        steps=6, cpus=1, cache=tmp_path / "eager")
+        # enough evaluation batches that an evaluation stands out of a step's noise, which a
+        # loaded machine's steps otherwise can exceed (eval_s then clamps to 0)
+        eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5",
+                                    "train.eval_iters=24"), steps=6, cpus=1, cache=tmp_path / "eager")
     assert eager.source == "measured" and eager.timing.eval_s > 0 and eager.timing.startup_s > 0
     assert all(0 < step < 5 for step in eager.timing.step_s.values())
     assert eager.compile_s == 0

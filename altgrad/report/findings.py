@@ -96,7 +96,8 @@ DEFINITIONS = f"""\
   when its adjusted p is below 0.05: then the chance of any false call in its family is at most 5 %.
   A call that does not hold is a lead for more seeds, not a finding. The verdict is one comparison
   named in advance and is not adjusted; sweet-spot ties use the unadjusted intervals (a tie is
-  already the cautious reading).
+  already the cautious reading), and so does the split of gradient cosines into closest and further,
+  which therefore says of each further cell whether its cosine − bf16 holds.
 - **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
   ran the full budget and did not break ({" / ".join(BROKEN_STOPS)}), and bf16 (× 1 exactly), the
   lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
@@ -115,18 +116,21 @@ DEFINITIONS = f"""\
 - **Manifold − standard**: per seed, best val loss with `{MANIFOLD}` minus with `{STANDARD}` (same
   format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
   **Extra axes**: the same per-seed difference between two values of one axis, all else equal.
-- **Gradient cosine** of a trial: the mean, over the steps it ran the FP32 shadow (`shadow_every`)
-  up to its cell's steps, of `{SHADOW_COS_MEAN}`: the cosine between each layer's gradient and the
-  gradient an FP32 copy of the same weights computes on the same batch, averaged over layers. 1 is
-  the FP32 direction; it measures what the format does to the gradient, step by step, where the
-  loss shows only what accumulated. A trial with a non-finite cosine has none (left out, and
-  said). **Cosine − bf16**: per seed, the cell's minus bf16's over the same steps, mean ± t
-  interval; "lower" when the interval lies below 0. **Closest to FP32** (per layer precision,
-  optimizer and extra-axis values, among the cells that ran the full budget and did not break): the
-  highest gradient cosine and every cell whose interval overlaps it, the sweet spot's rule; the
-  others are **further**, their intervals wholly below the leader's. A format can be further while
-  its loss is indistinguishable from bf16's: its gradients are measurably off, and at this budget
-  that did not show in the loss.
+- **Gradient cosine** of a trial: the mean of `{SHADOW_COS_MEAN}` over its logged FP32-shadow steps
+  (`shadow_every`, as logged) up to the last step it logged or its cell's steps, whichever is first:
+  the cosine between each linear layer's weight gradient and the one an FP32 copy of the same
+  weights computes on the same batch, averaged over the layers. 1 is the FP32 direction; it
+  measures what the format does to the gradient step by step, where the loss shows only what
+  accumulated. A shadow step with a non-finite cosine (a non-finite gradient has no direction) is
+  left out of the mean and counted in the table; a trial without a finite one has no cosine (left
+  out, and said). **Cosine − bf16**: per seed, the cell's minus bf16's over the same steps, mean ±
+  t interval; "lower" when the interval lies below 0. **Closest to FP32** (per layer precision,
+  optimizer and extra-axis values, among the quantized cells that ran the full budget and did not
+  break; bf16, the reference of every cosine − bf16, is not ranked): the highest gradient cosine
+  and every cell whose interval overlaps it, the sweet spot's rule; the others are **further**,
+  their intervals wholly below the leader's. A format can be further while its loss does not
+  separate from bf16's: its gradients are measurably off, and at this budget the loss did not
+  tell.
 - **Verdict**: PASS when the upper end of the {VERDICT_FORMAT} cell's × bf16 interval is ≤
   {1 + VERDICT_TOLERANCE:.2f}: the cell {VERDICT_FORMAT} / {VERDICT_PRECISION} / {STANDARD} (the first
   extra-axis values), else the {VERDICT_FORMAT} cell that ran the full budget, preferring precision
@@ -135,6 +139,7 @@ DEFINITIONS = f"""\
 """
 
 AxesKey = tuple[tuple[str, Any], ...]  # an extra-axis assignment, sorted by dotted path
+Compared = TypeVar("Compared", "Difference", "GradientFidelity")  # a comparison of a table (`family_wise`)
 
 
 def format_key(name: str) -> tuple[int, str]:
@@ -239,12 +244,17 @@ def seed_values(trials: Iterable[TrialRecord], upto: int | None = None) -> dict[
     return {t.seed: t.best_val_loss(upto) for t in trials}
 
 
-def gradient_cosine(r: TrialRecord, upto: int | None = None) -> float:
-    """A trial's gradient cosine (see DEFINITIONS) up to step `upto`: nan without a shadow step,
-    or when one of them is non-finite (a broken gradient has no direction to compare)."""
+def shadow_cosines(r: TrialRecord, upto: int | None = None) -> list[float]:
+    """The trial's logged `SHADOW_COS_MEAN` values up to step `upto`, non-finite ones included."""
     steps, values = r.series(SHADOW_COS_MEAN)
-    kept = [v for s, v in zip(steps, values, strict=True) if upto is None or s <= upto]
-    return fmean(kept) if kept and all(math.isfinite(v) for v in kept) else math.nan
+    return [v for s, v in zip(steps, values, strict=True) if upto is None or s <= upto]
+
+
+def gradient_cosine(r: TrialRecord, upto: int | None = None) -> float:
+    """A trial's gradient cosine (see DEFINITIONS) up to step `upto`: the mean of its finite
+    shadow cosines, nan without one."""
+    finite = [v for v in shadow_cosines(r, upto) if math.isfinite(v)]
+    return fmean(finite) if finite else math.nan
 
 
 @dataclass(frozen=True)
@@ -394,6 +404,8 @@ class GradientFidelity:
     cosine: Interval  # the cell's, over seeds
     baseline: Interval  # bf16's, over the seeds it is compared on
     diff: Comparison  # cell − bf16, per seed
+    nonfinite: int  # the cell's shadow steps with a non-finite cosine, left out of `cosine`
+    shadow_steps: int  # all of the cell's shadow steps counted
     family_wise: FamilyWise | None = None  # of `diff`, over every cell's
     NULL: ClassVar[float] = 0.0
 
@@ -459,26 +471,30 @@ class Findings:
         return out
 
     def fidelity_summary(self) -> list[str]:
-        """Per layer precision, optimizer and extra-axis values: the formats whose gradients are
-        closest to FP32's, those further (see DEFINITIONS), and which of the further ones have a
-        loss indistinguishable from bf16's: what the loss alone would hide."""
+        """Per layer precision, optimizer and extra-axis values (in grid order): the formats whose
+        gradients are closest to FP32's, those further (see DEFINITIONS; each saying whether its
+        cosine − bf16 holds family-wise), and which of the further ones have a loss that does not
+        separate from bf16's: what the loss alone would hide."""
         out = []
-        for where in dict.fromkeys((g.cell.precision, g.cell.optimizer, g.cell.axes) for g in self.fidelity):
+        for where in ((p, o, ax) for p in self.precisions for o in self.optimizers for ax in self.axes):
             group = {g.cell.name: g for g in self.fidelity if (g.cell.precision, g.cell.optimizer, g.cell.axes)
                      == where and g.cell.full_budget and not g.cell.broke}
             # leader_group ranks the lowest first; the highest cosine leads here
             closest = leader_group((n, replace(g.cosine, mean=-g.cosine.mean)) for n, g in group.items())
             if not closest:
                 continue
-            further = sorted((g for n, g in group.items() if n not in closest and math.isfinite(g.cosine.mean)),
+            further = sorted((g for n, g in group.items() if n not in closest and g.cosine.n),
                              key=lambda g: -g.cosine.mean)
             parts = [f"closest to FP32: {closest[0]} {group[closest[0]].cosine.text('.3f')}"
                      + "".join(f" ≈ {n}" for n in closest[1:])]
             if further:
-                parts.append("further: " + ", ".join(f"{g.cell.name} {g.cosine.text('.3f')}" for g in further))
-                if hidden := [g.cell.name for g in further if g.cell.vs_bf16 == "indistinguishable"]:
-                    parts.append(f"loss indistinguishable from {BASELINE} for {', '.join(hidden)}")
-            out.append(f"{' / '.join(x for x in (where[0], where[1], axes_text(where[2])) if x)}: {'; '.join(parts)}")
+                parts.append("further: " + ", ".join(
+                    f"{g.cell.name} {g.cosine.text('.3f')}"
+                    + ("" if g.family_wise and g.family_wise.holds else f" (− {BASELINE} not family-wise)")
+                    for g in further))
+                if hidden := [g.cell.name for g in further if not g.cell.ratio.excludes(g.cell.NULL)]:
+                    parts.append(f"loss not separated from {BASELINE}'s for {', '.join(hidden)}")
+            out.append(f"{', '.join(x for x in (where[0], where[1], axes_text(where[2])) if x)}: {'; '.join(parts)}")
         return out
 
     def baseline_best(self, optimizer: str, axes: AxesKey = ()) -> Interval:
@@ -601,14 +617,18 @@ def _difference(what: str, a: Cell, b: Cell) -> Difference | None:
 
 
 def _fidelity(cell: Cell, bf16: list[TrialRecord]) -> GradientFidelity | None:
-    """The cell's gradient cosine against bf16's over the cell's steps; None when none of its
-    trials ran the shadow."""
-    values = {t.seed: gradient_cosine(t, cell.steps) for t in cell.trials}
-    if not any(math.isfinite(v) for v in values.values()):
+    """The cell's gradient cosine against bf16's, each seed over the steps its trial logged (up to
+    the cell's steps) on both sides; None when none of its trials logged a shadow step."""
+    upto = {t.seed: min(cell.steps, int(t.history[-1][STEP])) if t.history else cell.steps for t in cell.trials}
+    logged = [shadow_cosines(t, upto[t.seed]) for t in cell.trials]
+    if not any(logged):
         return None
-    base = {t.seed: gradient_cosine(t, cell.steps) for t in baseline_trials(bf16, cell.axes)}
+    values = {t.seed: gradient_cosine(t, upto[t.seed]) for t in cell.trials}
+    base = {t.seed: gradient_cosine(t, upto.get(t.seed, cell.steps)) for t in baseline_trials(bf16, cell.axes)}
     diff = difference_interval(values, base, labels=(cell.name, BASELINE))
-    return GradientFidelity(cell, mean_interval(values.values()), mean_interval(base.values()), diff)
+    return GradientFidelity(cell, mean_interval(values.values()), mean_interval(base.values()), diff,
+                            nonfinite=sum(not math.isfinite(v) for vs in logged for v in vs),
+                            shadow_steps=sum(map(len, logged)))
 
 
 def compute_findings(records: list[TrialRecord], missing: list[str] | None = None) -> Findings:
@@ -670,8 +690,6 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
                     _verdict(cells, bool(bf16), axes_order),
                     _missing(records, missing or []), notes, _with_family_wise(fidelity))
 
-
-Compared = TypeVar("Compared", Difference, GradientFidelity)
 
 
 def _with_family_wise(diffs: list[Compared]) -> list[Compared]:

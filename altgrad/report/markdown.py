@@ -12,6 +12,7 @@ from altgrad.report.findings import (
     MANIFOLD,
     STANDARD,
     AxesKey,
+    Cell,
     Difference,
     FamilyWise,
     Findings,
@@ -113,24 +114,28 @@ def _differences(diffs: list[Difference], empty: str) -> str:
                    "second − first (95 %)", "reading", "family-wise (Holm)", "pairing"], rows)
 
 
+def _stops(c: Cell) -> str:
+    return ", ".join(c.stops) or (RunStatus.RUNNING if c.running else StopReason.COMPLETED)
+
+
 def _cells(f: Findings) -> str:
     rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—",
              ", ".join(sorted({str(t.seed) for t in c.trials})), c.best.text(), c.steps,
-             c.ratio.text(".3f"), c.vs_bf16, _family_wise(c.family_wise),
-             ", ".join(c.stops) or (RunStatus.RUNNING if c.running else StopReason.COMPLETED)]
+             c.ratio.text(".3f"), c.vs_bf16, _family_wise(c.family_wise), _stops(c)]
             for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision, c.axes, format_key(c.format)))]
     return _table(["format", "optimizer", "precision", "extra axes", "seeds", "best val loss (95 %)", "steps",
                    "× bf16 (95 %)", "vs bf16", "family-wise (Holm)", "stops"], rows)
 
 
-def _fidelity(fidelity: list[GradientFidelity]) -> str:
+def _fidelity_table(fidelity: list[GradientFidelity]) -> str:
     rows = [[g.cell.name, g.cell.optimizer, g.cell.precision, axes_text(g.cell.axes) or "—", g.cell.steps,
-             g.cosine.text(".4f"), g.baseline.text(".4f"), g.diff.text(".4f"), g.verdict,
-             _family_wise(g.family_wise), g.cell.vs_bf16]
+             f"{g.nonfinite} of {g.shadow_steps}", g.cosine.text(".4f"), g.baseline.text(".4f"), g.diff.text(".4f"),
+             g.verdict, _family_wise(g.family_wise), g.cell.vs_bf16, _stops(g.cell)]
             for g in sorted(fidelity, key=lambda g: (g.cell.optimizer, g.cell.precision, g.cell.axes,
                                                       format_key(g.cell.format)))]
-    return _table(["format", "optimizer", "precision", "extra axes", "steps", "gradient cosine (95 %)",
-                   "bf16's", "− bf16 (95 %)", "reading", "family-wise (Holm)", "loss vs bf16"], rows)
+    return _table(["format", "optimizer", "precision", "extra axes", "steps", "non-finite shadow steps",
+                   "gradient cosine (95 %)", "bf16's", "− bf16 (95 %)", "reading", "family-wise (Holm)",
+                   "loss vs bf16", "stops"], rows)
 
 
 def _pairing(f: Findings) -> str:
@@ -161,7 +166,7 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
     if f.axis_effects:
         sections += ["## Extra grid axes", _differences(f.axis_effects, "")]
     if f.fidelity:
-        sections += ["## Gradients against the FP32 shadow", _fidelity(f.fidelity)]
+        sections += ["## Gradients against the FP32 shadow", _fidelity_table(f.fidelity)]
     sections += [
         "## Comparisons that could not be paired by seed", _pairing(f),
         "## What is missing",
