@@ -29,7 +29,7 @@ from altgrad.experiment import (
     read_json,
 )
 from altgrad.report import Findings, compute_findings, write_report
-from altgrad.report.findings import axes_text, seed_values
+from altgrad.report.findings import seed_values, where_text
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 IMAGES = Path("docs/img/study")
@@ -60,7 +60,7 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
         "",
         f"**{f.verdict.line}**",
         "",
-        *[f"- Sweet spot, {', '.join(x for x in (s.precision, s.optimizer, axes_text(s.axes)) if x)}: {s.text}"
+        *[f"- Sweet spot, {where_text(s.precision, s.optimizer, s.axes)}: {s.text}"
           for s in f.sweet_spots],
         *[f"- {d.what} on {d.b.name} / {d.b.precision}: {d.diff.text()}, {d.verdict}"
           + (f" ({d.family_wise.text})" if d.family_wise else "") for d in f.axis_effects],

@@ -235,6 +235,11 @@ def axes_text(axes: AxesKey) -> str:
     return ", ".join(f"{names[path]}={axis_value_text(value)}" for path, value in axes)
 
 
+def where_text(precision: str, optimizer: str, axes: AxesKey) -> str:
+    """`all, adamw, rounding=stochastic`: a group of cells (a sweet spot's, a gradient ranking's)."""
+    return ", ".join(x for x in (precision, optimizer, axes_text(axes)) if x)
+
+
 def completed_budget(r: TrialRecord) -> bool:
     return r.stop_reason == StopReason.COMPLETED and r.status not in UNFINISHED
 
@@ -494,7 +499,7 @@ class Findings:
                     for g in further))
                 if hidden := [g.cell.name for g in further if not g.cell.ratio.excludes(g.cell.NULL)]:
                     parts.append(f"loss not separated from {BASELINE}'s for {', '.join(hidden)}")
-            out.append(f"{', '.join(x for x in (where[0], where[1], axes_text(where[2])) if x)}: {'; '.join(parts)}")
+            out.append(f"{where_text(*where)}: {'; '.join(parts)}")
         return out
 
     def baseline_best(self, optimizer: str, axes: AxesKey = ()) -> Interval:
@@ -619,7 +624,7 @@ def _difference(what: str, a: Cell, b: Cell) -> Difference | None:
 def _fidelity(cell: Cell, bf16: list[TrialRecord]) -> GradientFidelity | None:
     """The cell's gradient cosine against bf16's, each seed over the steps its trial logged (up to
     the cell's steps) on both sides; None when none of its trials logged a shadow step."""
-    upto = {t.seed: min(cell.steps, int(t.history[-1][STEP])) if t.history else cell.steps for t in cell.trials}
+    upto = {t.seed: cell.steps if (last := stop_step(t)[0]) is None else min(cell.steps, last) for t in cell.trials}
     logged = [shadow_cosines(t, upto[t.seed]) for t in cell.trials]
     if not any(logged):
         return None
@@ -689,7 +694,6 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
                     _with_family_wise(deltas), _with_family_wise(_axis_effects(cells, axes)),
                     _verdict(cells, bool(bf16), axes_order),
                     _missing(records, missing or []), notes, _with_family_wise(fidelity))
-
 
 
 def _with_family_wise(diffs: list[Compared]) -> list[Compared]:

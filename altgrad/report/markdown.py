@@ -11,7 +11,6 @@ from altgrad.report.findings import (
     DEFINITIONS,
     MANIFOLD,
     STANDARD,
-    AxesKey,
     Cell,
     Difference,
     FamilyWise,
@@ -20,6 +19,7 @@ from altgrad.report.findings import (
     axes_text,
     format_key,
     name,
+    where_text,
 )
 from altgrad.report.plots import Plot
 
@@ -47,10 +47,6 @@ def _table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def _where(precision: str, optimizer: str, axes: AxesKey) -> str:
-    return ", ".join(x for x in (precision, optimizer, axes_text(axes)) if x)
-
-
 def _overview(records: list[TrialRecord], f: Findings) -> str:
     measured = [r for r in records if not r.same_as]
     status = ", ".join(f"{n} {s.lower()}" for s, n in sorted(Counter(r.status for r in measured).items()))
@@ -61,7 +57,7 @@ def _overview(records: list[TrialRecord], f: Findings) -> str:
              f"{', '.join(f.precisions)}" + (f"; extra axes: {', '.join(sorted({p for ax in f.axes for p, _ in ax}))}"
                                              if any(f.axes) else "") +
              f". bf16 best val loss: {baselines or 'none'}.", ""]
-    lines += [f"- Sweet spot for **{_where(s.precision, s.optimizer, s.axes)}**: {s.text}" for s in f.sweet_spots]
+    lines += [f"- Sweet spot for **{where_text(s.precision, s.optimizer, s.axes)}**: {s.text}" for s in f.sweet_spots]
     lines += [f"- **Gradients against the FP32 shadow**, {line}." for line in f.fidelity_summary()]
     lines += [f"- **Many comparisons at once:** {m}." for m in f.multiplicity()]
     lines += [f"- **One measurement, two names:** {alias} was not run: under this sweep's per-tensor amax "
@@ -139,11 +135,11 @@ def _fidelity_table(fidelity: list[GradientFidelity]) -> str:
 
 
 def _pairing(f: Findings) -> str:
-    notes = [f"- {c.name} / {_where(c.precision, c.optimizer, c.axes)}: {c.ratio.note}"
+    notes = [f"- {c.name} / {where_text(c.precision, c.optimizer, c.axes)}: {c.ratio.note}"
              for c in f.cells.values() if c.ratio.note]
     notes += [f"- {d.what}, {d.a.name} / {d.a.precision}: {d.diff.note}" for d in [*f.deltas, *f.axis_effects]
               if d.diff.note]
-    notes += [f"- gradient cosine, {g.cell.name} / {_where(g.cell.precision, g.cell.optimizer, g.cell.axes)}: "
+    notes += [f"- gradient cosine, {g.cell.name} / {where_text(g.cell.precision, g.cell.optimizer, g.cell.axes)}: "
               f"{g.diff.note}" for g in f.fidelity if g.diff.note]
     return "\n".join(notes) or "Every comparison was paired by seed."
 
