@@ -17,6 +17,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # two workers on two cores: one torch t
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `-n 2 --dist loadgroup` (pyproject's addopts) the tests that start Ray run on one
     worker, one after another as they always have: their sweeps' timing and the one shared Ray
