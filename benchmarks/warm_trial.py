@@ -5,10 +5,11 @@ below is such a process, building the host-bound proxy's e4m3 trainer (the gpu p
 step graph, at a size this CPU compiles as fast as any) and timing construction plus the first step:
 
     cold            the experiment's compile cache empty: everything is compiled (the baseline)
-    warm, same node the cache as the cold trial left it, in place: a later trial on local storage
+    warm, same node the cache as the cold trial left it, in place, on the cold trial's node (its
+                    temp dir): a later trial on local storage
     warm, new node  the cache on another filesystem, fetched into an empty node directory first
-                    (as from S3): a trial on another node, or on the machine that replaced a
-                    killed spot instance
+                    (as from S3), on a node of its own: a trial on another node, or on the machine
+                    that replaced a killed spot instance
 
 Each trial process uses the cache as a sweep trial does (`altgrad.tune.compile_cache`).
 
@@ -62,11 +63,12 @@ def first_step(workdir: Path, cache: str, remote: bool) -> float:
     return seconds
 
 
-def run_phase(phase: str, cache: Path, workdir: Path) -> float:
-    """`phase` in a fresh process (its own temp dir: another node's disk)."""
+def run_phase(phase: str, cache: Path, workdir: Path, node: Path) -> float:
+    """`phase` in a fresh process on `node`, its temp dir: where inductor keeps what it keeps per
+    machine (its precompiled headers: docs/design.md, "Inductor's precompiled headers")."""
     args = [sys.executable, __file__, "--phase", phase, "--cache", str(cache), "--workdir", str(workdir)]
-    env = {**os.environ, "TMPDIR": str(workdir / "tmp")}
-    (workdir / "tmp").mkdir(parents=True)
+    env = {**os.environ, "TMPDIR": str(node)}
+    node.mkdir(parents=True, exist_ok=True)
     out = subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["seconds"]
 
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cache = tmp / "experiment" / "compile_cache"
-        seconds = {phase: run_phase(phase, cache, tmp / str(i)) for i, phase in enumerate(PHASES)}
+        seconds = {phase: run_phase(phase, cache, tmp / str(i), tmp / ("new-node" if phase == "warm, new node" else "node"))
+                   for i, phase in enumerate(PHASES)}
         saved = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     cold = seconds["cold"]
     print(f"{'phase':<16} {'first step':>11} {'vs cold':>8}")

@@ -153,8 +153,8 @@ def test_measured_step_cost_is_timed_here(make_config, monkeypatch, tmp_path):
     assert all(0 < step < 5 for step in eager.timing.step_s.values())
     assert eager.compile_s == 0
 
-    # diagnostics every other step in the timed run: a graph with them and one without, ~50 s each
-    # to compile cold; enough evaluation batches that an evaluation stands out of a step's noise
+    # diagnostics every other step in the timed run: a graph with them and one without, each a cold
+    # compile; enough evaluation batches that an evaluation stands out of a step's noise
     tiny = make_config("quant.format=bf16", "train.compile=true", "model.n_layer=1", "model.n_head=1",
                        "model.n_embd=16", "train.log_interval=5", "train.diag_every=4", "train.eval_iters=24")
     first = measure(tiny, steps=6, cpus=1, cache=tmp_path / "one")
