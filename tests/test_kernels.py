@@ -30,6 +30,7 @@ from altgrad.quant.kernels import (
     rollback_point,
     step_graph_options,
 )
+from altgrad.quant.wrapper_headers import WRAPPER_HEADER, wrapper_includes
 from altgrad.train import Trainer
 from altgrad.train.format_shift import shift_layers
 
@@ -165,6 +166,60 @@ def test_a_step_graph_says_where_it_replays(monkeypatch):
         assert graph.replays_on(device) == step_graph_options(device.type, graph.cuda_graphs)["triton.cudagraphs"]
     monkeypatch.setenv("ALTGRAD_NO_COMPILE", "1")  # everything eager: nothing is recorded
     assert not asked.replays_on(cuda)
+
+
+def leading_includes(source: str) -> list[str]:
+    """The headers a generated C++ source includes at its top, before its first declaration: a
+    wrapper's own headers (the Python binding's glue, appended after the code, includes more)."""
+    top = []
+    for line in source.splitlines():
+        if line.strip() and not line.lstrip().startswith("#include"):
+            break
+        top.append(line)
+    return wrapper_includes("\n".join(top))
+
+
+def test_a_cpu_wrapper_is_built_against_one_precompiled_header_of_all_it_includes(monkeypatch):
+    """A step graph whose wrapper calls ATen ops through the boxed dispatcher (layer norm, GELU,
+    arange) includes the dispatcher's and the JIT types' headers. Inductor is asked to precompile
+    `step_graph_wrapper.h`, not its own header, and that holds every header the wrapper includes,
+    so g++ parses none of them per graph. Inductor's caches off: a cached graph compiles nothing."""
+    from torch._inductor import codecache
+
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    precompiled, wrappers = [], []
+    precompile, load = codecache._precompile_header, codecache.CppWrapperCodeCache.load_pybinding.__func__
+
+    def recorded_precompile(header: str, *args, **kwargs) -> str:
+        precompiled.append(header)
+        return precompile(header, *args, **kwargs)
+
+    def recorded_load(cls, *args, **kwargs):
+        wrappers.append(kwargs["main_code"])
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(codecache, "_precompile_header", recorded_precompile)
+    monkeypatch.setattr(codecache.CppWrapperCodeCache, "load_pybinding", classmethod(recorded_load))
+
+    def fn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, (16,), weight)) * torch.arange(16)
+
+    x, weight = torch.randn(4, 16), torch.randn(16, requires_grad=True)
+    graph = StepGraph(fn)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        graph(x, weight).sum().backward()
+    assert graph.error is None and len(wrappers) == 2  # the forward's and the backward's
+    assert str(WRAPPER_HEADER) in precompiled
+    assert "torch/csrc/inductor/cpp_wrapper/cpu.h" not in precompiled  # (inductor's own)
+    held = wrapper_includes(WRAPPER_HEADER.read_text())
+    for source in wrappers:
+        included = leading_includes(source)
+        assert "ATen/core/dispatch/Dispatcher.h" in included  # (what this test is about)
+        assert set(included) <= set(held), set(included) - set(held)
+    expected, weight.grad = weight.grad, None
+    fn(x, weight).sum().backward()
+    assert torch.equal(weight.grad, expected)
 
 
 class AmaxHistory(torch.nn.Module):

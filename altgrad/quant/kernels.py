@@ -44,6 +44,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 from altgrad.quant.formats import FormatSpec
+from altgrad.quant.wrapper_headers import precompiled_wrapper_headers
 
 Scale = float | torch.Tensor | None
 
@@ -563,7 +564,7 @@ class StepGraph(Compiled):
             key_tag = torch.compiler.config.cache_key_tag + lowering_key()  # (a user's own tag kept)
             with (torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
                                                 force_non_lazy_backward_lowering=True),
-                  torch.compiler.config.patch(cache_key_tag=key_tag)):
+                  torch.compiler.config.patch(cache_key_tag=key_tag), precompiled_wrapper_headers()):
                 try:
                     return self._entered(compile_fx(gm, example_inputs, lower_what_computes_nothing, options))
                 except Exception as err:
