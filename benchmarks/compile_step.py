@@ -21,34 +21,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from record import Claim, add_record_argument, write
+from warm_trial import add_trial_arguments, first_step, trial_seconds
 
 HEADERS = ("wrapper header", "inductor's")
 TARGET = 1.0  # of inductor's time: a header that holds more must not make the trial slower
-
-
-def run(header: str, cache: Path, workdir: Path, node: Path) -> float:
-    """One cold trial's seconds to its first step, in a fresh process on `node` (its temp dir)."""
-    args = [sys.executable, __file__, "--header", header, "--cache", str(cache), "--workdir", str(workdir)]
-    node.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run(args, env={**os.environ, "TMPDIR": str(node)}, check=True, capture_output=True,
-                         text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["seconds"]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1, help="runs of each header after its first")
     parser.add_argument("--header", choices=HEADERS, help=argparse.SUPPRESS)  # a child process
-    parser.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    add_trial_arguments(parser)
     add_record_argument(parser)
     args = parser.parse_args(argv)
     if args.header:
@@ -56,8 +44,6 @@ def main(argv: list[str] | None = None) -> None:
             import altgrad.quant.kernels
 
             altgrad.quant.kernels.precompiled_wrapper_headers = contextlib.nullcontext
-        from warm_trial import first_step
-
         print(json.dumps({"seconds": first_step(args.workdir, str(args.cache), remote=False)}))
         return
 
@@ -67,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(1 + args.repeat):
             for j, header in enumerate(HEADERS):
                 run_dir = tmp / f"{i}-{j}"
-                seconds[header].append(run(header, run_dir / "cache", run_dir / "run", tmp / f"node-{j}"))
+                seconds[header].append(trial_seconds(__file__, ["--header", header], run_dir / "cache",
+                                                     run_dir / "run", tmp / f"node-{j}"))
     first = {header: s[0] for header, s in seconds.items()}
     later = {header: statistics.median(s[1:]) for header, s in seconds.items()}
     base = HEADERS[1]

@@ -63,21 +63,27 @@ def first_step(workdir: Path, cache: str, remote: bool) -> float:
     return seconds
 
 
-def run_phase(phase: str, cache: Path, workdir: Path, node: Path) -> float:
-    """`phase` in a fresh process on `node`, its temp dir: where inductor keeps what it keeps per
-    machine (its precompiled headers: docs/design.md, "Inductor's precompiled headers")."""
-    args = [sys.executable, __file__, "--phase", phase, "--cache", str(cache), "--workdir", str(workdir)]
-    env = {**os.environ, "TMPDIR": str(node)}
+def trial_seconds(script: str, flags: list[str], cache: Path, workdir: Path, node: Path) -> float:
+    """`script` run as a trial's child process (`flags`, its cache and work dir) on `node`, its temp
+    dir: where inductor keeps what it keeps per machine (its precompiled headers: docs/design.md,
+    "Inductor's precompiled headers"). The seconds it printed last."""
+    args = [sys.executable, script, *flags, "--cache", str(cache), "--workdir", str(workdir)]
     node.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(args, env={**os.environ, "TMPDIR": str(node)}, check=True, capture_output=True,
+                         text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["seconds"]
+
+
+def add_trial_arguments(parser: argparse.ArgumentParser) -> None:
+    """A child process's arguments, besides what it runs: the compile cache and the work dir."""
+    parser.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # a child process
-    parser.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    add_trial_arguments(parser)
     add_record_argument(parser)
     args = parser.parse_args(argv)
     if args.phase:
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cache = tmp / "experiment" / "compile_cache"
-        seconds = {phase: run_phase(phase, cache, tmp / str(i), tmp / ("new-node" if phase == "warm, new node" else "node"))
+        seconds = {phase: trial_seconds(__file__, ["--phase", phase], cache, tmp / str(i),
+                                         tmp / ("new-node" if phase == "warm, new node" else "node"))
                    for i, phase in enumerate(PHASES)}
         saved = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     cold = seconds["cold"]
