@@ -392,7 +392,10 @@ def lower_what_computes_nothing(gm: torch.fx.GraphModule, example_inputs: Sequen
     (`computes_nothing`, transposes as the permutes they are) for lowering. Lite mode would call
     each through ATen from the wrapper: most of a step's calls, where lowered they are pointer
     arithmetic or a fused loop's write (docs/design.md). No value changes: the arithmetic stays
-    ATen's or the kernels' own. (Not a pass of inductor's own: lite mode runs none.)"""
+    ATen's or the kernels' own. (Not a pass of inductor's own: lite mode runs none.) A C++ wrapper
+    built here is built against `precompiled_wrapper_headers`; a graph that AOTAutograd's cache
+    holds does not come here, and its wrapper loads with inductor's header: precompiling the
+    bigger one on a new node would cost a warm trial ~15 s more and save it nothing."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     for node in gm.graph.nodes:
@@ -401,7 +404,8 @@ def lower_what_computes_nothing(gm: torch.fx.GraphModule, example_inputs: Sequen
         if computes_nothing(node):
             node.meta.setdefault("custom", {})[LOWERED] = {}
     gm.recompile()
-    return compile_fx_inner(gm, example_inputs, **kwargs)
+    with precompiled_wrapper_headers():
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 @cache
@@ -564,7 +568,7 @@ class StepGraph(Compiled):
             key_tag = torch.compiler.config.cache_key_tag + lowering_key()  # (a user's own tag kept)
             with (torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
                                                 force_non_lazy_backward_lowering=True),
-                  torch.compiler.config.patch(cache_key_tag=key_tag), precompiled_wrapper_headers()):
+                  torch.compiler.config.patch(cache_key_tag=key_tag)):
                 try:
                     return self._entered(compile_fx(gm, example_inputs, lower_what_computes_nothing, options))
                 except Exception as err:
