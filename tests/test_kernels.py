@@ -222,6 +222,41 @@ def test_a_cpu_wrapper_is_built_against_one_precompiled_header_of_all_it_include
     assert torch.equal(weight.grad, expected)
 
 
+def test_a_step_graph_from_the_cache_loads_its_wrapper_without_precompiling_a_header(monkeypatch, tmp_path):
+    """Inductor precompiles a wrapper's header at every load, a cached wrapper's too, where
+    nothing is compiled (a warm trial on a new node paid the build for nothing). A step graph that
+    AOTAutograd's cache holds loads its wrappers with no header precompiled; the same graph
+    compiled cold got the wrapper header. (The process's in-memory caches are cleared between the
+    two, as a new trial process starts without them.)"""
+    from torch._inductor import codecache
+    from torch._inductor.utils import clear_caches
+
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    precompiled, loaded = [], []
+    precompile, load = codecache._precompile_header, codecache.CppWrapperCodeCache.load_pybinding.__func__
+    monkeypatch.setattr(codecache, "_precompile_header", lambda header, *a, **k: (precompiled.append(header),
+                                                                                  precompile(header, *a, **k))[1])
+    monkeypatch.setattr(codecache.CppWrapperCodeCache, "load_pybinding",
+                        classmethod(lambda cls, *a, **k: (loaded.append(k["main_code"]), load(cls, *a, **k))[1]))
+
+    def fn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, (8,), weight).tanh()
+
+    x, weight = torch.randn(4, 8), torch.randn(8, requires_grad=True)
+    StepGraph(fn)(x, weight).sum().backward()
+    assert str(WRAPPER_HEADER) in precompiled and len(loaded) == 2  # compiled cold: both wrappers
+    torch._dynamo.reset()
+    clear_caches()
+    precompiled.clear(), loaded.clear()
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    graph = StepGraph(fn)
+    graph(x, weight).sum().backward()
+    assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1 and graph.error is None
+    assert len(loaded) == 2  # loaded again, from the cache ...
+    assert precompiled == []  # ... with no header precompiled for them
+
+
 class AmaxHistory(torch.nn.Module):
     """A layer in miniature, none of its ops a kernel's: it writes its state (an amax history, as
     a scaler does) and multiplies through views and transposes of its weight and input."""

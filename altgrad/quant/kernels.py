@@ -44,7 +44,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 from altgrad.quant.formats import FormatSpec
-from altgrad.quant.wrapper_headers import precompiled_wrapper_headers
+from altgrad.quant.wrapper_headers import wrapper_headers
 
 Scale = float | torch.Tensor | None
 
@@ -393,9 +393,8 @@ def lower_what_computes_nothing(gm: torch.fx.GraphModule, example_inputs: Sequen
     each through ATen from the wrapper: most of a step's calls, where lowered they are pointer
     arithmetic or a fused loop's write (docs/design.md). No value changes: the arithmetic stays
     ATen's or the kernels' own. (Not a pass of inductor's own: lite mode runs none.) A C++ wrapper
-    built here is built against `precompiled_wrapper_headers`; a graph that AOTAutograd's cache
-    holds does not come here, and its wrapper loads with inductor's header: precompiling the
-    bigger one on a new node would cost a warm trial ~15 s more and save it nothing."""
+    compiled here gets the step graph wrapper's header (`wrapper_headers`); a graph from
+    AOTAutograd's cache, which only loads, does not come here."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     for node in gm.graph.nodes:
@@ -404,7 +403,7 @@ def lower_what_computes_nothing(gm: torch.fx.GraphModule, example_inputs: Sequen
         if computes_nothing(node):
             node.meta.setdefault("custom", {})[LOWERED] = {}
     gm.recompile()
-    with precompiled_wrapper_headers():
+    with wrapper_headers(compiling=True):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
@@ -568,7 +567,7 @@ class StepGraph(Compiled):
             key_tag = torch.compiler.config.cache_key_tag + lowering_key()  # (a user's own tag kept)
             with (torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
                                                 force_non_lazy_backward_lowering=True),
-                  torch.compiler.config.patch(cache_key_tag=key_tag)):
+                  torch.compiler.config.patch(cache_key_tag=key_tag), wrapper_headers(compiling=False)):
                 try:
                     return self._entered(compile_fx(gm, example_inputs, lower_what_computes_nothing, options))
                 except Exception as err:

@@ -1,4 +1,5 @@
-"""The headers of a step graph's C++ wrapper, precompiled as one.
+"""The headers of a step graph's C++ wrapper, precompiled as one where it is compiled, and not at
+all where it is only loaded.
 
 On the CPU a step graph's wrapper is C++ (`kernels.step_graph_options`), and g++ compiles one for
 every graph inductor compiles. Inductor builds it against a precompiled header that holds
@@ -6,9 +7,11 @@ every graph inductor compiles. Inductor builds it against a precompiled header t
 dispatcher (layer norm, GELU, arange: schemas with a list, a string or an optional dtype, which the
 stable ABI cannot carry) also includes the dispatcher's, IValue's and the JIT types' headers. Every
 step graph calls such ops, and g++ parsed those headers anew for each one: about half of a wrapper's
-compile time (docs/design.md, "The step graph wrapper's headers"). `precompiled_wrapper_headers`
-has inductor precompile `step_graph_wrapper.h` in its place: its own header first, then the rest.
-What the wrapper compiles to is the same code; only the parsing moves into the precompiled header.
+compile time (docs/design.md, "The step graph wrapper's headers"). So where a graph is compiled,
+inductor precompiles `step_graph_wrapper.h` instead: its own header first, then the rest; the code
+compiled is the same. And inductor precompiles the header at every load of a wrapper, a cached one
+too, where nothing is compiled: a warm trial on a new node paid that build for nothing, so where a
+graph is only loaded, no header is precompiled.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from contextvars import ContextVar
+from functools import cache
 from pathlib import Path
 
 # Resolved: the precompiled header is keyed on this path, so a package whose modules link here
 # (a test's altered copy) shares it.
 WRAPPER_HEADER = Path(__file__).resolve().with_name("step_graph_wrapper.h")
+
+_compiling: ContextVar[bool | None] = ContextVar("altgrad_wrapper_compiling", default=None)
 
 
 def wrapper_includes(source: str) -> list[str]:
@@ -28,30 +35,38 @@ def wrapper_includes(source: str) -> list[str]:
     return re.findall(r"^\s*#include\s*<([^>]+)>", source, flags=re.MULTILINE)
 
 
-@contextlib.contextmanager
-def precompiled_wrapper_headers() -> Iterator[None]:
-    """While inside, inductor precompiles `WRAPPER_HEADER` for a CPU graph's C++ wrapper instead of
-    its own header, which `WRAPPER_HEADER` includes first. Where this torch precompiles another
-    header (or none, or has no such hook), nothing changes: a wrapper compiled against a header
-    that lacks what it needs would still build, only slower, but one against a different base
-    header might not."""
+@cache
+def _hooked() -> bool:
+    """Routes inductor's choice of a CPU wrapper's header through `_compiling`, once per process.
+    Outside `wrapper_headers` inductor's choice stands. Where this torch has no such hook, or
+    precompiles another base header (a wrapper built against a different one might not build),
+    nothing changes."""
     try:
         from torch._inductor.codecache import CppWrapperCodeCache
     except ImportError:
-        yield
-        return
-    original = CppWrapperCodeCache.__dict__.get("_get_uncompiled_header")
-    if not isinstance(original, classmethod):
-        yield
-        return
+        return False
+    inductors = CppWrapperCodeCache.__dict__.get("_get_uncompiled_header")
+    if not isinstance(inductors, classmethod):
+        return False
     base = wrapper_includes(WRAPPER_HEADER.read_text())[0]
 
     def header(cls: type, device: str) -> str | None:
-        own = original.__func__(cls, device)
-        return str(WRAPPER_HEADER) if own == base else own
+        own, compiling = inductors.__func__(cls, device), _compiling.get()
+        if compiling is None or own != base:
+            return own
+        return str(WRAPPER_HEADER) if compiling else None
 
     CppWrapperCodeCache._get_uncompiled_header = classmethod(header)
+    return True
+
+
+@contextlib.contextmanager
+def wrapper_headers(compiling: bool) -> Iterator[None]:
+    """While inside, a CPU wrapper inductor builds or loads gets `WRAPPER_HEADER` precompiled if
+    `compiling`, else no precompiled header. The innermost of nested ones decides."""
+    _hooked()
+    token = _compiling.set(compiling)
     try:
         yield
     finally:
-        CppWrapperCodeCache._get_uncompiled_header = original
+        _compiling.reset(token)
