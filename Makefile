@@ -42,6 +42,7 @@ bench: venv
 	$(PY) benchmarks/sweep_overhead.py --record
 	$(PY) benchmarks/warm_trial.py --record
 	$(PY) benchmarks/compile_step.py --record
+	$(PY) benchmarks/node_headers.py --record
 	$(PY) benchmarks/record.py
 
 # On a GPU machine, with whatever Python has torch there (`make gpu-check GPU_PY=python3`; no Ray

@@ -1,5 +1,5 @@
 """A cold trial's first step with the step graph wrapper's headers precompiled as one, against
-inductor's own precompiled header (`altgrad.quant.wrapper_headers`).
+inductor's own precompiled header (`altgrad.quant.precompiled_headers`).
 
 On the CPU g++ compiles a C++ wrapper for every step graph, against a header precompiled once per
 machine (in the node's temp dir). Each run below is a fresh process with an empty compile cache,
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.header:
         if args.header == "inductor's":
-            import altgrad.quant.kernels
+            from altgrad.quant import precompiled_headers
 
-            altgrad.quant.kernels.wrapper_headers = lambda compiling: contextlib.nullcontext()
+            precompiled_headers.wrapper_headers = lambda compiling: contextlib.nullcontext()
         print(json.dumps({"seconds": first_step(args.workdir, str(args.cache), remote=False)}))
         return
 

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from pyarrow.fs import LocalFileSystem, SubTreeFileSystem
 from record import Claim, add_record_argument, write
@@ -63,15 +64,20 @@ def first_step(workdir: Path, cache: str, remote: bool) -> float:
     return seconds
 
 
-def trial_seconds(script: str, flags: list[str], cache: Path, workdir: Path, node: Path) -> float:
+def trial_output(script: str, flags: list[str], cache: Path, workdir: Path, node: Path) -> dict[str, Any]:
     """`script` run as a trial's child process (`flags`, its cache and work dir) on `node`, its temp
     dir: where inductor keeps what it keeps per machine (its precompiled headers: docs/design.md,
-    "Inductor's precompiled headers"). The seconds it printed last."""
+    "Inductor's precompiled headers"). The JSON object it printed last."""
     args = [sys.executable, script, *flags, "--cache", str(cache), "--workdir", str(workdir)]
     node.mkdir(parents=True, exist_ok=True)
     out = subprocess.run(args, env={**os.environ, "TMPDIR": str(node)}, check=True, capture_output=True,
                          text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["seconds"]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def trial_seconds(script: str, flags: list[str], cache: Path, workdir: Path, node: Path) -> float:
+    """The seconds `trial_output` printed."""
+    return trial_output(script, flags, cache, workdir, node)["seconds"]
 
 
 def add_trial_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,6 +4,9 @@ resuming exactly."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
 import torch
 from compiled_steps import (
@@ -19,7 +22,7 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import profile
 
-from altgrad.quant import compile_status
+from altgrad.quant import compile_status, precompiled_headers
 from altgrad.quant.kernels import (
     TRANSPOSES,
     Compiled,
@@ -30,7 +33,7 @@ from altgrad.quant.kernels import (
     rollback_point,
     step_graph_options,
 )
-from altgrad.quant.wrapper_headers import WRAPPER_HEADER, wrapper_includes
+from altgrad.quant.precompiled_headers import WRAPPER_HEADER, wrapper_includes
 from altgrad.train import Trainer
 from altgrad.train.format_shift import shift_layers
 
@@ -179,27 +182,37 @@ def leading_includes(source: str) -> list[str]:
     return wrapper_includes("\n".join(top))
 
 
+class WrapperCalls(NamedTuple):
+    precompiled: dict[str, set[str]]  # each header inductor was asked to precompile: the files it got
+    wrappers: list[str]  # each C++ wrapper's source inductor loaded ...
+    kernels: list[str | None]  # ... and the source of its fused loops, compiled apart from it (none: empty)
+
+
 @pytest.fixture
-def wrapper_calls(monkeypatch) -> tuple[list[str], list[str]]:
-    """What inductor is asked, while a test runs, to precompile (each header) and to load as a C++
-    wrapper (each wrapper's source); with compiling allowed."""
+def wrapper_calls(monkeypatch) -> WrapperCalls:
+    """What inductor is asked, while a test runs, to precompile and to load as a C++ wrapper; with
+    compiling allowed, and altgrad's hooks into inductor's headers in place (as any compile of
+    altgrad's has them) before these recordings wrap them."""
     from torch._inductor import codecache
 
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
-    precompiled, loaded = [], []
+    precompiled_headers.install()
+    calls = WrapperCalls({}, [], [])
     precompile, load = codecache._precompile_header, codecache.CppWrapperCodeCache.load_pybinding.__func__
 
     def recorded_precompile(header: str, *args, **kwargs) -> str:
-        precompiled.append(header)
-        return precompile(header, *args, **kwargs)
+        path = precompile(header, *args, **kwargs)
+        calls.precompiled.setdefault(header, set()).add(path)
+        return path
 
     def recorded_load(cls, *args, **kwargs):
-        loaded.append(kwargs["main_code"])
+        calls.wrappers.append(kwargs["main_code"])
+        calls.kernels.append(kwargs.get("kernel_code"))
         return load(cls, *args, **kwargs)
 
     monkeypatch.setattr(codecache, "_precompile_header", recorded_precompile)
     monkeypatch.setattr(codecache.CppWrapperCodeCache, "load_pybinding", classmethod(recorded_load))
-    return precompiled, loaded
+    return calls
 
 
 def test_a_cpu_wrapper_is_built_against_one_precompiled_header_of_all_it_includes(wrapper_calls):
@@ -207,7 +220,7 @@ def test_a_cpu_wrapper_is_built_against_one_precompiled_header_of_all_it_include
     arange) includes the dispatcher's and the JIT types' headers. Inductor is asked to precompile
     `step_graph_wrapper.h`, not its own header, and that holds every header the wrapper includes,
     so g++ parses none of them per graph. Inductor's caches off: a cached graph compiles nothing."""
-    precompiled, wrappers = wrapper_calls
+    precompiled, wrappers, _ = wrapper_calls
 
     def fn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, (16,), weight)) * torch.arange(16)
@@ -240,7 +253,7 @@ def test_a_step_graph_from_the_cache_loads_its_wrapper_without_precompiling_a_he
     from torch._inductor.utils import clear_caches
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    precompiled, loaded = wrapper_calls
+    precompiled, loaded, _ = wrapper_calls
 
     def fn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.layer_norm(x, (8,), weight).tanh()
@@ -256,7 +269,39 @@ def test_a_step_graph_from_the_cache_loads_its_wrapper_without_precompiling_a_he
     graph(x, weight).sum().backward()
     assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1 and graph.error is None
     assert len(loaded) == 2  # loaded again, from the cache ...
-    assert precompiled == []  # ... with no header precompiled for them
+    assert precompiled == {}  # ... with no header precompiled for them
+
+
+def test_each_header_is_precompiled_once_for_files_compiled_alone_and_linked_at_once(wrapper_calls):
+    """Inductor keys a precompiled header on the command line of the file that includes it. That
+    differs between a file compiled alone (`-c`: a wrapper whose graph has fused loops, and those
+    loops) and one compiled and linked at once (a wrapper of ATen calls alone, a kernel compiled
+    by itself), while the header is built by one command either way: each header is built once,
+    into one file, for both. Inductor's caches off: a cached graph compiles nothing."""
+    precompiled, wrappers, kernels = wrapper_calls
+    scaled = Kernel(lambda x, s: (x * s).round() / s)  # (a fused loop, unlike any other test's)
+
+    def aten_only(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, (16,), weight).tanh()
+
+    def fused(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return scaled(aten_only(x, weight), 7.0)
+
+    x, weight = torch.randn(4, 16), torch.randn(16, requires_grad=True)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        for fn in (aten_only, fused):
+            graph = StepGraph(fn)
+            graph(x, weight).sum().backward()
+            assert graph.error is None
+        scaled(x, 7.0)  # the kernel compiled by itself
+    assert scaled.error is None and scaled.compiled is not None
+    # both kinds of wrapper, so both kinds of command line include each header
+    assert not all(kernels) and any(kernels), kernels
+    assert {str(WRAPPER_HEADER), "torch/csrc/inductor/cpp_prefix.h"} <= set(precompiled)
+    for header, files in precompiled.items():
+        assert len(files) == 1, (header, files)
+        assert Path(f"{next(iter(files))}.gch").is_file()
 
 
 class AmaxHistory(torch.nn.Module):

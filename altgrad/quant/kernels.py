@@ -43,8 +43,8 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 
+from altgrad.quant import precompiled_headers
 from altgrad.quant.formats import FormatSpec
-from altgrad.quant.wrapper_headers import wrapper_headers
 
 Scale = float | torch.Tensor | None
 
@@ -403,7 +403,7 @@ def lower_what_computes_nothing(gm: torch.fx.GraphModule, example_inputs: Sequen
         if computes_nothing(node):
             node.meta.setdefault("custom", {})[LOWERED] = {}
     gm.recompile()
-    with wrapper_headers(compiling=True):
+    with precompiled_headers.wrapper_headers(compiling=True):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
@@ -445,6 +445,7 @@ class Kernel(Compiled):
             try:
                 if self.compiled is None:
                     allow_recompiles()
+                    precompiled_headers.install()
                     self.compiled = torch.compile(self.fn, dynamic=not self.static_shapes, fullgraph=True,
                                                   options=compile_options())
                 with _no_autocast(first):
@@ -567,7 +568,7 @@ class StepGraph(Compiled):
             key_tag = torch.compiler.config.cache_key_tag + lowering_key()  # (a user's own tag kept)
             with (torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=True,
                                                 force_non_lazy_backward_lowering=True),
-                  torch.compiler.config.patch(cache_key_tag=key_tag), wrapper_headers(compiling=False)):
+                  torch.compiler.config.patch(cache_key_tag=key_tag), precompiled_headers.wrapper_headers(compiling=False)):
                 try:
                     return self._entered(compile_fx(gm, example_inputs, lower_what_computes_nothing, options))
                 except Exception as err:

@@ -1,5 +1,5 @@
-"""The headers of a step graph's C++ wrapper, precompiled as one where it is compiled, and not at
-all where it is only loaded.
+"""Inductor's precompiled headers, as altgrad's compiles have them built: the step graph wrapper's
+headers as one, none where a graph is only loaded, and each header built once per machine.
 
 On the CPU a step graph's wrapper is C++ (`kernels.step_graph_options`), and g++ compiles one for
 every graph inductor compiles. Inductor builds it against a precompiled header that holds
@@ -12,16 +12,24 @@ inductor precompiles `step_graph_wrapper.h` instead: its own header first, then 
 compiled is the same. And inductor precompiles the header at every load of a wrapper, a cached one
 too, where nothing is compiled: a warm trial on a new node paid that build for nothing, so where a
 graph is only loaded, no header is precompiled.
+
+Inductor keys a precompiled header on the command line of the file that includes it, and that
+differs between a file compiled alone (`-c`: a wrapper whose graph has fused kernels, and those
+kernels) and one compiled and linked in one go (`-shared`: a wrapper of ATen calls alone, such as a
+bf16 step graph's, and a kernel compiled on its own). The header itself is built by the same g++
+command either way, so a machine built each of its headers twice, one the other's copy (a
+wrapper's 25 s, the kernels' 11 s here). Keyed on the command that builds it, each is built once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 # Resolved: the precompiled header is keyed on this path, so a package whose modules link here
 # (a test's altered copy) shares it.
@@ -36,11 +44,17 @@ def wrapper_includes(source: str) -> list[str]:
 
 
 @cache
-def _hooked() -> bool:
-    """Routes inductor's choice of a CPU wrapper's header through `_compiling`, once per process.
-    Outside `wrapper_headers` inductor's choice stands. Where this torch has no such hook, or
-    precompiles another base header (a wrapper built against a different one might not build),
-    nothing changes."""
+def install() -> bool:
+    """Routes inductor's choice of a CPU wrapper's header through `wrapper_headers`, and keys each
+    precompiled header on the command that builds it; once per process, before anything compiles.
+    Where this torch lacks either hook, that one changes nothing. Whether both are in place."""
+    choice, key = _header_choice_hooked(), _header_key_hooked()
+    return choice and key
+
+
+def _header_choice_hooked() -> bool:
+    """Outside `wrapper_headers` inductor's choice stands. Where inductor precompiles another base
+    header (a wrapper built against a different one might not build), it stands too."""
     try:
         from torch._inductor.codecache import CppWrapperCodeCache
     except ImportError:
@@ -60,11 +74,35 @@ def _hooked() -> bool:
     return True
 
 
+def _header_key_hooked() -> bool:
+    """Inductor's `_precompile_header(header, key, **compile_command)` builds `header` with
+    `compile_command` (less its link inputs) and `precompiling`, under a name hashed from `key`,
+    the header's preprocessed text and the compiler's version; `key` is the including file's
+    command line. Here it is the building command's own."""
+    try:
+        from torch._inductor import codecache
+        from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+    except ImportError:
+        return False
+    inductors: Callable[..., str] | None = getattr(codecache, "_precompile_header", None)
+    if inductors is None:
+        return False
+
+    def precompile_header(header: str, including_command: str, **compile_command: Any) -> str:
+        build = {name: value for name, value in compile_command.items() if name != "extra_flags"}
+        building_command = CppBuilder(name="o", sources="i", BuildOption=CppTorchDeviceOptions(
+            **build, precompiling=True)).get_command_line()
+        return inductors(header, building_command, **compile_command)
+
+    codecache._precompile_header = precompile_header
+    return True
+
+
 @contextlib.contextmanager
 def wrapper_headers(compiling: bool) -> Iterator[None]:
     """While inside, a CPU wrapper inductor builds or loads gets `WRAPPER_HEADER` precompiled if
     `compiling`, else no precompiled header. The innermost of nested ones decides."""
-    _hooked()
+    install()
     token = _compiling.set(compiling)
     try:
         yield
