@@ -18,27 +18,21 @@ two headers' runs alternate.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from record import Claim, add_record_argument, write
-from warm_trial import add_trial_arguments, first_step, trial_seconds
+from record import Claim, write
+from warm_trial import first_step, parse_trial_arguments, trial_seconds
 
 HEADERS = ("wrapper header", "inductor's")
 TARGET = 1.0  # of inductor's time: a header that holds more must not make the trial slower
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each header after its first")
-    parser.add_argument("--header", choices=HEADERS, help=argparse.SUPPRESS)  # a child process
-    add_trial_arguments(parser)
-    add_record_argument(parser)
-    args = parser.parse_args(argv)
+    args = parse_trial_arguments(argv, __doc__, "header", HEADERS, repeat=(1, "runs of each header after its first"))
     if args.header:
         if args.header == "inductor's":
             from altgrad.quant import precompiled_headers

@@ -20,7 +20,6 @@ header files built, and the whole compile.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from record import Claim, add_record_argument, write
-from warm_trial import add_trial_arguments, trial_output
+from record import Claim, write
+from warm_trial import parse_trial_arguments, trial_output
 
 KEYS = ("building key", "including key")
 TARGET = 1.0  # of the including key's header time: never more
@@ -67,12 +66,7 @@ def compile_both_kinds() -> tuple[float, int, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=2, help="runs of each key")
-    parser.add_argument("--key", choices=KEYS, help=argparse.SUPPRESS)  # a child process
-    add_trial_arguments(parser)
-    add_record_argument(parser)
-    args = parser.parse_args(argv)
+    args = parse_trial_arguments(argv, __doc__, "key", KEYS, repeat=(2, "runs of each key"))
     if args.key:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.cache)
         from torch._inductor import codecache

@@ -80,18 +80,22 @@ def trial_seconds(script: str, flags: list[str], cache: Path, workdir: Path, nod
     return trial_output(script, flags, cache, workdir, node)["seconds"]
 
 
-def add_trial_arguments(parser: argparse.ArgumentParser) -> None:
-    """A child process's arguments, besides what it runs: the compile cache and the work dir."""
+def parse_trial_arguments(argv: list[str] | None, doc: str, child: str, choices: tuple[str, ...],
+                          repeat: tuple[int, str] | None = None) -> argparse.Namespace:
+    """A trial benchmark's command line: `--record`, and `--repeat` where given (its default and
+    help); a child process gets `--<child>` (one of `choices`), its compile cache and work dir."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if repeat:
+        parser.add_argument("--repeat", type=int, default=repeat[0], help=repeat[1])
+    parser.add_argument(f"--{child}", choices=choices, help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    add_record_argument(parser)
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # a child process
-    add_trial_arguments(parser)
-    add_record_argument(parser)
-    args = parser.parse_args(argv)
+    args = parse_trial_arguments(argv, __doc__, "phase", PHASES)
     if args.phase:
         seconds = first_step(args.workdir / "run", str(args.cache), remote=args.phase == "warm, new node")
         print(json.dumps({"seconds": seconds}))
