@@ -17,8 +17,9 @@ Inductor keys a precompiled header on the command line of the file that includes
 differs between a file compiled alone (`-c`: a wrapper whose graph has fused kernels, and those
 kernels) and one compiled and linked in one go (`-shared`: a wrapper of ATen calls alone, such as a
 bf16 step graph's, and a kernel compiled on its own). The header itself is built by the same g++
-command either way, so a machine built each of its headers twice, one the other's copy (a
-wrapper's 25 s, the kernels' 11 s here). Keyed on the command that builds it, each is built once.
+command either way, so a machine built each of its headers twice, one the other's copy
+(docs/design.md, "Each precompiled header keyed on the command that builds it"). Keyed on that
+command, each is built once.
 """
 
 from __future__ import annotations
