@@ -304,6 +304,33 @@ def test_each_header_is_precompiled_once_for_files_compiled_alone_and_linked_at_
         assert Path(f"{next(iter(files))}.gch").is_file()
 
 
+def test_a_header_is_keyed_on_its_build_and_on_inductors_key_where_this_torch_cannot_say_it(tmp_path, monkeypatch):
+    """Directly, on a header of a line: two including command lines, one build command, one file.
+    Where this torch's builder does not take the options (a TypeError), inductor's own key stands:
+    a file per including command line, each still built."""
+    from torch._inductor import codecache, cpp_builder
+
+    precompiled_headers.install()
+    header = tmp_path / "one_line.h"
+    header.write_text("inline int one_line() { return 1; }\n")
+
+    def files(*including: str) -> set[str]:
+        return {codecache._precompile_header(str(header), command, device_type="cpu") for command in including}
+
+    shared = files("g++ -c x.cpp", "g++ -shared x.cpp")
+    assert len(shared) == 1 and Path(f"{next(iter(shared))}.gch").is_file()
+    options = cpp_builder.CppTorchDeviceOptions
+
+    def without_precompiling(*args, precompiling: bool = False, **kwargs):
+        if precompiling:
+            raise TypeError("unexpected keyword argument 'precompiling'")
+        return options(*args, **kwargs)
+
+    monkeypatch.setattr(cpp_builder, "CppTorchDeviceOptions", without_precompiling)
+    own = files("g++ -c y.cpp", "g++ -shared y.cpp")
+    assert len(own) == 2 and not own & shared and all(Path(f"{file}.gch").is_file() for file in own)
+
+
 class AmaxHistory(torch.nn.Module):
     """A layer in miniature, none of its ops a kernel's: it writes its state (an amax history, as
     a scaler does) and multiplies through views and transposes of its weight and input."""

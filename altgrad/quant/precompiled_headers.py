@@ -81,8 +81,7 @@ def _header_key_hooked() -> bool:
     the header's preprocessed text and the compiler's version; `key` is the including file's
     command line. Here it is the building command's own."""
     try:
-        from torch._inductor import codecache
-        from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+        from torch._inductor import codecache, cpp_builder
     except ImportError:
         return False
     inductors: Callable[..., str] | None = getattr(codecache, "_precompile_header", None)
@@ -91,9 +90,12 @@ def _header_key_hooked() -> bool:
 
     def precompile_header(header: str, including_command: str, **compile_command: Any) -> str:
         build = {name: value for name, value in compile_command.items() if name != "extra_flags"}
-        building_command = CppBuilder(name="o", sources="i", BuildOption=CppTorchDeviceOptions(
-            **build, precompiling=True)).get_command_line()
-        return inductors(header, building_command, **compile_command)
+        try:
+            key = cpp_builder.CppBuilder(name="o", sources="i", BuildOption=cpp_builder.CppTorchDeviceOptions(
+                **build, precompiling=True)).get_command_line()
+        except TypeError:  # options this torch's builder does not take: inductor's own key
+            key = including_command
+        return inductors(header, key, **compile_command)
 
     codecache._precompile_header = precompile_header
     return True
