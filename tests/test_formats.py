@@ -10,6 +10,7 @@ import torch
 from bitwise import same_values
 
 from altgrad.quant import FORMATS, FormatSpec, decode, encode, get_format
+from altgrad.quant.formats import DERIVED_VALUES
 
 ALL = sorted(FORMATS)
 ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn,
@@ -176,3 +177,23 @@ def test_flush_to_zero_spec():
     assert torch.equal(encode(values[:127], ftz), torch.cat([torch.zeros(8, dtype=torch.uint8), CODES[8:127]]))
     with pytest.raises(ValueError, match="gfloat"):
         ftz.to_gfloat()
+
+
+def test_derived_values_are_computed_once_and_traced_as_values():
+    """Each derived value is cached at construction (what dynamo then reads is a value, not a
+    property's function to trace at every read), equal to its definition; a compiled function that
+    reads them compiles anew for another format and computes with its values."""
+    for fmt in FORMATS.values():
+        for name in DERIVED_VALUES:
+            assert name in vars(fmt), (fmt.name, name)
+            assert vars(fmt)[name] == type(fmt).__dict__[name].func(fmt), (fmt.name, name)
+    holder = {"fmt": FORMATS["e4m3"]}
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * holder["fmt"].max + holder["fmt"].emax
+
+    compiled = torch.compile(scaled, backend="eager", fullgraph=True)
+    x = torch.ones(3)
+    for name in ("e4m3", "e5m2", "e0m7"):
+        holder["fmt"] = FORMATS[name]
+        assert torch.equal(compiled(x), torch.full((3,), FORMATS[name].max + FORMATS[name].emax))

@@ -30,6 +30,7 @@ from altgrad.quant.kernels import (
     Scale,
     constants,
     family,
+    format_constants,
     grid_params,
     round_nearest,
     scale_tensor,
@@ -47,7 +48,7 @@ NAN_CODE = 4          # the NaN code ...
 NAN_SIGN = 5          # ... and its sign bit (0x80, or 0 for 'none' formats, which encode NaN as +0)
 
 
-@cache
+@format_constants
 def _code_values(fmt: FormatSpec) -> tuple[float, ...]:
     inf = fmt.inf_code if fmt.specials == "ieee" else fmt.nan_code if fmt.specials == "fn" else -1
     nan, nan_sign = (fmt.nan_code, 0x80) if fmt.nan_code is not None else (0, 0)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -65,59 +66,61 @@ class FormatSpec:
         # 2^(e + 23 - mbits) * (2^23 + 1) must not overflow.
         if self.emin - self.mbits < -126 or max(self.emax, self.emin) > 80:
             raise ValueError(f"{self.name}: bias {self.bias} puts the format outside float32 range")
+        for derived in DERIVED_VALUES:  # cached now: a step graph's trace then reads values, not calls
+            getattr(self, derived)
 
     # -- derived values -----------------------------------------------------------------------
 
-    @property
+    @cached_property
     def emin(self) -> int:
         """Unbiased exponent of the smallest normal (for E0, of the absent normal range)."""
         return 1 - self.bias
 
-    @property
+    @cached_property
     def emax(self) -> int:
         """floor(log2(max)), as gfloat defines it."""
         return math.frexp(self.max)[1] - 1
 
-    @property
+    @cached_property
     def max(self) -> float:
         """Largest finite value."""
         return self.value_of(self.max_code)
 
-    @property
+    @cached_property
     def min_normal(self) -> float:
         """2^emin, where the ULP starts doubling per binade (for E0 above `max`)."""
         return math.ldexp(1.0, self.emin)
 
-    @property
+    @cached_property
     def min_subnormal(self) -> float:
         """Smallest positive value."""
         return math.ldexp(1.0, self.emin - self.mbits) if self.subnormals else self.min_normal
 
-    @property
+    @cached_property
     def max_code(self) -> int:
         """Code of +max."""
         if self.specials == "ieee":
             return (((1 << self.ebits) - 1) << self.mbits) - 1
         return 0x7E if self.specials == "fn" else 0x7F
 
-    @property
+    @cached_property
     def nan_code(self) -> int | None:
         """Canonical +NaN code (ml_dtypes' choice: quiet bit set), None if the format has no NaN."""
         if self.specials == "ieee":
             return self._top_field | (1 << (self.mbits - 1))
         return 0x7F if self.specials == "fn" else None
 
-    @property
+    @cached_property
     def inf_code(self) -> int | None:
         """Code of +inf, None if the format has none."""
         return self._top_field if self.specials == "ieee" else None
 
-    @property
+    @cached_property
     def num_finite_codes(self) -> int:
         """Codes that decode to a finite value (±0 count twice)."""
         return sum(math.isfinite(self.value_of(code)) for code in range(256))
 
-    @property
+    @cached_property
     def _top_field(self) -> int:
         return ((1 << self.ebits) - 1) << self.mbits
 
@@ -150,6 +153,13 @@ class FormatSpec:
             self.name, k=8, precision=self.mbits + 1, bias=self.bias, is_signed=True,
             domain=gfloat.Domain.Extended if self.specials == "ieee" else gfloat.Domain.Finite,
             has_nz=True, num_high_nans=high_nans, has_subnormals=True, is_twos_complement=False)
+
+
+# The derived values, each a `cached_property` computed at construction: dynamo traces a property's
+# function at every read (in a step graph's trace, hundreds), and reads a cached value as a constant
+# (docs/design.md, "Dynamo's trace of a warm trial").
+DERIVED_VALUES = ("emin", "emax", "max", "min_normal", "min_subnormal", "max_code", "nan_code", "inf_code",
+            "num_finite_codes", "_top_field")
 
 
 def _exotic(ebits: int) -> FormatSpec:

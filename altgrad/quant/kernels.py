@@ -85,7 +85,17 @@ def _constants(values: tuple[float, ...], dtype: torch.dtype, device: torch.devi
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-@cache
+def format_constants(fn: Callable[..., tuple[float, ...]]) -> Callable[..., tuple[float, ...]]:
+    """`fn`, a pure function of a format and other hashable settings to a tuple of floats, cached;
+    and where dynamo traces a call, called as it is, its result a constant of the graph. Dynamo
+    skips a cache and would otherwise trace the body, and every `FormatSpec` property it reads
+    (each a Python function of the format's fields), again at each quantizer in every trace: most
+    of a warm trial's start-up is dynamo's trace (docs/design.md). The result depends on the
+    arguments alone, whose values dynamo guards on, so another format still compiles anew."""
+    return torch.compiler.assume_constant_result(cache(fn))
+
+
+@format_constants
 def grid_values(fmt: FormatSpec, saturate: bool, mantissa_bits: int) -> tuple[float, ...]:
     """fmt's constants for a container of `mantissa_bits` (entries: CLAMP_LO ... TO_FIELD)."""
     shift = mantissa_bits - fmt.mbits

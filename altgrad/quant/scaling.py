@@ -9,13 +9,11 @@ bad step cannot poison the history.
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 from torch import nn
 
 from altgrad.quant.formats import FormatSpec, get_format
-from altgrad.quant.kernels import Constants, Kernel, constants
+from altgrad.quant.kernels import Constants, Kernel, constants, format_constants
 from altgrad.scaling_policy import AmaxAlgo, ScalingPolicy, check_history
 
 
@@ -65,7 +63,7 @@ def scale_for(amax: torch.Tensor, target: float | torch.Tensor, pow2: bool | tor
 TARGET, POW2, SCALED, DELAYED, MOST_RECENT = range(5)
 
 
-@cache
+@format_constants
 def _scaler_values(fmt: FormatSpec, policy: ScalingPolicy) -> tuple[float, ...]:
     flags = {POW2: policy.pow2, SCALED: policy.mode != "none", DELAYED: policy.mode == "delayed",
              MOST_RECENT: policy.algo == "most_recent"}
