@@ -183,6 +183,8 @@ def test_derived_values_are_computed_once_and_traced_as_values():
     """Each derived value is cached at construction (what dynamo then reads is a value, not a
     property's function to trace at every read), equal to its definition; a compiled function that
     reads them compiles anew for another format and computes with its values."""
+    assert [name for name, value in vars(FormatSpec).items() if isinstance(value, property)] == []
+    assert {"max", "emax", "emin", "nan_code"} <= set(DERIVED_VALUES)
     for fmt in FORMATS.values():
         for name in DERIVED_VALUES:
             assert name in vars(fmt), (fmt.name, name)

@@ -158,8 +158,7 @@ class FormatSpec:
 # The derived values, each a `cached_property` computed at construction: dynamo traces a property's
 # function at every read (in a step graph's trace, hundreds), and reads a cached value as a constant
 # (docs/design.md, "Dynamo's trace of a warm trial").
-DERIVED_VALUES = ("emin", "emax", "max", "min_normal", "min_subnormal", "max_code", "nan_code", "inf_code",
-            "num_finite_codes", "_top_field")
+DERIVED_VALUES = tuple(name for name, value in vars(FormatSpec).items() if isinstance(value, cached_property))
 
 
 def _exotic(ebits: int) -> FormatSpec:

@@ -552,9 +552,9 @@ class StepGraph(Compiled):
         from torch._inductor.compile_fx import compile_fx
 
         allow_recompiles(GRAPHS_PER_STEP)
-        # The cached functions a step calls (`grid_params`, `scaler_params`) turn a format's fields
-        # into a small tensor; traced, they build the same constants in the graph, so dynamo's
-        # warning that it skips their cache says nothing a user can act on. Neither does
+        # A cached function a step still traces (`_one`, the scale of an unscaled tensor) builds the
+        # same constant in the graph, so dynamo's warning that it skips its cache says nothing a
+        # user can act on (a format's constants are not traced: `format_constants`). Neither does
         # inductor's note that the C++ wrapper calls an ATen op through its generic dispatcher.
         warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
         logging.getLogger("torch._inductor.ir").addFilter(_no_shim_notes)
