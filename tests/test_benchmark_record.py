@@ -206,6 +206,8 @@ def test_op_callers_counts_each_native_call_once_under_the_altgrad_function_that
         torch.zeros(3)
         quantize(y, FORMATS["e4m3"])
         linear(x)
+    if not hasattr(prof.events()[0], "is_python_function"):  # (torch 2.11: the "2.11" case stands for it)
+        pytest.skip("this torch's events have no is_python_function, the oracle")
     python_calls = {id(e) for e in prof.events() if e.is_python_function}
     assert {"<built-in", "nn.Module: Linear"} <= {e.name[:len(kind)] for e in prof.events() if id(e) in python_calls
                                                  for kind in ("<built-in", "nn.Module: Linear")}

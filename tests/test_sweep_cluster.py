@@ -93,7 +93,7 @@ def test_lost_worker_node_trial_resumes_on_the_survivor(cluster, sweep_args, tmp
                 continue
         return None
 
-    wait_for(lambda: on_worker_node() is not None, proc, timeout=180)
+    wait_for(lambda: on_worker_node() is not None, proc)
     key = on_worker_node()
     lost = json.loads((exp / TRIALS_DIR / key / WORKER_FILE).read_text())
     for p in node_processes():  # the raylet, its workers, the trial: all at once, no shutdown

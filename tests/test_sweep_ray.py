@@ -291,7 +291,7 @@ def test_bucket_sweep_survives_losing_its_machine(reference, sweep_args, s3_buck
     request.addfinalizer(lambda: shutil.rmtree(machines, ignore_errors=True))
     lost = machines / "m1"
     proc = start_driver(args, None, machine=lost)
-    wait_for(checkpointed, proc, timeout=180)
+    wait_for(checkpointed, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     kill_processes_mentioning(lost)  # its Ray, wherever it sits: the machine is gone
