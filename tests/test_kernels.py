@@ -241,7 +241,7 @@ def test_a_cpu_wrapper_is_built_against_one_precompiled_header_of_all_it_include
     fn(x, weight).sum().backward()
     assert torch.equal(weight.grad, expected)
     if not all("ATen/core/dispatch/Dispatcher.h" in leading_includes(source) for source in wrappers):
-        # (what this test is about; torch 2.11's wrapper calls these ops through its C shim)
+        # (what this test is about; torch 2.11 calls these ops another way)
         pytest.skip("this torch's wrappers call no op through the boxed dispatcher")
 
 
