@@ -76,8 +76,8 @@ def start_driver(args: list[str], ray_address: str | None, machine: Path | None 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float = 300) -> None:
     """Until `condition()` holds; fails if the driver exits first or `timeout` seconds pass. The
-    timeout is generous: the other test worker compiles beside the sweep, and a rung a sweep
-    records in ~40 s on an idle 2-core machine took over 120 s under extra load."""
+    timeout is generous: the other test worker compiles beside the sweep, and the first ASHA rung
+    of a test that takes ~70 s in all took over 120 s to appear under extra load."""
     deadline = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None:
