@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     add_record_argument(ap)
     args = ap.parse_args(argv)
     n, reps = (4096, 1) if args.smoke else (args.n, args.reps)
-    allocator = "the trainer's allocator" if retain_freed_memory() else "glibc's default allocator"
+    allocator = "the trainer's allocator" if retain_freed_memory() else "the default allocator"
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 64
     fast: dict[str, Callable[[], object]] = {
