@@ -139,8 +139,8 @@ def test_measured_compiling_is_charged_once_per_compiled_unit(monkeypatch, capsy
 def test_measured_step_cost_is_timed_here(make_config, monkeypatch, tmp_path):
     """Timed in a child process, as a trial runs: a run that does not compile, once, with nothing
     to compile; a compiled one twice, its warm start-up and its compiling measured apart -- in the
-    cache it is given, where a second measurement finds what the first compiled -- at any
-    log_interval."""
+    cache it is given, where the second run finds what the first compiled (else the two start-ups
+    would differ by no compile) -- at any log_interval."""
     from altgrad.tune.estimate import measure
 
     with monkeypatch.context() as eager_kernels:
@@ -163,8 +163,6 @@ def test_measured_step_cost_is_timed_here(make_config, monkeypatch, tmp_path):
     steps = first.timing.step_s
     assert set(steps) == {True, False} and all(0 < step < 0.2 for step in steps.values())
     assert any(f.is_file() for f in (tmp_path / "one").rglob("*"))  # compiled into the cache it was given
-    again = measure(tiny, steps=6, cpus=1, cache=tmp_path / "one")
-    assert again.compile_s < first.compile_s / 3 and set(again.timing.step_s) == {True, False}
 
 
 def test_measured_cost_charges_each_trial_its_kinds_of_step_and_splits_the_compiling(make_config, monkeypatch,
