@@ -1,5 +1,6 @@
-"""Which 8-bit format trains best, per layer type and optimizer: the format × optimizer × layer
-precision grid as one Ray Tune sweep with ASHA and a stability stopper.
+"""Which 8-bit format trains best, per layer type and optimizer: one Ray Tune sweep.
+
+The format × optimizer × layer-precision grid, with ASHA and a stability stopper.
 
     python sweeps/format_ablation.py [--config sweeps/configs/format_ablation.yaml] [--smoke]
         [--name N] [--storage-path P] [--resume | --fresh] [--dry-run] [--set key=value ...]

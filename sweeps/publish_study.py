@@ -1,5 +1,7 @@
-"""Publish a finished study in the README: its heatmap, verdict and sweet spots, dated and
-attributed to a commit, between the `<!-- study:begin -->` / `<!-- study:end -->` markers.
+"""Publish a finished study in the README: its heatmap, verdict and sweet spots.
+
+Dated and attributed to a commit, between the `<!-- study:begin -->` / `<!-- study:end -->`
+markers.
 
     python sweeps/publish_study.py experiments/cpu_study [--readme README.md]
 
