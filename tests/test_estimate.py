@@ -140,7 +140,9 @@ def test_measured_step_cost_is_timed_here(make_config, monkeypatch, tmp_path):
     """Timed in a child process, as a trial runs: a run that does not compile, once, with nothing
     to compile; a compiled one twice, its warm start-up and its compiling measured apart -- in the
     cache it is given, where the second run finds what the first compiled (else the two start-ups
-    would differ by no compile) -- at any log_interval."""
+    would differ by no compile) -- at any log_interval. (The run that does not compile starts up in
+    ~0.4 s, less than the noise of the 2-3 s evaluation its start-up is told apart from: on a loaded
+    machine it measured 0, so only the compiled runs' start-ups are checked.)"""
     from altgrad.tune.estimate import measure
 
     with monkeypatch.context() as eager_kernels:
@@ -149,7 +151,7 @@ def test_measured_step_cost_is_timed_here(make_config, monkeypatch, tmp_path):
         # loaded machine's steps otherwise can exceed (eval_s then clamps to 0)
         eager = measure(make_config("quant.format=e4m3", "train.max_steps=30", "train.log_interval=5",
                                     "train.eval_iters=24"), steps=6, cpus=1, cache=tmp_path / "eager")
-    assert eager.source == "measured" and eager.timing.eval_s > 0 and eager.timing.startup_s > 0
+    assert eager.source == "measured" and eager.timing.eval_s > 0
     assert all(0 < step < 5 for step in eager.timing.step_s.values())
     assert eager.compile_s == 0
 
