@@ -215,7 +215,7 @@ def test_a_sole_sweet_spot_says_which_of_its_calls_do_not_hold_family_wise():
 def test_one_seed_says_n_1_and_is_never_called_different():
     f = compute_findings([trial("bf16"), trial("e4m3", scale=1.5), trial("e5m2", scale=1.01)])
     cell = f.cells["e4m3", "adamw", "all", ()]
-    assert cell.ratio.text(".3f") == "1.500 (n = 1, paired, no interval)"
+    assert cell.ratio.text(3) == "1.500 (n = 1, paired, no interval)"
     assert cell.best.text() .endswith("(n = 1, no interval)")
     assert cell.vs_bf16 == "indistinguishable (no interval)"
     assert spot(f, "all").group == ("bf16", "e5m2", "e4m3")  # nothing separates without an interval
@@ -335,10 +335,10 @@ def test_gradients_off_fp32_are_said_even_where_the_loss_ties(tmp_path):
     assert f.multiplicity()[1].startswith("gradient cosine − bf16: 5 comparisons with an interval")
     summary = f.fidelity_summary()
     assert len(summary) == 1
-    e3m4 = fid["e3m4"].cosine.text(".3f")
+    e3m4 = fid["e3m4"].cosine.text(3)
     assert summary[0] == (f"all, adamw: closest to FP32: e3m4 {e3m4} ≈ e4m3 ≈ e5m2; further: "
-                          f"e6m1 {fid['e6m1'].cosine.text('.3f')} (− bf16 not family-wise), "
-                          f"e7m0 {fid['e7m0'].cosine.text('.3f')}; loss not separated from bf16's for e7m0")
+                          f"e6m1 {fid['e6m1'].cosine.text(3)} (− bf16 not family-wise), "
+                          f"e7m0 {fid['e7m0'].cosine.text(3)}; loss not separated from bf16's for e7m0")
 
     text = write_report(cosine_study(), tmp_path).read_text()
     assert f"- **Gradients against the FP32 shadow**, {summary[0]}." in text
@@ -376,8 +376,8 @@ def test_gradient_cosine_ranks_healthy_full_budgets_and_pairs_each_seed_over_its
     assert (fid["e7m0"].nonfinite, fid["e7m0"].shadow_steps) == (1, 3 * len(EVAL_STEPS))
     assert fid["e0m7"].cosine.n == 0 and "{0, 1, 2} not finite" in fid["e0m7"].diff.note
     assert fid["e7m0"].family_wise.holds
-    assert f.fidelity_summary() == [f"all, adamw: closest to FP32: e4m3 {fid['e4m3'].cosine.text('.3f')}; further: "
-                                    f"e7m0 {fid['e7m0'].cosine.text('.3f')}; loss not separated from bf16's for e7m0"]
+    assert f.fidelity_summary() == [f"all, adamw: closest to FP32: e4m3 {fid['e4m3'].cosine.text(3)}; further: "
+                                    f"e7m0 {fid['e7m0'].cosine.text(3)}; loss not separated from bf16's for e7m0"]
     text = write_report(records, tmp_path).read_text()
     assert "| e5m2 | adamw | all | — | 60 | 0 of 18 |" in text and "| asha |" in text
     assert "| e0m7 | adamw | all | — | 60 | 21 of 21 | no finite value (n = 0) |" in text

@@ -106,7 +106,19 @@ def test_interval_n3_by_hand():
     e = mean_interval([1.0, 2.0, 3.0])
     assert (e.n, e.mean) == (3, 2.0)
     assert e.half_width == pytest.approx(2.484138, abs=1e-6)
-    assert e.text(".2f") == "2.00 ± 2.48 (n = 3)"
+    assert e.text(2) == "2.00 ± 2.48 (n = 3)"
+
+
+def test_a_narrow_interval_is_printed_with_the_places_its_width_needs():
+    """Two seeds' ratios to bf16 agreeing to the fourth place: deviations ±0.00003, s = 0.00003 * √2,
+    se = 0.00003, half = 12.7062 * 0.00003 = 0.00038. At 3 places that read '1.000 ± 0.000', an
+    interval of no width; it gets a fourth place. A width of exactly 0 still prints as 0, and one
+    that shows at 3 places keeps 3."""
+    e = mean_interval([1.000296, 1.000356])
+    assert e.half_width == pytest.approx(12.7062 * 0.00003, rel=1e-4)
+    assert e.text(3) == "1.0003 ± 0.0004 (n = 2)"
+    assert mean_interval([1.0, 1.0]).text(3) == "1.000 ± 0.000 (n = 2)"
+    assert mean_interval([1.0, 1.2]).text(3) == "1.100 ± 1.271 (n = 2)"
 
 
 def test_interval_n5_by_hand():
@@ -176,7 +188,7 @@ def test_ratio_unpaired_when_seed_sets_differ():
     assert r.mean == pytest.approx(2.0)
     assert r.half_width == pytest.approx(T2 * 2 * math.sqrt(0.08), abs=1e-6)
     assert r.note == "unpaired: bf16 has seeds {1, 2}, the cell {1, 3}"
-    assert r.text(".3f") == "2.000 ± 2.434 (n = 2 vs 2, unpaired)"
+    assert r.text(3) == "2.000 ± 2.434 (n = 2 vs 2, unpaired)"
 
 
 def test_ratio_one_seed_baseline_has_no_interval():

@@ -371,7 +371,7 @@ class SweetSpot:
             caveat = f"; not family-wise for {', '.join(self.not_family_wise)}" if self.not_family_wise else ""
             return f"{BASELINE} (every format is worse{caveat})"
         caveat = f" (better than {BASELINE}, not family-wise)" if self.not_family_wise else ""
-        return f"{self.leader.name} at {self.leader.ratio.text('.3f')}× {BASELINE}{caveat}"
+        return f"{self.leader.name} at {self.leader.ratio.text(3)}× {BASELINE}{caveat}"
 
 
 @dataclass(frozen=True)
@@ -427,7 +427,7 @@ class Verdict:
 
     @property
     def line(self) -> str:
-        ratio = (f"× {BASELINE} {self.cell.ratio.text('.3f')}" if self.cell and math.isfinite(self.cell.ratio.mean)
+        ratio = (f"× {BASELINE} {self.cell.ratio.text(3)}" if self.cell and math.isfinite(self.cell.ratio.mean)
                  else "ratio n/a")
         return (f"{VERDICT_FORMAT.upper()} within {100 * VERDICT_TOLERANCE:.0f} % of BF16: "
                 f"{'PASS' if self.passed else 'INVESTIGATE'} ({ratio}; {self.reason})")
@@ -490,11 +490,11 @@ class Findings:
                 continue
             further = sorted((g for n, g in group.items() if n not in closest and g.cosine.n),
                              key=lambda g: -g.cosine.mean)
-            parts = [f"closest to FP32: {closest[0]} {group[closest[0]].cosine.text('.3f')}"
+            parts = [f"closest to FP32: {closest[0]} {group[closest[0]].cosine.text(3)}"
                      + "".join(f" ≈ {n}" for n in closest[1:])]
             if further:
                 parts.append("further: " + ", ".join(
-                    f"{g.cell.name} {g.cosine.text('.3f')}"
+                    f"{g.cell.name} {g.cosine.text(3)}"
                     + ("" if g.family_wise and g.family_wise.holds else f" (− {BASELINE} not family-wise)")
                     for g in further))
                 if hidden := [g.cell.name for g in further if not g.cell.ratio.excludes(g.cell.NULL)]:
@@ -681,7 +681,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         failures.append(Failure(r, step, collapsed, reason or "—", where, evidence))
 
     notes += [f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''} "
-              f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text('.3f')}; "
+              f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text(3)}; "
               f"{c.family_wise.text}). Published "
               "FP8 results run slightly worse than 16-bit, so treat this as an anomaly until an ablation "
               "explains it, e.g. forward-only quantization: `--set \"grid.axes={quant.roles.grad_output: "

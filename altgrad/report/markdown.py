@@ -117,7 +117,7 @@ def _stops(c: Cell) -> str:
 def _cells(f: Findings) -> str:
     rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—",
              ", ".join(sorted({str(t.seed) for t in c.trials})), c.best.text(), c.steps,
-             c.ratio.text(".3f"), c.vs_bf16, _family_wise(c.family_wise), _stops(c)]
+             c.ratio.text(3), c.vs_bf16, _family_wise(c.family_wise), _stops(c)]
             for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision, c.axes, format_key(c.format)))]
     return _table(["format", "optimizer", "precision", "extra axes", "seeds", "best val loss (95 %)", "steps",
                    "× bf16 (95 %)", "vs bf16", "family-wise (Holm)", "stops"], rows)
@@ -125,7 +125,7 @@ def _cells(f: Findings) -> str:
 
 def _fidelity_table(fidelity: list[GradientFidelity]) -> str:
     rows = [[g.cell.name, g.cell.optimizer, g.cell.precision, axes_text(g.cell.axes) or "—", g.cell.steps,
-             f"{g.nonfinite} of {g.shadow_steps}", g.cosine.text(".4f"), g.baseline.text(".4f"), g.diff.text(".4f"),
+             f"{g.nonfinite} of {g.shadow_steps}", g.cosine.text(4), g.baseline.text(4), g.diff.text(4),
              g.verdict, _family_wise(g.family_wise), g.cell.vs_bf16, _stops(g.cell)]
             for g in sorted(fidelity, key=lambda g: (g.cell.optimizer, g.cell.precision, g.cell.axes,
                                                       format_key(g.cell.format)))]

@@ -29,6 +29,7 @@ from altgrad.report.findings import (
     signals,
     stop_step,
 )
+from altgrad.report.stats import decimals_to_show
 
 STABILITY_METRICS = (BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN)
 THRESHOLD_LABEL = "_threshold"  # "_": matplotlib keeps it out of the legend
@@ -202,8 +203,8 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
     for i, row in enumerate(cells):
         for j, cell in enumerate(row):
             if math.isfinite(ratio[i, j]):
-                hw = cell.ratio.half_width
-                text = f"{ratio[i, j]:.3f}\n" + (f"± {hw:.3f}" if hw is not None else f"n = {cell.ratio.n}")
+                hw, d = cell.ratio.half_width, decimals_to_show(cell.ratio.half_width, 3)
+                text = f"{ratio[i, j]:.{d}f}\n" + (f"± {hw:.{d}f}" if hw is not None else f"n = {cell.ratio.n}")
             else:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="grey", lw=0))
                 text = "no trial" if cell is None else "× " + (",".join(cell.stops) or "no finite loss")

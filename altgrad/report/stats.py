@@ -139,6 +139,15 @@ def t_quantile(p: float, df: float) -> float:
     return t
 
 
+def decimals_to_show(half_width: float | None, decimals: int) -> int:
+    """`decimals`, or more where a half-width above 0 would print as 0 at that many: enough places
+    for its first significant digit. '1.000 ± 0.000' would claim an interval with no width where
+    the seeds agree to the fourth place; only a half-width of exactly 0 prints as 0."""
+    if not half_width or not math.isfinite(half_width) or half_width >= 0.5 * 10.0 ** -decimals:
+        return decimals
+    return max(decimals, -math.floor(math.log10(half_width)))
+
+
 @dataclass(frozen=True)
 class Interval:
     """A mean over seeds with its two-sided Student-t interval: mean ± half_width.
@@ -197,14 +206,16 @@ class Interval:
     def _counts(self) -> str:
         return f"n = {self.n}"
 
-    def text(self, spec: str = ".4f") -> str:
+    def text(self, decimals: int = 4) -> str:
         """'6.5123 ± 0.0412 (n = 3)', '6.5123 (n = 1, no interval)', or for no finite value at all
-        'no finite value (n = 0)'; `spec` formats both numbers."""
+        'no finite value (n = 0)'; both numbers to `decimals` places, or more where the half-width
+        needs them (`decimals_to_show`)."""
         if self.n == 0:
             return f"no finite value ({self._counts()})"
         if self.half_width is None:
-            return f"{self.mean:{spec}} ({self._counts()}, no interval)"
-        return f"{self.mean:{spec}} ± {self.half_width:{spec}} ({self._counts()})"
+            return f"{self.mean:.{decimals}f} ({self._counts()}, no interval)"
+        d = decimals_to_show(self.half_width, decimals)
+        return f"{self.mean:.{d}f} ± {self.half_width:.{d}f} ({self._counts()})"
 
 
 @dataclass(frozen=True, kw_only=True)
