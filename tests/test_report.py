@@ -512,6 +512,38 @@ def test_stability_and_heatmap_data_match_input(tmp_path):
     assert f"{hand_interval(means['e4m3', 'all'])[0]:.3f}\n± {hand_interval(means['e4m3', 'all'])[1]:.3f}" in annotated
 
 
+def drawn_extent(monkeypatch: pytest.MonkeyPatch, draw) -> tuple[np.ndarray, np.ndarray]:
+    """(figure size, extent of everything drawn) in inches, [x0, y0, x1, y1], of the figure `draw()`
+    saves: read off the figure matplotlib is asked to save."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    saved: list[Figure] = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (saved.append(fig), save(fig, *a, **kw))[1])
+    draw()
+    (fig,) = saved
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.array([0, 0, *fig.get_size_inches()]), np.array(fig.get_tightbbox(canvas.get_renderer()).extents)
+
+
+@pytest.mark.parametrize("n_formats", [1, 2, 3, 8])
+def test_every_figure_draws_inside_its_canvas(tmp_path, monkeypatch, n_formats):
+    """Nothing a figure draws is cut off at its edge: the heatmap's colour-bar label, as long as a
+    one-format heatmap is tall, was ("lower is b..."). Any number of formats, and the other figures."""
+    formats = ["e4m3", "e5m2", "e3m4", "e2m5", "e6m1", "e7m0", "e1m6", "e0m7"][:n_formats]
+    records = [*seeded("bf16", [1.0, 1.0]), *(r for fmt in formats for r in seeded(fmt, [1.01, 1.03]))]
+    f = compute_findings(records)
+    drawers = [lambda: plot_heatmap(f, "adamw", (), tmp_path / "heat.png"),
+               lambda: plot_loss(f, "adamw", (), tmp_path / "loss.png"),
+               lambda: plot_stability(f, "adamw", (), tmp_path / "stability.png")]
+    for draw in drawers:
+        canvas, drawn = drawn_extent(monkeypatch, draw)
+        monkeypatch.undo()
+        assert (drawn[:2] >= canvas[:2] - 0.01).all() and (drawn[2:] <= canvas[2:] + 0.01).all(), (canvas, drawn)
+
+
 def test_partial_experiment_lists_what_is_missing():
     records = [
         trial("bf16"),

@@ -194,7 +194,9 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
     formats, precisions = findings.formats, findings.precisions
     cells = [[findings.cell(f, optimizer, p, axes) for p in precisions] for f in formats]
     ratio = np.array([[c.ratio.mean if c and not c.broke else np.nan for c in row] for row in cells], float)
-    fig = Figure(figsize=(max(1.8 + 1.5 * len(precisions), 6.4), 1.2 + 0.6 * len(formats)), layout="constrained")
+    # tall enough for the colour bar's two-line label, which constrained layout does not shrink
+    fig = Figure(figsize=(max(1.8 + 1.5 * len(precisions), 6.4), max(1.2 + 0.6 * len(formats), 2.4)),
+                 layout="constrained")
     ax = fig.subplots()
     finite = ratio[np.isfinite(ratio)]  # colour range: at least 1 ± 0.1 around bf16, at most 2×
     image = ax.imshow(np.ma.masked_invalid(ratio), cmap=colormaps["RdYlGn_r"].with_extremes(bad="lightgrey"),
@@ -214,7 +216,7 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
     ax.set(xticks=range(len(precisions)), xticklabels=precisions, yticks=range(len(formats)),
            yticklabels=formats, xlabel="layer precision",
            title=f"Best val loss / {BASELINE} — optimizer {optimizer}{_suffix(axes)}")
-    fig.colorbar(image, ax=ax, label=f"× {BASELINE}, mean over seeds (lower is better)")
+    fig.colorbar(image, ax=ax, label=f"× {BASELINE}, mean over seeds\n(lower is better)")
     return _save(fig, path)
 
 
