@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from altgrad.__main__ import main
+from altgrad.train.cli import new_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,6 +47,19 @@ def test_train_writes_a_run_dir_and_resumes(eurlex_dir, data_root, tmp_path, cap
     assert main(["train", "--resume", str(out), "--set", "train.max_steps=9", "--quiet"]) == 0
     assert "completed after 9 steps" in capsys.readouterr().out
 
+    # resuming to fewer steps than the checkpoint has taken is refused, and nothing is rewritten
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["train", "--resume", str(out), "--set", "train.max_steps=6", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint is at step 9, past train.max_steps=6" in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+    # a new run cannot take over the directory: it would delete this run's metrics and mix checkpoints
+    assert main(["train", *data_args(eurlex_dir, data_root), "--set", "train.max_steps=2",
+                 "--set", "quant.format=e5m2", "--out", str(out), "--quiet"]) == 2
+    assert f"--out {out} is not empty: continue the run there with --resume" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
@@ -65,6 +81,33 @@ def test_config_errors_exit_2_and_write_nothing(
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_out_that_is_a_file_is_a_clean_error(eurlex_dir, data_root, tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("train: {max_steps: 2}\n")
+    assert main(["train", *data_args(eurlex_dir, data_root), "--out", str(config), "--quiet"]) == 2
+    assert "a file, not a directory" in capsys.readouterr().err
+    assert config.read_text() == "train: {max_steps: 2}\n"
+
+
+def test_cuda_without_a_device_is_a_clean_error(eurlex_dir, data_root, tmp_path, monkeypatch, capsys):
+    """train.device=cuda where there is none (simulated on a GPU machine): exit 2 with the reason,
+    not a traceback from pinning the first batch; the default run directory it claimed is gone."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *data_args(eurlex_dir, data_root), "--set", "train.device=cuda", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "train.device=cuda, but this machine has no CUDA device" in err and "Traceback" not in err
+    assert not list((tmp_path / "runs").iterdir())
+
+
+def test_default_run_dirs_started_in_one_second_differ(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261202-120000")
+    first, second = new_run_dir(None, "e4m3-adamw"), new_run_dir(None, "e4m3-adamw")
+    assert first != second and first.is_dir() and second.is_dir()
+    assert [first.name, second.name] == ["20261202-120000-e4m3-adamw", "20261202-120000-e4m3-adamw-2"]
 
 
 def test_corrupt_resume_target_is_a_clean_error(tmp_path):

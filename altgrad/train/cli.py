@@ -39,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from altgrad.train.trainer import Trainer
 
+    run_dir = None
     try:
         if args.resume is not None:
             if args.config is not None:
@@ -49,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
             run_dir = args.resume
         else:
             cfg = load_config(args.config, args.overrides)
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            run_dir = args.out or Path("runs") / f"{stamp}-{cfg.quant.format}-{cfg.optim.name}"
+            run_dir = new_run_dir(args.out, f"{cfg.quant.format}-{cfg.optim.name}")
         trainer = Trainer(cfg, run_dir)
         summary = trainer.fit(
             report=None if args.quiet else ProgressPrinter(cfg.train.max_steps),
@@ -58,12 +58,37 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if args.resume is None and args.out is None and run_dir is not None and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # the default directory this run claimed, still empty
         return 2
     print(
         f"done: {summary['stop_reason']} after {summary['steps']} steps, best val loss "
         f"{summary['best_val_loss']:.4f}, run dir {run_dir}"
     )
     return 0 if summary["stop_reason"] == StopReason.COMPLETED else 1
+
+
+def new_run_dir(out: Path | None, name: str) -> Path:
+    """The directory of a new run: `out`, which must not hold anything yet (a new run there would
+    delete an earlier run's metrics and mix its checkpoints with the earlier ones), or by default
+    runs/<time>-<name>, made here so that two runs started in the same second get two directories."""
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out}: a file, not a directory")
+        if out.is_dir() and any(out.iterdir()):
+            raise ConfigError(f"--out {out} is not empty: continue the run there with --resume {out}, "
+                              "or give a new directory")
+        return out
+    base = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    for attempt in range(1, 100):
+        run_dir = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
+        try:
+            run_dir.mkdir(parents=True)
+            return run_dir
+        except FileExistsError:
+            if not run_dir.is_dir():  # (`runs` itself is a file)
+                break
+    raise ConfigError(f"cannot make a run directory {base}: give one with --out")
 
 
 class ProgressPrinter:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from altgrad.config import RunConfig, dump_config
+from altgrad.config import ConfigError, RunConfig, dump_config
 from altgrad.data import TokenBatches, prepare_dataset
 from altgrad.experiment import EventKind, RunStatus, StopReason
 from altgrad.metrics import (
@@ -116,8 +116,12 @@ def to_host(named: Metrics, *tensors: torch.Tensor | None) -> tuple[dict[str, fl
 
 
 def resolve_device(name: str) -> torch.device:
+    """`train.device` on this machine: "auto" is CUDA where there is a device; "cuda" without one
+    is a user's error (ConfigError), not a failure deep inside the first batch."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda, but this machine has no CUDA device (use cpu or auto)")
     return torch.device(name)
 
 
@@ -200,6 +204,9 @@ class Trainer:
         each event as it is recorded."""
         self.on_event = on_event
         start, skipped = self._resume(Path(resume)) if resume is not None else (0, [])
+        if start > self.cfg.train.max_steps:  # (checked before any file of the run is touched)
+            raise ConfigError(f"the run's checkpoint is at step {start}, past train.max_steps="
+                              f"{self.cfg.train.max_steps}: resume with max_steps >= {start}")
         self.files.start(dump_config(self.cfg), resume_step=start if resume is not None else None)
         self.bit_file.start(start if resume is not None else None)
         for problem in skipped:
