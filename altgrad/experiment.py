@@ -328,8 +328,19 @@ def stop_detail(stop: dict[str, Any]) -> str:
     if stop["behind"] is None:
         return f"nan: val loss non-finite at rung step {step}"
     ref = BASELINE if stop.get("reference_key") else "the rung's best"
-    return (f"asha: {100 * stop['behind']:.0f} % behind {ref} at step {step} ({stop['value']:.4f} vs "
-            f"{stop['reference']:.4f}; tolerance {100 * stop['tolerance']:.0f} %)")
+    behind, tolerance = _percents(stop["behind"], stop["tolerance"])
+    return (f"asha: {behind} % behind {ref} at step {step} ({stop['value']:.4f} vs "
+            f"{stop['reference']:.4f}; tolerance {tolerance} %)")
+
+
+def _percents(a: float, b: float) -> tuple[str, str]:
+    """Two fractions as percentages with two significant digits, or as many more as it takes to
+    tell them apart: a stop 0.23 % behind under a 0.1 % tolerance must not read "0 % ... 0 %"."""
+    for digits in range(2, 7):
+        texts = f"{100 * a:.{digits}g}", f"{100 * b:.{digits}g}"
+        if texts[0] != texts[1]:
+            break
+    return texts
 
 
 def _stopped(path: Path) -> dict[str, dict[str, Any]]:

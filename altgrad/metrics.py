@@ -67,6 +67,12 @@ SHADOW_COS = "shadow/cos"  # per layer only
 STALL_STREAK = "sweep/stall_streak"  # consecutive reports with bit-stall at or above the threshold
 STABLE_LR = "sweep/stable_lr"  # the run's learning rate while it learns stably, else 0
 
+# What every report of a sweep's trial carries (the docstring's "every logged row", and the
+# trial's own signals): a scheduler's metric must be one of these, or Ray fails the sweep at the
+# first report that lacks it.
+EVERY_REPORT = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, GRAD_NORM, TOKENS_PER_S, LOSS_IS_NAN, GRAD_HAS_NAN, NAN_STREAK,
+                DIVERGENCE, FORMAT_SHIFTS, VAL_LOSS, VAL_PPL, STALL_STREAK, STABLE_LR)
+
 
 def per_layer(metric: str, layer: str) -> str:
     """The per-layer form of a model-wide metric, e.g. `quant/bit_stall_rate/h.0.mlp.c_fc`."""

@@ -74,6 +74,26 @@ def test_the_reference_is_bf16_of_the_same_seed_else_the_rungs_best(tmp_path):
     assert state["stopped"]["e3m4-s1"]["reference"] == 5.0
 
 
+def test_a_stop_shows_the_digits_that_tell_behind_from_tolerance():
+    stop = {"reason": "asha", "step": 10, "value": 9.9133, "reference": 9.8907, "reference_key": None,
+            "behind": (9.9133 - 9.8907) / 9.8907, "tolerance": 0.001}
+    assert "0.23 % behind the rung's best" in stop_detail(stop) and "tolerance 0.1 %" in stop_detail(stop)
+    assert "10.004 % behind" in stop_detail({**stop, "behind": 0.10004, "tolerance": 0.1})
+
+
+def test_a_bf16_reference_is_stopped_only_when_broken(tmp_path):
+    """bf16 is what every format of its seed is divided by: far behind another seed's trial (seeds
+    see other batches) it runs its full budget; NaN still stops it."""
+    s = rungs(StateStore(str(tmp_path)), tolerance=0.001)
+    feed(s, "e4m3-s1", {10: 9.89})
+    assert feed(s, "bf16-s2", {10: 9.91, 30: 9.0})[-1] == (30, CONTINUE)  # 0.2 % behind e4m3-s1
+    assert feed(s, "bf16-s1", {10: 12.0})[-1] == (10, CONTINUE)  # 21 % behind
+    assert feed(s, "bf16-s1", {30: math.nan})[-1] == (30, STOP)
+    assert feed(s, "e5m2-s1", {10: 12.5})[-1] == (10, STOP)  # a format is still judged: 4 % behind bf16-s1
+    state = json.loads((tmp_path / STATE_DIR / ASHA_FILE).read_text())
+    assert set(state["stopped"]) == {"bf16-s1", "e5m2-s1"} and state["stopped"]["bf16-s1"]["reason"] == "nan"
+
+
 def test_restored_rungs_decide_like_the_original(tmp_path):
     """A restore (new scheduler object, state from asha.json) makes the same decisions, and a
     trial replaying from an older checkpoint is stopped again at the step it was stopped at."""

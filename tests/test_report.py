@@ -123,6 +123,17 @@ def spot(f, precision: str, optimizer: str = "adamw"):
     return next(s for s in f.sweet_spots if (s.precision, s.optimizer) == (precision, optimizer))
 
 
+def test_one_seed_ties_for_want_of_intervals_not_because_they_overlap():
+    """With one seed nothing has an interval, so everything ties with the leader; the report must
+    not claim that intervals overlap. A cell with an interval beside one without says both."""
+    one = compute_findings([trial("bf16"), trial("e4m3", scale=0.98), trial("e5m2", scale=1.01)])
+    assert spot(one, "all").text == "tie: e4m3 ≈ bf16 ≈ e5m2 (no interval for e4m3, e5m2)"
+    mixed = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e4m3", [0.98, 0.99, 1.0]),
+                              *seeded("e3m4", [0.99, 1.0, 1.01]), trial("e5m2", seed=0, scale=0.97)])
+    assert spot(mixed, "all").text == \
+        "tie: e5m2 ≈ e4m3 ≈ e3m4 ≈ bf16 (intervals overlap; no interval for e5m2)"
+
+
 def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
     f = compute_findings(study())
     e4m3 = f.cells["e4m3", "adamw", "all", ()]
@@ -445,6 +456,18 @@ def test_equivalent_formats_are_one_measurement(tmp_path):
     heat = plot_heatmap(f, "adamw", (), tmp_path / "heat.png")
     texts = heat.texts["Best val loss / bf16 — optimizer adamw"]
     assert texts[1].endswith("≡ e0m7") and texts[0].split("\n")[:2] == texts[1].split("\n")[:2]
+
+
+def test_a_bf16_seed_cut_short_is_not_the_baseline_of_a_longer_cell(tmp_path):
+    """bf16 seed 1 stopped at step 30 of 60: its best loss is a 30-step budget's, so e4m3's seed 1
+    (60 steps) is not divided by it. The comparison is unpaired against bf16's seed 0, and says why."""
+    cut = replace(trial("bf16", seed=1, scale=1.05, steps=30), stop_reason="asha")
+    records = [trial("bf16", seed=0), cut, *seeded("e4m3", [1.02, 1.03])]
+    ratio = compute_findings(records).cells["e4m3", "adamw", "all", ()].ratio
+    assert not ratio.paired and (ratio.n, ratio.n_other) == (2, 1)
+    assert ratio.mean == pytest.approx((1.02 + 1.03) / 2)  # against seed 0's full-budget bf16 alone
+    assert "bf16 seed {1} evaluated only up to step 30 of the cell's 60, left out" in ratio.note
+    assert ratio.note in write_report(records, tmp_path).read_text()
 
 
 def test_missing_optimizer_baseline_is_borrowed_and_noted():

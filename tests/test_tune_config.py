@@ -37,6 +37,9 @@ from altgrad.tune.trial_spec import trial_limits, trial_run_config
     (["grid.axes={optim.lr: []}"], "optim.lr: give at least one value"),
     (["base.quant.grad_format=e8m8"], "base.quant.grad_format"),
     (["base.train.warmup_steps=3000"], "base: train.warmup_steps (3000) must be below train.max_steps"),
+    (["grid.seeds=[42, 43, 42]"], "grid: duplicate seed(s) [42]"),
+    (["asha.metric=train/foo"], "asha.metric: 'train/foo' is not in every report of a trial"),
+    (["asha.metric=quant/bit_stall_rate"], "asha.metric: 'quant/bit_stall_rate' is not in every report"),
 ])
 def test_malformed_config_exits_2_naming_the_field(overrides, field, tmp_path, capsys):
     args = ["--storage-path", str(tmp_path / "store"), "--set", "preset=cpu"]

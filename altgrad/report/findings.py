@@ -49,6 +49,7 @@ from altgrad.report.stats import (
     leader_group,
     mean_interval,
     ratio_interval,
+    seeds_text,
 )
 
 STANDARD, MANIFOLD = "adamw", "manifold"
@@ -360,13 +361,18 @@ class SweetSpot:
     # A sole sweet spot rests on × bf16 calls (bf16 leading: every eligible cell's "worse"; a
     # format leading: its own "better"); the cells of those calls that do not hold family-wise.
     not_family_wise: tuple[str, ...] = ()
+    # names in a tie group without an interval (one seed): they tie because nothing can separate them
+    no_interval: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
         if not self.group:
             return "none (no eligible cell)"
         if len(self.group) > 1:
-            return f"tie: {' ≈ '.join(self.group)} (intervals overlap)"
+            overlap = len(self.group) - len(self.no_interval) > 1
+            why = [*(["intervals overlap"] if overlap else []),
+                   *([f"no interval for {', '.join(self.no_interval)}"] if self.no_interval else [])]
+            return f"tie: {' ≈ '.join(self.group)} ({'; '.join(why)})"
         if self.leader is None:
             caveat = f"; not family-wise for {', '.join(self.not_family_wise)}" if self.not_family_wise else ""
             return f"{BASELINE} (every format is worse{caveat})"
@@ -551,7 +557,15 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
     values = seed_values(trials, steps)
     label = " ≡ ".join((key[0], *also))
-    ratio = ratio_interval(values, seed_values(baseline_trials(bf16, key[3]), steps), labels=(label, BASELINE))
+    # a bf16 seed evaluated short of the cell's steps (running, or stopped) had a smaller budget
+    baseline = baseline_trials(bf16, key[3])
+    short = {t.seed: last_eval(t) or 0 for t in baseline if (last_eval(t) or 0) < steps}
+    ratio = ratio_interval(values, seed_values([t for t in baseline if t.seed not in short], steps),
+                           labels=(label, BASELINE))
+    if short:
+        why = (f"{BASELINE} seed{'s' if len(short) > 1 else ''} {seeds_text(short)} evaluated only up to step "
+               f"{min(short.values())} of the cell's {steps}, left out")
+        ratio = replace(ratio, note="; ".join(n for n in (why, ratio.note) if n))
     return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also)
 
 
@@ -570,7 +584,8 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
     # alone, the leader's own "better" when a format does; a tie rests on none
     calls = [] if len(group) != 1 else eligible if leader is None else [leader]
     unheld = tuple(c.name for c in calls if c.family_wise is None or not c.family_wise.holds)
-    return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld)
+    no_interval = tuple(name for name, e in entries if name in group and e.half_width is None)
+    return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld, no_interval)
 
 
 def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: bool,

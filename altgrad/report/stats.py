@@ -270,7 +270,8 @@ def mean_interval(values: Iterable[float], confidence: float = 0.95) -> Interval
     return Interval(fmean(finite), t_quantile(level, n - 1) * se, n, confidence)
 
 
-def _seeds(seeds: Iterable[int]) -> str:
+def seeds_text(seeds: Iterable[int]) -> str:
+    """A set of seeds as the report writes it: {0, 1, 2}."""
     return "{" + ", ".join(str(s) for s in sorted(seeds)) + "}"
 
 
@@ -281,7 +282,7 @@ def _split(values: Mapping[int, float]) -> tuple[dict[int, float], list[int]]:
 
 
 def _left_out(sides: Iterable[tuple[str, list[int]]]) -> list[str]:
-    return [f"{label}: seed{'s' if len(dropped) > 1 else ''} {_seeds(dropped)} not finite, left out"
+    return [f"{label}: seed{'s' if len(dropped) > 1 else ''} {seeds_text(dropped)} not finite, left out"
             for label, dropped in sides if dropped]
 
 
@@ -300,7 +301,7 @@ def _compare(a: Mapping[int, float], b: Mapping[int, float], confidence: float,
                           n_other=est.n, note="; ".join(left_out) or None)
 
     na, nb = len(xa), len(xb)
-    notes = [f"unpaired: {lb} has seeds {_seeds(xb)}, {la} {_seeds(xa)}", *left_out]
+    notes = [f"unpaired: {lb} has seeds {seeds_text(xb)}, {la} {seeds_text(xa)}", *left_out]
     notes += [f"{label} has {'no finite value' if n == 0 else 'one seed'}, so no interval"
               for label, n in ((la, na), (lb, nb)) if n < 2]
     note = "; ".join(notes)

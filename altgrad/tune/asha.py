@@ -5,7 +5,8 @@ keep "the best third" (Ray's ASHA rule, a hyper-parameter-search tool's). A tria
 rung only when it is broken: its value is non-finite (reason `nan`), or it trails the rung's
 reference by more than `tolerance` (reason `asha`). The reference is the bf16 trial of the same
 optimizer, seed and extra-axis values when it has reported at that rung, else the best value
-recorded there so far. A trial is recorded at a rung when it first reports a step at or past the
+recorded there so far. A bf16 trial that is another trial's reference stops only when non-finite:
+every ratio to bf16 divides by its loss, which a run cut short would make a run of fewer steps. A trial is recorded at a rung when it first reports a step at or past the
 rung's milestone. The NaN-streak and bit-stall rules live in `stopper.StabilityStopper`.
 
 Ray's `AsyncHyperBandScheduler` keeps its rungs in memory and `Tuner.restore` starts it empty;
@@ -49,6 +50,7 @@ class StabilityRungs(FIFOScheduler):
         self._time_attr = time_attr
         self.tolerance = tolerance
         self.references = references
+        self._baselines = {ref for ref in references.values() if ref is not None}
         self.milestones = asha_milestones(grace_period, reduction_factor, max_t)
         self._state: dict[str, Any] | None = None
 
@@ -102,6 +104,8 @@ class StabilityRungs(FIFOScheduler):
         """None for a healthy trial, else why it is broken (reason and the numbers)."""
         if not math.isfinite(value):
             return {"reason": StopReason.NAN, "reference": None, "reference_key": None, "behind": None}
+        if key in self._baselines:
+            return None
         ref_key = self.references.get(key)
         keys = self.state["keys"]
         bf16 = [v for tid, v in rung.items() if ref_key is not None and keys.get(tid) == ref_key]

@@ -39,7 +39,7 @@ from altgrad.config import (
     read_yaml,
     resolve_preset,
 )
-from altgrad.metrics import VAL_LOSS
+from altgrad.metrics import EVERY_REPORT, VAL_LOSS
 from altgrad.precision import BASELINE, PRECISION_PRESETS
 from altgrad.remote import is_remote
 from altgrad.tune.trial_spec import stall_reports_in_run
@@ -60,7 +60,10 @@ SWEEP_PRESETS: dict[str, dict[str, float]] = {
 }
 
 
-def _unique(values: list[str], what: str) -> list[str]:
+Item = TypeVar("Item")
+
+
+def _unique(values: list[Item], what: str) -> list[Item]:
     dupes = sorted({v for v in values if values.count(v) > 1})
     if dupes:
         raise ValueError(f"duplicate {what}(s) {dupes}")
@@ -298,6 +301,7 @@ class GridSettings(StrictModel):
                 "under grid.policies"
             )
         _unique(self.precisions, "precision")
+        _unique(self.seeds or [], "seed")  # a repeated seed would be the same trial twice
         for fmt in self.format_overrides:  # may name formats outside this grid (e.g. --smoke's)
             format_name(fmt)
         return self
@@ -311,7 +315,7 @@ class AshaSettings(StrictModel):
     """Rungs at which a broken trial is stopped (see `altgrad.tune.asha`): never the best-k rule."""
 
     enabled: bool = True
-    metric: str = VAL_LOSS
+    metric: str = Field(VAL_LOSS, description="a metric every report carries (metrics.EVERY_REPORT)")
     mode: Literal["min", "max"] = "min"
     grace_period: int = Field(20, ge=1, description="steps before the first rung")
     reduction_factor: float = Field(3.0, gt=1, description="rung spacing: rungs at grace_period × rf^k")
@@ -320,6 +324,13 @@ class AshaSettings(StrictModel):
         0.10, ge=0, description="stop a trial whose metric trails the rung's reference (bf16 of the "
                                 "same optimizer and seed, else the rung's best) by more than this fraction"
     )
+
+    @field_validator("metric")
+    @classmethod
+    def _reported_every_time(cls, v: str) -> str:
+        if v not in EVERY_REPORT:
+            raise ValueError(f"{v!r} is not in every report of a trial; use one of {list(EVERY_REPORT)}")
+        return v
 
 
 # What a trial compiles (`estimate.compile_keys`): its step graphs (`train.compile`), or else a set
