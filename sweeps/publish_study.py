@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("experiment", type=Path)
     p.add_argument("--readme", type=Path, default=Path("README.md"))
     args = p.parse_args(argv)
+    if not args.readme.is_file():
+        print(f"error: --readme {args.readme}: no such file", file=sys.stderr)
+        return 2
     text = args.readme.read_text()
     if BEGIN not in text or END not in text:
         print(f"error: {args.readme} has no {BEGIN} ... {END} section", file=sys.stderr)

@@ -7,6 +7,8 @@ import importlib.util
 import json
 import math
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -801,3 +803,7 @@ def test_the_published_study_names_the_code_its_trials_ran(tmp_path):
         assert "\n- Gradients against the FP32 shadow, all, adamw: closest to FP32: e4m3 " in text
         shown = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
         assert shown and sorted(p.name for p in (tmp_path / publish.IMAGES).iterdir()) == sorted(Path(s).name for s in shown)
+    proc = subprocess.run([sys.executable, str(ROOT / "sweeps" / "publish_study.py"), str(exp),
+                           "--readme", str(tmp_path / "NOPE.md")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--readme" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "NOPE.md").exists()
