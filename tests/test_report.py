@@ -585,6 +585,21 @@ def test_partial_experiment_lists_what_is_missing():
     assert "e4m3_adamw_mlp_0 (e4m3 / adamw / mlp): not started" in compute_findings(records).missing
 
 
+def test_a_report_on_a_running_sweep_claims_nothing_it_has_not_seen(tmp_path):
+    """A trial that has reported no step yet and one not started: no failure is "every trial
+    completed", no step is None, and a cell without an evaluation is not compared with bf16 (whose
+    finished seed is not "not finite")."""
+    records = [trial("bf16"), trial("e5m2", status="RUNNING", steps=0, summary={"steps": None}),
+               trial("e7m0", status="PENDING", steps=0)]
+    f = compute_findings(records)
+    assert "e5m2_adamw_all_0 (e5m2 / adamw / all): still running, no step reported yet" in f.missing
+    e5m2 = f.cells["e5m2", "adamw", "all", ()]
+    assert e5m2.vs_bf16 == "not compared (no finite value)" and e5m2.ratio.note == "no evaluation yet"
+    text = write_report(records, tmp_path).read_text()
+    assert "No trial has failed so far; 2 not finished" in text and "Every trial completed" not in text
+    assert "not finite" not in text and "step None" not in text and "indistinguishable (no interval)" not in text
+
+
 def test_only_baseline_trials(tmp_path):
     text = write_report([trial("bf16")], tmp_path).read_text()
     assert "INVESTIGATE" in text and "no e5m2 trial" in text

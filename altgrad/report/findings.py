@@ -301,6 +301,8 @@ def family_wise(comparisons: list[tuple[Interval, float]]) -> list[FamilyWise | 
 def reading(estimate: Interval, null: float, below: str, above: str) -> str:
     """`below` / `above` when the 95 % interval excludes `null` on that side (`Interval.excludes`,
     the one rule by which the report calls a difference a difference), else "indistinguishable"."""
+    if math.isnan(estimate.mean):
+        return "not compared (no finite value)"
     if not estimate.bounded:
         return "indistinguishable (no interval)"
     if not estimate.excludes(null):
@@ -562,7 +564,9 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     short = {t.seed: last_eval(t) or 0 for t in baseline if (last_eval(t) or 0) < steps}
     ratio = ratio_interval(values, seed_values([t for t in baseline if t.seed not in short], steps),
                            labels=(label, BASELINE))
-    if short:
+    if not steps:  # no trial of the cell has evaluated yet: nothing to divide
+        ratio = replace(ratio, note="no evaluation yet")
+    elif short:
         why = (f"{BASELINE} seed{'s' if len(short) > 1 else ''} {seeds_text(short)} evaluated only up to step "
                f"{min(short.values())} of the cell's {steps}, left out")
         ratio = replace(ratio, note="; ".join(n for n in (why, ratio.note) if n))
@@ -623,7 +627,9 @@ def _missing(records: list[TrialRecord], given: list[str]) -> list[str]:
     out += [f"{name(r)} ({label(r)}): unreadable: {r.unreadable}" for r in records if r.unreadable]
     for r in records:
         if r.status in UNFINISHED and name(r) not in given and not r.same_as:
-            state = "not started" if r.status == TrialStatus.PENDING else f"still running at step {stop_step(r)[0]}, numbers provisional"
+            step = stop_step(r)[0]
+            state = ("not started" if r.status == TrialStatus.PENDING else "still running, no step reported yet"
+                     if step is None else f"still running at step {step}, numbers provisional")
             out.append(f"{name(r)} ({label(r)}): {state}")
     return list(dict.fromkeys(out))
 

@@ -84,6 +84,8 @@ def _sweet_spots(f: Findings) -> str:
 
 
 def _failures(f: Findings) -> str:
+    if not f.failures and f.missing:  # trials still to run, or that cannot be read, may yet fail
+        return f"No trial has failed so far; {len(f.missing)} not finished (see \"What is missing\")."
     if not f.failures:
         return "Every trial completed without a collapse."
     rows = [[name(x.trial), x.trial.format, x.trial.optimizer, x.trial.precision,
