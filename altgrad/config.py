@@ -31,10 +31,11 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Every config section: an unknown key is an error (a typo never passes silently), values are
-    frozen once validated, and defaults are validated like given values."""
+    """Every config section: an unknown key is an error (a typo never passes silently), a value of
+    the wrong type is one too (strict: `true` is no step count, "5" no integer), values are frozen
+    once validated, and defaults are validated like given values."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
 
 
 def format_name(name: str) -> str:

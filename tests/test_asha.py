@@ -60,18 +60,45 @@ def test_only_broken_trials_stop_at_a_rung(tmp_path):
     assert detail.startswith("asha: 30 % behind bf16 at step 10") and "6.5000 vs 5.0000" in detail
 
 
-def test_the_reference_is_bf16_of_the_same_seed_else_the_rungs_best(tmp_path):
+def test_a_trial_ahead_of_its_bf16_waits_for_it(tmp_path):
     s = rungs(StateStore(str(tmp_path)), tolerance=0.05)
-    feed(s, "e4m3-s1", {10: 5.0})  # first at the rung: nothing to compare with
-    assert feed(s, "e2m5-s1", {10: 5.2})[-1] == (10, CONTINUE)  # 4 % behind the rung's best
-    assert feed(s, "e3m4-s1", {10: 5.3})[-1] == (10, STOP)  # 6 % behind it (bf16-s1 not there yet)
+    assert feed(s, "e4m3-s1", {10: 5.0}) == [(10, CONTINUE)]  # bf16-s1 not at the rung: waits
+    assert feed(s, "e3m4-s1", {10: 5.3}) == [(10, CONTINUE)]  # 6 % behind e4m3, but e4m3 is no reference
+    assert feed(s, "bf16-s1", {10: 5.2}) == [(10, CONTINUE)]
+    assert feed(s, "e3m4-s1", {15: 5.25}) == [(15, CONTINUE)]  # judged now: 1.9 % behind bf16-s1
+    assert feed(s, "e5m2-s1", {10: 5.6}) == [(10, STOP)]  # bf16-s1 there: judged at once, 7.7 % behind
+    assert feed(s, "e4m3-s2", {10: 5.6}) == [(10, CONTINUE)]
     feed(s, "bf16-s2", {10: 5.1})
-    assert feed(s, "e4m3-s2", {10: 5.4})[-1] == (10, STOP)  # 5.9 % behind its own seed's bf16 ...
-    assert feed(s, "bf16-s1", {10: 5.2})[-1] == (10, CONTINUE)  # bf16 itself: 4 % behind the best
-    assert feed(s, "e5m2-s1", {10: 5.45})[-1] == (10, CONTINUE)  # ... 4.8 % behind bf16-s1, 9 % the best
+    assert feed(s, "e4m3-s2", {20: 5.0}) == [(20, STOP)]  # its rung-10 value, 9.8 % behind bf16-s2
+    assert feed(s, "solo", {10: 6.0}) == [(10, STOP)]  # no bf16 in the grid: the rung's best, 5.0
     state = json.loads((tmp_path / STATE_DIR / ASHA_FILE).read_text())
-    assert state["stopped"]["e3m4-s1"]["reference_key"] is None
-    assert state["stopped"]["e3m4-s1"]["reference"] == 5.0
+    assert state["pending"] == {"e4m3-s1": [10]}  # no report since bf16-s1's: still waiting
+    late = state["stopped"]["e4m3-s2"]
+    assert (late["step"], late["rung"], late["value"], late["reference"], late["reference_key"]) == \
+        (20, 10, 5.6, 5.1, "bf16-s2")
+    assert state["stopped"]["solo"]["reference_key"] is None and state["stopped"]["solo"]["reference"] == 5.0
+
+
+def test_which_trials_stop_does_not_depend_on_which_ran_ahead(tmp_path):
+    """The same values reported in two orders (every bf16 first, every bf16 last) stop the same
+    trials at the same rungs against the same references."""
+    runs = {"bf16-s1": {10: 5.0, 30: 4.0}, "e4m3-s1": {10: 4.6, 30: 4.7, 40: 4.5}, "e3m4-s1": {10: 5.3, 30: 4.1},
+            "e7m0-s1": {10: 5.9, 30: 5.0}, "bf16-s2": {10: 5.1, 30: 4.2}, "e4m3-s2": {10: 5.2, 30: 4.9}}
+
+    def stops(order: list[str], where: str) -> dict:
+        s = rungs(StateStore(str(tmp_path / where)))
+        for step in (10, 30, 40):  # each step, the trials in `order`
+            for trial in order:
+                if step in runs[trial]:
+                    feed(s, trial, {step: runs[trial][step]})
+        for trial in order:
+            feed(s, trial, {50: 4.0})  # one more report each: a judgement still waiting is made
+        stopped = json.loads((tmp_path / where / STATE_DIR / ASHA_FILE).read_text())["stopped"]
+        return {t: (d["rung"], d["value"], d["reference"]) for t, d in stopped.items()}
+
+    bf16_first = stops(sorted(runs), "a")
+    assert bf16_first == stops(sorted(runs, reverse=True), "b")
+    assert bf16_first == {"e7m0-s1": (10, 5.9, 5.0), "e4m3-s1": (30, 4.7, 4.0), "e4m3-s2": (30, 4.9, 4.2)}
 
 
 def test_a_stop_shows_the_digits_that_tell_behind_from_tolerance():

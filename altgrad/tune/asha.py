@@ -4,9 +4,12 @@ This is an ablation: every healthy format must be measured over the full budget,
 keep "the best third" (Ray's ASHA rule, a hyper-parameter-search tool's). A trial is stopped at a
 rung only when it is broken: its value is non-finite (reason `nan`), or it trails the rung's
 reference by more than `tolerance` (reason `asha`). The reference is the bf16 trial of the same
-optimizer, seed and extra-axis values when it has reported at that rung, else the best value
-recorded there so far. A bf16 trial that is another trial's reference stops only when non-finite:
-every ratio to bf16 divides by its loss, which a run cut short would make a run of fewer steps. A trial is recorded at a rung when it first reports a step at or past the
+optimizer, seed and extra-axis values; a trial that reaches a rung before its bf16 does waits for
+it (`pending`) and is judged at its first report after bf16's value is there, so whether a trial
+is stopped never depends on which trial ran ahead. Only a trial without a bf16 reference in the
+grid is judged against the best value recorded at the rung so far. A bf16 trial that is another
+trial's reference stops only when non-finite: every ratio to bf16 divides by its loss, which a run
+cut short would make a run of fewer steps. A trial is recorded at a rung when it first reports a step at or past the
 rung's milestone. The NaN-streak and bit-stall rules live in `stopper.StabilityStopper`.
 
 Ray's `AsyncHyperBandScheduler` keeps its rungs in memory and `Tuner.restore` starts it empty;
@@ -37,6 +40,9 @@ def asha_milestones(grace_period: int, reduction_factor: float, max_t: int) -> l
     return rungs
 
 
+PENDING = object()  # `_judge`: the trial's bf16 reference has not reached the rung yet
+
+
 class StabilityRungs(FIFOScheduler):
     """See the module docstring. `references` maps a trial key to its bf16 reference's key."""
 
@@ -61,6 +67,7 @@ class StabilityRungs(FIFOScheduler):
     @property
     def state(self) -> dict[str, Any]:
         """{"milestones", "rungs": {milestone: {trial_id: value}}, "keys": {trial_id: key},
+        "pending": {trial_id: [milestones whose bf16 value it waits for]},
         "stopped": {trial_id: {"reason", "step", "rung", "value", "reference", "behind", ...}}}."""
         if self._state is None:
             self._state = self._store.read(ASHA_FILE) or {
@@ -69,53 +76,74 @@ class StabilityRungs(FIFOScheduler):
                 "keys": {},
                 "stopped": {},
             }
+            self._state.setdefault("pending", {})  # (an asha.json from before it was kept)
         return self._state
 
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
         return self._observe(trial.trial_id, trial_key(trial.config), result)
 
     def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
-        self._observe(trial.trial_id, trial_key(trial.config), result)  # a final result may reach a rung
+        self._observe(trial.trial_id, trial_key(trial.config), result, final=True)
 
-    def _observe(self, trial_id: str, key: str, result: dict) -> str:
+    def _observe(self, trial_id: str, key: str, result: dict, final: bool = False) -> str:
+        """Record the trial at a rung it reaches and judge it there, with any rung still waiting
+        for its bf16. A `final` result may reach a rung; a judgement still pending is moot for a
+        finished trial, and dropped."""
         if self._time_attr not in result or self._metric not in result:
             return TrialScheduler.CONTINUE
         t = result[self._time_attr]
         stopped = self.state["stopped"].get(trial_id)
         if stopped is not None:  # decided before (a resumed trial replaying its way to the stop)
             return TrialScheduler.STOP if t >= stopped[STEP] else TrialScheduler.CONTINUE
+        pending = [] if final else self.state["pending"].get(trial_id, [])
         reached = [m for m in self.milestones if m <= t]
-        if not reached:
+        new = bool(reached) and trial_id not in self.state["rungs"][str(reached[-1])]
+        if not new and not pending:
+            if final and self.state["pending"].pop(trial_id, None) is not None:
+                self._store.write(ASHA_FILE, self.state)
             return TrialScheduler.CONTINUE
-        rung = self.state["rungs"][str(reached[-1])]
-        if trial_id in rung:
-            return TrialScheduler.CONTINUE
-        value = result[self._metric]
-        decision = self._judge(key, value, rung)
-        rung[trial_id] = value
-        self.state["keys"][trial_id] = key
+        if new:  # recorded now, judged with the waiting ones below, in rung order
+            self.state["rungs"][str(reached[-1])][trial_id] = result[self._metric]
+            self.state["keys"][trial_id] = key
+            pending = [*pending, reached[-1]]
+        decision, waiting = None, []
+        for m in pending:
+            rung = self.state["rungs"][str(m)]
+            verdict = self._judge(trial_id, key, rung[trial_id], rung) if decision is None else None
+            if verdict is PENDING:
+                waiting.append(m)
+            elif verdict is not None:
+                decision = {STEP: int(t), "rung": m, "value": rung[trial_id], "tolerance": self.tolerance, **verdict}
+        if waiting and decision is None and not final:
+            self.state["pending"][trial_id] = waiting
+        else:
+            self.state["pending"].pop(trial_id, None)
         if decision is not None:
-            self.state["stopped"][trial_id] = {STEP: int(t), "rung": reached[-1], "value": value,
-                                               "tolerance": self.tolerance, **decision}
+            self.state["stopped"][trial_id] = decision
         self._store.write(ASHA_FILE, self.state)
         return TrialScheduler.CONTINUE if decision is None else TrialScheduler.STOP
 
-    def _judge(self, key: str, value: float, rung: dict[str, float]) -> dict[str, Any] | None:
-        """None for a healthy trial, else why it is broken (reason and the numbers)."""
+    def _judge(self, trial_id: str, key: str, value: float, rung: dict[str, float]) -> dict[str, Any] | object | None:
+        """None for a healthy trial, PENDING while its bf16 reference has no value at the rung yet,
+        else why it is broken (reason and the numbers)."""
         if not math.isfinite(value):
             return {"reason": StopReason.NAN, "reference": None, "reference_key": None, "behind": None}
         if key in self._baselines:
             return None
         ref_key = self.references.get(key)
         keys = self.state["keys"]
-        bf16 = [v for tid, v in rung.items() if ref_key is not None and keys.get(tid) == ref_key]
-        scores = [self._sign * v for v in rung.values() if math.isfinite(v)]
-        if bf16 and math.isfinite(bf16[0]):
+        if ref_key is not None:
+            bf16 = [v for tid, v in rung.items() if keys.get(tid) == ref_key]
+            if not bf16:
+                return PENDING
+            if not math.isfinite(bf16[0]):  # a broken reference judges nothing
+                return None
             reference, ref_name = bf16[0], ref_key
-        elif scores:
-            reference, ref_name = self._sign * min(scores), None
         else:
-            return None
+            scores = [self._sign * v for tid, v in rung.items() if tid != trial_id and math.isfinite(v)]
+            if not scores:
+                return None
+            reference, ref_name = self._sign * min(scores), None
         behind = self._sign * (value - reference) / abs(reference) if reference else 0.0
         if behind <= self.tolerance:
             return None

@@ -211,7 +211,7 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
         rungs = ", ".join(str(m) for m in asha_milestones(a.grace_period, a.reduction_factor, cfg.max_t))
         lines.append(f"early stopping at rungs (steps {rungs or 'none'}) on {a.metric}: only broken "
                      f"trials stop (non-finite, or more than {100 * a.tolerance:g} % behind {BASELINE} of "
-                     "the same optimizer and seed, else the rung's best)")
+                     "the same optimizer and seed; in a grid without it, the rung's best)")
     if cfg.stopper.enabled:
         s = cfg.base_run.stability
         lines.append(f"stability stopper: {s.nan_patience} NaN steps in a row, or bit-stall >= "
