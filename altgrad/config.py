@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -31,11 +32,22 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Every config section: an unknown key is an error (a typo never passes silently), a value of
-    the wrong type is one too (strict: `true` is no step count, "5" no integer), values are frozen
-    once validated, and defaults are validated like given values."""
+    """Every config section: an unknown key is an error (a typo never passes silently), so is a
+    boolean where a number belongs (pydantic would take `max_steps: true` as 1), values are frozen
+    once validated, and defaults are validated like given values. Otherwise values convert as
+    pydantic's lax mode does: YAML 1.1 reads `6e-4` as a string, which must still be a float."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            kinds = get_args(annotation) or (annotation,)
+            if bool not in kinds and any(kind in (int, float) for kind in kinds):
+                raise ValueError(f"a number, not {str(value).lower()}")
+        return value
 
 
 def format_name(name: str) -> str:

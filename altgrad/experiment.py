@@ -336,11 +336,17 @@ def stop_detail(stop: dict[str, Any]) -> str:
 def _percents(a: float, b: float) -> tuple[str, str]:
     """Two fractions as percentages with two significant digits, or as many more as it takes to
     tell them apart: a stop 0.23 % behind under a 0.1 % tolerance must not read "0 % ... 0 %"."""
-    for digits in range(2, 7):
-        texts = f"{100 * a:.{digits}g}", f"{100 * b:.{digits}g}"
+    for extra in range(5):
+        texts = _percent(a, extra), _percent(b, extra)
         if texts[0] != texts[1]:
             break
     return texts
+
+
+def _percent(fraction: float, extra: int) -> str:
+    value = 100 * fraction
+    places = max(0, 1 - math.floor(math.log10(abs(value)))) if value else 0
+    return f"{value:.{places + extra}f}"
 
 
 def _stopped(path: Path) -> dict[str, dict[str, Any]]:

@@ -64,48 +64,63 @@ def test_a_trial_ahead_of_its_bf16_waits_for_it(tmp_path):
     s = rungs(StateStore(str(tmp_path)), tolerance=0.05)
     assert feed(s, "e4m3-s1", {10: 5.0}) == [(10, CONTINUE)]  # bf16-s1 not at the rung: waits
     assert feed(s, "e3m4-s1", {10: 5.3}) == [(10, CONTINUE)]  # 6 % behind e4m3, but e4m3 is no reference
-    assert feed(s, "bf16-s1", {10: 5.2}) == [(10, CONTINUE)]
-    assert feed(s, "e3m4-s1", {15: 5.25}) == [(15, CONTINUE)]  # judged now: 1.9 % behind bf16-s1
+    assert feed(s, "bf16-s1", {10: 5.2}) == [(10, CONTINUE)]  # judges both: 1.9 % behind at most
     assert feed(s, "e5m2-s1", {10: 5.6}) == [(10, STOP)]  # bf16-s1 there: judged at once, 7.7 % behind
-    assert feed(s, "e4m3-s2", {10: 5.6}) == [(10, CONTINUE)]
-    feed(s, "bf16-s2", {10: 5.1})
-    assert feed(s, "e4m3-s2", {20: 5.0}) == [(20, STOP)]  # its rung-10 value, 9.8 % behind bf16-s2
+    assert feed(s, "e4m3-s2", {12: 5.6, 20: 5.0}) == [(12, CONTINUE), (20, CONTINUE)]  # waits
+    feed(s, "bf16-s2", {10: 5.1})  # judges e4m3-s2 at step 12, where it reached the rung: 9.8 % behind
+    assert feed(s, "e4m3-s2", {21: 4.9}) == [(21, STOP)]  # its next report
     assert feed(s, "solo", {10: 6.0}) == [(10, STOP)]  # no bf16 in the grid: the rung's best, 5.0
     state = json.loads((tmp_path / STATE_DIR / ASHA_FILE).read_text())
-    assert state["pending"] == {"e4m3-s1": [10]}  # no report since bf16-s1's: still waiting
+    assert state["pending"] == {}
     late = state["stopped"]["e4m3-s2"]
     assert (late["step"], late["rung"], late["value"], late["reference"], late["reference_key"]) == \
-        (20, 10, 5.6, 5.1, "bf16-s2")
+        (12, 10, 5.6, 5.1, "bf16-s2")
     assert state["stopped"]["solo"]["reference_key"] is None and state["stopped"]["solo"]["reference"] == 5.0
+    (tmp_path / STATE_DIR / ASHA_FILE).unlink()  # (the state stays in memory)
+    assert feed(s, "e3m4-s1", {11: 5.2, 12: 5.1}) == [(11, CONTINUE), (12, CONTINUE)]
+    assert not (tmp_path / STATE_DIR / ASHA_FILE).exists()  # no rung reached: nothing written
 
 
-def test_which_trials_stop_does_not_depend_on_which_ran_ahead(tmp_path):
-    """The same values reported in two orders (every bf16 first, every bf16 last) stop the same
-    trials at the same rungs against the same references."""
-    runs = {"bf16-s1": {10: 5.0, 30: 4.0}, "e4m3-s1": {10: 4.6, 30: 4.7, 40: 4.5}, "e3m4-s1": {10: 5.3, 30: 4.1},
-            "e7m0-s1": {10: 5.9, 30: 5.0}, "bf16-s2": {10: 5.1, 30: 4.2}, "e4m3-s2": {10: 5.2, 30: 4.9}}
+RUNS = {"bf16-s1": {10: 5.0, 30: 4.0}, "e4m3-s1": {11: 4.6, 30: 4.7, 40: 4.5}, "e3m4-s1": {10: 5.3, 31: 4.1},
+        "e7m0-s1": {10: 5.9, 30: 5.0}, "bf16-s2": {10: 5.1, 30: 4.2}, "e4m3-s2": {10: 5.2, 30: 4.9}}
 
-    def stops(order: list[str], where: str) -> dict:
-        s = rungs(StateStore(str(tmp_path / where)))
-        for step in (10, 30, 40):  # each step, the trials in `order`
+
+def stops_in_order(path, order: list[str], by_step: bool) -> dict:
+    """The stops when the trials of RUNS report in `order`: step by step (all trials at a step,
+    then the next step), or one trial to its end (completed) before the next starts."""
+    s = rungs(StateStore(str(path)))
+    if by_step:
+        for step in sorted({step for losses in RUNS.values() for step in losses}):
             for trial in order:
-                if step in runs[trial]:
-                    feed(s, trial, {step: runs[trial][step]})
+                if step in RUNS[trial]:
+                    feed(s, trial, {step: RUNS[trial][step]})
+    else:
         for trial in order:
-            feed(s, trial, {50: 4.0})  # one more report each: a judgement still waiting is made
-        stopped = json.loads((tmp_path / where / STATE_DIR / ASHA_FILE).read_text())["stopped"]
-        return {t: (d["rung"], d["value"], d["reference"]) for t, d in stopped.items()}
+            feed(s, trial, RUNS[trial])
+            last = max(RUNS[trial])
+            s.on_trial_complete(None, SimpleNamespace(trial_id=trial, config={"key": trial}),
+                                {"step": last, "val/loss": RUNS[trial][last]})
+    state = json.loads((path / STATE_DIR / ASHA_FILE).read_text())
+    return {t: (d["step"], d["rung"], d["value"], d["reference"]) for t, d in state["stopped"].items()}
 
-    bf16_first = stops(sorted(runs), "a")
-    assert bf16_first == stops(sorted(runs, reverse=True), "b")
-    assert bf16_first == {"e7m0-s1": (10, 5.9, 5.0), "e4m3-s1": (30, 4.7, 4.0), "e4m3-s2": (30, 4.9, 4.2)}
+
+def test_which_trials_stop_and_where_does_not_depend_on_which_ran_ahead(tmp_path):
+    """The same values, reported in four orders: bf16 first or last, step by step or each trial
+    run to its end before the next (then a format finishes before its bf16 reaches any rung).
+    The same trials stop at the same steps, rungs and references."""
+    orders = [(sorted(runs := list(RUNS)), True), (sorted(runs, reverse=True), True),
+              (sorted(runs), False), (sorted(runs, reverse=True), False)]
+    got = [stops_in_order(tmp_path / str(i), order, by_step) for i, (order, by_step) in enumerate(orders)]
+    assert got[0] == {"e7m0-s1": (10, 10, 5.9, 5.0), "e4m3-s1": (30, 30, 4.7, 4.0), "e4m3-s2": (30, 30, 4.9, 4.2)}
+    assert all(g == got[0] for g in got[1:])
 
 
 def test_a_stop_shows_the_digits_that_tell_behind_from_tolerance():
     stop = {"reason": "asha", "step": 10, "value": 9.9133, "reference": 9.8907, "reference_key": None,
             "behind": (9.9133 - 9.8907) / 9.8907, "tolerance": 0.001}
-    assert "0.23 % behind the rung's best" in stop_detail(stop) and "tolerance 0.1 %" in stop_detail(stop)
+    assert "0.23 % behind the rung's best" in stop_detail(stop) and "tolerance 0.10 %" in stop_detail(stop)
     assert "10.004 % behind" in stop_detail({**stop, "behind": 0.10004, "tolerance": 0.1})
+    assert "asha: 125 % behind" in stop_detail({**stop, "behind": 1.25, "tolerance": 0.1})  # not 1.2e+02
 
 
 def test_a_bf16_reference_is_stopped_only_when_broken(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from altgrad.__main__ import main
+from altgrad.config import ConfigError
 from altgrad.train.cli import new_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,6 +109,10 @@ def test_default_run_dirs_started_in_one_second_differ(tmp_path, monkeypatch):
     first, second = new_run_dir(None, "e4m3-adamw"), new_run_dir(None, "e4m3-adamw")
     assert first != second and first.is_dir() and second.is_dir()
     assert [first.name, second.name] == ["20261202-120000-e4m3-adamw", "20261202-120000-e4m3-adamw-2"]
+    monkeypatch.chdir(first)
+    Path("runs").write_text("not a directory")
+    with pytest.raises(ConfigError, match="cannot make a run directory runs/20261202-120000-e4m3-adamw"):
+        new_run_dir(None, "e4m3-adamw")
 
 
 def test_corrupt_resume_target_is_a_clean_error(tmp_path):

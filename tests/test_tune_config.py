@@ -38,8 +38,8 @@ from altgrad.tune.trial_spec import trial_limits, trial_run_config
     (["base.quant.grad_format=e8m8"], "base.quant.grad_format"),
     (["base.train.warmup_steps=3000"], "base: train.warmup_steps (3000) must be below train.max_steps"),
     (["grid.seeds=[42, 43, 42]"], "grid: duplicate seed(s) [42]"),
-    (["base.train.max_steps=true"], "base.train.max_steps: Input should be a valid integer"),  # not 1
-    (["asha.grace_period='5'"], "asha.grace_period: Input should be a valid integer"),
+    (["base.train.max_steps=true"], "base.train.max_steps: a number, not true"),  # not 1
+    (["asha.tolerance=false"], "asha.tolerance: a number, not false"),
     (["asha.metric=train/foo"], "asha.metric: 'train/foo' is not in every report of a trial"),
     (["asha.metric=quant/bit_stall_rate"], "asha.metric: 'quant/bit_stall_rate' is not in every report"),
 ])

@@ -86,9 +86,10 @@ def new_run_dir(out: Path | None, name: str) -> Path:
             run_dir.mkdir(parents=True)
             return run_dir
         except FileExistsError:
-            if not run_dir.is_dir():  # (`runs` itself is a file)
-                break
-    raise ConfigError(f"cannot make a run directory {base}: give one with --out")
+            continue
+        except OSError as e:  # `runs` is a file, or cannot be written
+            raise ConfigError(f"cannot make a run directory {run_dir} ({e.strerror}): give one with --out") from None
+    raise ConfigError(f"no free run directory next to {base}: give one with --out")
 
 
 class ProgressPrinter:

@@ -5,8 +5,9 @@ keep "the best third" (Ray's ASHA rule, a hyper-parameter-search tool's). A tria
 rung only when it is broken: its value is non-finite (reason `nan`), or it trails the rung's
 reference by more than `tolerance` (reason `asha`). The reference is the bf16 trial of the same
 optimizer, seed and extra-axis values; a trial that reaches a rung before its bf16 does waits for
-it (`pending`) and is judged at its first report after bf16's value is there, so whether a trial
-is stopped never depends on which trial ran ahead. Only a trial without a bf16 reference in the
+it (`pending`) and is judged when bf16's value is recorded there, at the step at which it reached
+the rung (a running trial stops at its next report; the readers cut a finished one's record at
+that step), so which trials stop, and where, never depends on which trial ran ahead. Only a trial without a bf16 reference in the
 grid is judged against the best value recorded at the rung so far. A bf16 trial that is another
 trial's reference stops only when non-finite: every ratio to bf16 divides by its loss, which a run
 cut short would make a run of fewer steps. A trial is recorded at a rung when it first reports a step at or past the
@@ -67,7 +68,7 @@ class StabilityRungs(FIFOScheduler):
     @property
     def state(self) -> dict[str, Any]:
         """{"milestones", "rungs": {milestone: {trial_id: value}}, "keys": {trial_id: key},
-        "pending": {trial_id: [milestones whose bf16 value it waits for]},
+        "pending": {trial_id: [[milestone, step it reached it], ...] waiting for bf16 there},
         "stopped": {trial_id: {"reason", "step", "rung", "value", "reference", "behind", ...}}}."""
         if self._state is None:
             self._state = self._store.read(ASHA_FILE) or {
@@ -83,45 +84,55 @@ class StabilityRungs(FIFOScheduler):
         return self._observe(trial.trial_id, trial_key(trial.config), result)
 
     def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
-        self._observe(trial.trial_id, trial_key(trial.config), result, final=True)
+        self._observe(trial.trial_id, trial_key(trial.config), result)  # a final result may reach a rung
 
-    def _observe(self, trial_id: str, key: str, result: dict, final: bool = False) -> str:
-        """Record the trial at a rung it reaches and judge it there, with any rung still waiting
-        for its bf16. A `final` result may reach a rung; a judgement still pending is moot for a
-        finished trial, and dropped."""
+    def _observe(self, trial_id: str, key: str, result: dict) -> str:
         if self._time_attr not in result or self._metric not in result:
             return TrialScheduler.CONTINUE
-        t = result[self._time_attr]
+        t = int(result[self._time_attr])
         stopped = self.state["stopped"].get(trial_id)
-        if stopped is not None:  # decided before (a resumed trial replaying its way to the stop)
+        if stopped is not None:  # decided before: at a rung, or while waiting for bf16 there
             return TrialScheduler.STOP if t >= stopped[STEP] else TrialScheduler.CONTINUE
-        pending = [] if final else self.state["pending"].get(trial_id, [])
         reached = [m for m in self.milestones if m <= t]
-        new = bool(reached) and trial_id not in self.state["rungs"][str(reached[-1])]
-        if not new and not pending:
-            if final and self.state["pending"].pop(trial_id, None) is not None:
-                self._store.write(ASHA_FILE, self.state)
+        if not reached or trial_id in self.state["rungs"][str(reached[-1])]:
             return TrialScheduler.CONTINUE
-        if new:  # recorded now, judged with the waiting ones below, in rung order
-            self.state["rungs"][str(reached[-1])][trial_id] = result[self._metric]
-            self.state["keys"][trial_id] = key
-            pending = [*pending, reached[-1]]
-        decision, waiting = None, []
-        for m in pending:
-            rung = self.state["rungs"][str(m)]
-            verdict = self._judge(trial_id, key, rung[trial_id], rung) if decision is None else None
-            if verdict is PENDING:
-                waiting.append(m)
-            elif verdict is not None:
-                decision = {STEP: int(t), "rung": m, "value": rung[trial_id], "tolerance": self.tolerance, **verdict}
-        if waiting and decision is None and not final:
-            self.state["pending"][trial_id] = waiting
-        else:
-            self.state["pending"].pop(trial_id, None)
-        if decision is not None:
-            self.state["stopped"][trial_id] = decision
+        m, value = reached[-1], result[self._metric]
+        rung = self.state["rungs"][str(m)]
+        rung[trial_id] = value
+        self.state["keys"][trial_id] = key
+        verdict = self._judge(trial_id, key, value, rung)
+        if verdict is PENDING:
+            self.state["pending"].setdefault(trial_id, []).append([m, t])
+        elif verdict is not None:
+            self._stop(trial_id, m, t, verdict)
+        if key in self._baselines:
+            self._judge_waiting(key, m)
         self._store.write(ASHA_FILE, self.state)
-        return TrialScheduler.CONTINUE if decision is None else TrialScheduler.STOP
+        return TrialScheduler.STOP if trial_id in self.state["stopped"] else TrialScheduler.CONTINUE
+
+    def _judge_waiting(self, reference_key: str, m: int) -> None:
+        """Judge the trials that reached rung m before their bf16 (`reference_key`) did, each at the
+        step it reached the rung: a running one stops at its next report, one already finished is
+        cut there by the readers (`experiment.load_experiment`)."""
+        keys, rung = self.state["keys"], self.state["rungs"][str(m)]
+        for trial_id, waits in list(self.state["pending"].items()):
+            if self.references.get(keys[trial_id]) != reference_key:
+                continue
+            for rung_m, step in [w for w in waits if w[0] == m]:
+                waits.remove([rung_m, step])
+                verdict = self._judge(trial_id, keys[trial_id], rung[trial_id], rung)
+                if verdict is not None and verdict is not PENDING:
+                    self._stop(trial_id, m, step, verdict)
+            if not waits:
+                self.state["pending"].pop(trial_id, None)
+
+    def _stop(self, trial_id: str, m: int, step: int, verdict: dict[str, Any]) -> None:
+        """Record that the trial is stopped at `step`, where it reached rung m (a stopped trial
+        waits for no other rung)."""
+        value = self.state["rungs"][str(m)][trial_id]
+        self.state["stopped"][trial_id] = {STEP: step, "rung": m, "value": value, "tolerance": self.tolerance,
+                                           **verdict}
+        self.state["pending"].pop(trial_id, None)
 
     def _judge(self, trial_id: str, key: str, value: float, rung: dict[str, float]) -> dict[str, Any] | object | None:
         """None for a healthy trial, PENDING while its bf16 reference has no value at the rung yet,
