@@ -112,3 +112,16 @@ def test_sweep_json_keeps_the_code_the_sweep_started_with_and_lists_every_driver
     state = read_json(tmp_path / "x" / STATE_DIR / SWEEP_FILE)
     assert state["commit"] == "aaa1111" and state["commits"] == ["aaa1111", "bbb2222"]
     assert state["status"] == SweepStatus.FINISHED
+
+
+def test_a_taken_dashboard_port_gives_way_to_a_free_one(capsys):
+    """Another Ray's dashboard on the configured port made `ray.init` fail the sweep."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        port = runner.dashboard_port("127.0.0.1", taken)
+        assert port != taken and f"dashboard port {taken} on 127.0.0.1 is taken" in capsys.readouterr().out
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", port))  # the one it chose was free
+    assert runner.dashboard_port("127.0.0.1", port) == port and capsys.readouterr().out == ""

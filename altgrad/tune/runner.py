@@ -71,13 +71,29 @@ def start_ray(d: DashboardSettings) -> None:
     # files") repeat what the sweep prints itself; its warnings and errors still show. The token
     # warning is replaced by `dashboard_help`, which also says how to get past it.
     logging.getLogger(TOKEN_AUTH_LOGGER).setLevel(logging.ERROR)
-    context = ray.init(include_dashboard=d.enabled, dashboard_host=d.host, dashboard_port=d.port,
+    port = d.port if not d.enabled else dashboard_port(d.host, d.port)
+    context = ray.init(include_dashboard=d.enabled, dashboard_host=d.host, dashboard_port=port,
                        logging_level=logging.WARNING)
     if d.enabled:
         print(dashboard_help(context.dashboard_url, d.host))
 
 
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def dashboard_port(host: str, port: int) -> int:
+    """`port` if it is free on `host`, else a free one (said): a dashboard of another Ray (a second
+    sweep, a test run) on the configured port made `ray.init` fail the sweep."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+            return port
+        except OSError:
+            probe.bind((host, 0))
+            free = probe.getsockname()[1]
+    print(f"dashboard port {port} on {host} is taken (another Ray?): using {free} "
+          "(set dashboard.port to choose one)")
+    return free
 
 
 def dashboard_help(url: str | None, host: str) -> str:

@@ -241,7 +241,9 @@ class TuneReporter:
         self.attach_checkpoints = attach_checkpoints
         self._created = time.monotonic()  # until the first report: building, compiling, one step
 
-    def __call__(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
+    def __call__(self, metrics: dict[str, float], checkpoint_dir: Path | None, at_checkpoint: bool = False) -> None:
+        """Report a logged row (`at_checkpoint`: the row is the checkpoint's own, re-reported by
+        `report_if_silent`)."""
         step = metrics[STEP]
         if self._created is not None:
             log.info("first report (step %d) after %.1f s", step, time.monotonic() - self._created)
@@ -249,12 +251,18 @@ class TuneReporter:
             if self.compile_cache is not None and self.compile_cache.publish():  # before Tune may stop it
                 log.info("copied what the first step compiled to the compile cache")
         if self._history is not None:  # resumed: replay what the run logged before this step
+            replayed = None
             for row in self._history:
                 if row.get(STEP, math.inf) < step:
                     replayed = self._reported(row)
                     if self.wandb_run is not None:  # rows a killed attempt's W&B run lost
                         self.wandb_run.log(replayed)
             self._history = None
+            if replayed is not None and not at_checkpoint:
+                # the checkpoint's own row, again: the kill may have come before Tune got it, and the
+                # scheduler must see a rung reached there at that step, as an unbroken run's did
+                # (its deciders take a row they have seen again as they took it the first time)
+                tune.report(replayed)
         out = self._reported(metrics)
         if metrics[VAL_STEP] == step or checkpoint_dir is not None:
             log.info("step %d: train loss %.4f, val loss %.4f%s", step, metrics[TRAIN_LOSS],
@@ -279,4 +287,4 @@ class TuneReporter:
         trial; resumed at its end, the run trains no step, and Tune's scheduler would get a final
         result without `val/loss` and fail the whole sweep."""
         if self._last is not None:
-            self(self._last, None)
+            self(self._last, None, at_checkpoint=True)
