@@ -561,7 +561,7 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     label = " ≡ ".join((key[0], *also))
     # a bf16 seed evaluated short of the cell's steps (running, or stopped) had a smaller budget
     baseline = baseline_trials(bf16, key[3])
-    short = {t.seed: last_eval(t) or 0 for t in baseline if (last_eval(t) or 0) < steps}
+    short = {t.seed: reached for t in baseline if (reached := last_eval(t) or 0) < steps}
     ratio = ratio_interval(values, seed_values([t for t in baseline if t.seed not in short], steps),
                            labels=(label, BASELINE))
     if not steps:  # no trial of the cell has evaluated yet: nothing to divide

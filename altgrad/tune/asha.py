@@ -7,11 +7,11 @@ reference by more than `tolerance` (reason `asha`). The reference is the bf16 tr
 optimizer, seed and extra-axis values; a trial that reaches a rung before its bf16 does waits for
 it (`pending`) and is judged when bf16's value is recorded there, at the step at which it reached
 the rung (a running trial stops at its next report; the readers cut a finished one's record at
-that step), so which trials stop, and where, never depends on which trial ran ahead. Only a trial without a bf16 reference in the
-grid is judged against the best value recorded at the rung so far. A bf16 trial that is another
-trial's reference stops only when non-finite: every ratio to bf16 divides by its loss, which a run
-cut short would make a run of fewer steps. A trial is recorded at a rung when it first reports a step at or past the
-rung's milestone. The NaN-streak and bit-stall rules live in `stopper.StabilityStopper`.
+that step), so which trials stop, and where, never depends on which trial ran ahead. Only a trial
+without a bf16 reference in the grid is judged against the best value recorded at the rung so far.
+A bf16 trial that is another trial's reference stops only when non-finite: every ratio to bf16
+divides by its loss, which a run cut short would make a run of fewer steps. A trial is recorded at
+a rung when it first reports a step at or past the rung's milestone. The NaN-streak and bit-stall rules live in `stopper.StabilityStopper`.
 
 Ray's `AsyncHyperBandScheduler` keeps its rungs in memory and `Tuner.restore` starts it empty;
 here each record and stop is written to `asha.json` before the decision takes effect and read back
@@ -120,8 +120,8 @@ class StabilityRungs(FIFOScheduler):
                 continue
             for rung_m, step in [w for w in waits if w[0] == m]:
                 waits.remove([rung_m, step])
-                verdict = self._judge(trial_id, keys[trial_id], rung[trial_id], rung)
-                if verdict is not None and verdict is not PENDING:
+                verdict = self._judge(trial_id, keys[trial_id], rung[trial_id], rung)  # (bf16 is there now)
+                if verdict is not None:
                     self._stop(trial_id, m, step, verdict)
             if not waits:
                 self.state["pending"].pop(trial_id, None)

@@ -322,7 +322,8 @@ class AshaSettings(StrictModel):
     max_t: int | None = Field(None, ge=1, description="default: base train.max_steps")
     tolerance: float = Field(
         0.10, ge=0, description="stop a trial whose metric trails the rung's reference (bf16 of the "
-                                "same optimizer and seed; in a grid without bf16, the rung's best) by more than this fraction"
+                                "same optimizer and seed; in a grid without bf16, the rung's best) by "
+                                "more than this fraction"
     )
 
     @field_validator("metric")
