@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "sweeps" / "format_ablation.py"
 ABLATION = ROOT / "sweeps" / "configs" / "format_ablation.yaml"
 LR_SEARCH = ROOT / "sweeps" / "configs" / "lr_search.yaml"
+CPU_STUDY = ROOT / "sweeps" / "configs" / "cpu_study.yaml"
 STEPS, CHECKPOINT = 20, 5
 # The environment of every Ray node the sweep tests start, and so of their trial processes: the
 # quantizer kernels run eagerly. Each trial process would otherwise compile them afresh (seconds

@@ -3,12 +3,14 @@ seeds, equivalent formats measured once, bf16 once per optimizer and seed, extra
 
 from __future__ import annotations
 
+import pytest
 import yaml
-from sweep_helpers import ABLATION, LR_SEARCH, dry_run
+from sweep_helpers import ABLATION, CPU_STUDY, LR_SEARCH, dry_run
 
 from altgrad.optim import OPTIMIZERS
 from altgrad.tune.ablation import FormatAblation
 from altgrad.tune.cli import sweep_main
+from altgrad.tune.config import LrSearchConfig, SweepConfig, load_sweep_config
 from altgrad.tune.lr_search import LrSearch
 
 
@@ -89,3 +91,14 @@ def test_smoke_gpu_and_custom_grids(capsys, tmp_path):
 
     out = dry_run(capsys, "--smoke", kind=LrSearch, config=LR_SEARCH)
     assert "2 formats × 3 trials = 6 trials" in out
+
+
+@pytest.mark.parametrize("preset", ["cpu", "gpu"])
+@pytest.mark.parametrize("smoke", [False, True])
+@pytest.mark.parametrize("config", [ABLATION, CPU_STUDY, LR_SEARCH], ids=lambda p: p.stem)
+def test_shipped_configs_do_not_warn(config, smoke, preset):
+    """A shipped config, as run, warns about nothing: a warning printed before every sweep of a
+    config the project ships (lr_search's smoke window once could not fill) teaches users to skip
+    warnings."""
+    model = LrSearchConfig if config == LR_SEARCH else SweepConfig
+    assert load_sweep_config(model, config, [f"preset={preset}"], smoke=smoke).warnings() == []
