@@ -435,6 +435,26 @@ def test_extra_axes_are_cells_of_their_own_and_compared():
         ((("quant.rounding", "nearest"),), ("bf16",)), ((("quant.rounding", "stochastic"),), ("bf16", "e4m3"))}
 
 
+def test_an_axis_effect_names_the_other_axes_it_holds_fixed(tmp_path):
+    """With two extra axes, each effect row of the axes table is taken at one value of the other
+    axis, and says which; the compared axis is the row's `difference`, not repeated beside it."""
+    records = []
+    for lr in (0.001, 0.002):
+        for r in seeded("bf16", [1, 1, 1]):  # bf16 runs per lr too (optim.* applies to it)
+            r.axes = {"optim.lr": lr}
+            records.append(r)
+        for rounding, scales in (("nearest", [1.10, 1.11, 1.12]), ("stochastic", [1.00, 1.01, 1.02])):
+            for r in seeded("e4m3", scales):
+                r.axes = {"quant.rounding": rounding, "optim.lr": lr}
+                records.append(r)
+    text = write_report(records, tmp_path).read_text()
+    table = text.split("## Extra grid axes", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| rounding:")]
+    assert len(rows) == 2
+    assert {row.split(" | ")[4] for row in rows} == {"lr=0.001", "lr=0.002"}
+    assert not any("rounding=" in row for row in rows)
+
+
 def test_mixed_seed_sets_still_render_and_say_why(tmp_path):
     records = [*seeded("bf16", [1.0, 1.0]), *seeded("e4m3", [1.0, 1.1, 1.05])]  # bf16 lacks seed 2
     text = write_report(records, tmp_path).read_text()

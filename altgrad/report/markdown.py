@@ -103,12 +103,13 @@ def _family_wise(fw: FamilyWise | None) -> str:
 def _differences(diffs: list[Difference], empty: str) -> str:
     if not diffs:
         return empty
+    # The axes both sides share: held fixed (an axis's effect differs in that axis alone, named by `what`).
     rows = [[d.what, d.a.name, d.a.precision, d.a.optimizer if d.a.optimizer == d.b.optimizer else "—",
-             axes_text(tuple(i for i in d.b.axes if i not in d.a.axes) or d.a.axes) or "—",
+             axes_text(tuple(i for i in d.a.axes if i in d.b.axes)) or "—",
              d.a.best.text(), d.b.best.text(), d.diff.text(), d.verdict, _family_wise(d.family_wise),
              d.diff.note or "—"]
             for d in diffs]
-    return _table(["difference", "format", "precision", "optimizer", "axes", "first", "second",
+    return _table(["difference", "format", "precision", "optimizer", "other axes", "first", "second",
                    "second − first (95 %)", "reading", "family-wise (Holm)", "pairing"], rows)
 
 
