@@ -182,6 +182,7 @@ def test_sigterm_exits_143_with_the_resume_command_and_resume_finishes(ray_addre
     assert proc.returncode == 128 + signum, out[-3000:]
     command = f"--name stopped --storage-path {tmp_path} --resume"
     assert "resume with: " in out and command in out
+    assert "Tuner.restore" not in out  # Ray's own hint would restore without the sweep's settings
     sweep = json.loads((tmp_path / "stopped" / STATE_DIR / "sweep.json").read_text())
     assert sweep["status"] == "interrupted" and command in sweep["resume_command"]
     resume(args, ray_address)

@@ -158,7 +158,7 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
         tuner = tune.Tuner.restore(exp.path, trainable=trainable, resume_errored=True)
     else:  # never started, or killed before Ray's first snapshot: trials find their checkpoints
         tuner = _new_tuner(exp, trainable)
-    with sigterm_stops_gracefully() as received:
+    with sigterm_stops_gracefully() as received, _without_ray_resume_hint():
         try:
             tuner.fit()
         except KeyboardInterrupt:  # a second Ctrl-C during Ray's own shutdown
@@ -168,6 +168,25 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
     if outcome is SweepStatus.INTERRUPTED:
         return outcome, received[0] if received else signal.SIGINT
     return outcome, None
+
+
+# How Tune's warning after an interrupted `fit()` begins; it ends "Resume experiment with:
+# Tuner.restore(...)", which would restore without the sweep's grid, scheduler state and settings.
+RAY_INTERRUPTED_PREFIX = "Experiment has been interrupted"
+
+
+@contextlib.contextmanager
+def _without_ray_resume_hint() -> Iterator[None]:
+    """Tune's resume hint left out: the sweep prints the command that resumes it instead."""
+    tune_logger = logging.getLogger("ray.tune.tune")
+    def hint(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RAY_INTERRUPTED_PREFIX)
+
+    tune_logger.addFilter(hint)
+    try:
+        yield
+    finally:
+        tune_logger.removeFilter(hint)
 
 
 def _restorable(path: str) -> bool:
