@@ -55,6 +55,14 @@ def test_train_writes_a_run_dir_and_resumes(eurlex_dir, data_root, tmp_path, cap
     assert "checkpoint is at step 9, past train.max_steps=6" in err and "Traceback" not in err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
+    # a checkpoint inside the run is not a run directory: the error names the run to give instead
+    (older, *_) = sorted((out / "checkpoints").glob("step_*"))
+    for inside in (older, older.parent):
+        assert main(["train", "--resume", str(inside), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert f"give the run directory, --resume {out.resolve()};" in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
     # a new run cannot take over the directory: it would delete this run's metrics and mix checkpoints
     assert main(["train", *data_args(eurlex_dir, data_root), "--set", "train.max_steps=2",
                  "--set", "quant.format=e5m2", "--out", str(out), "--quiet"]) == 2

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             if args.config is not None:
                 raise ConfigError("--resume uses the run's own config.yaml; drop --config")
             if not (args.resume / CONFIG_FILE).is_file():
-                raise ConfigError(f"--resume {args.resume}: not a run directory (no config.yaml)")
+                raise ConfigError(not_a_run_dir(args.resume))
             cfg = load_config(args.resume / CONFIG_FILE, args.overrides)
             run_dir = args.resume
         else:
@@ -66,6 +66,17 @@ def run(args: argparse.Namespace) -> int:
         f"{summary['best_val_loss']:.4f}, run dir {run_dir}"
     )
     return 0 if summary["stop_reason"] == StopReason.COMPLETED else 1
+
+
+def not_a_run_dir(path: Path) -> str:
+    """Why `--resume PATH` cannot continue: PATH has no config.yaml. When PATH lies inside a run
+    (a checkpoint, its checkpoints folder), the message names that run: continuing from an older
+    checkpoint in place would cut the run's later metrics, so a run continues from its newest."""
+    run = next((p for p in path.resolve().parents if (p / CONFIG_FILE).is_file()), None)
+    if run is None:
+        return f"--resume {path}: not a run directory (no {CONFIG_FILE})"
+    return (f"--resume {path}: give the run directory, --resume {run}; a run continues from its newest "
+            "good checkpoint (an older one would overwrite the run's later metrics)")
 
 
 def new_run_dir(out: Path | None, name: str) -> Path:
