@@ -102,3 +102,15 @@ def test_shipped_configs_do_not_warn(config, smoke, preset):
     warnings."""
     model = LrSearchConfig if config == LR_SEARCH else SweepConfig
     assert load_sweep_config(model, config, [f"preset={preset}"], smoke=smoke).warnings() == []
+
+
+def test_bf16_starts_first_wherever_the_config_lists_it():
+    """ASHA holds a quantized trial at a rung until its bf16 has reached it, so bf16 listed last
+    would let broken formats run on unjudged for as long as the whole group before it."""
+    from altgrad.tune.grid import build_grid
+
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "grid.formats=[e5m2, e4m3, bf16]",
+                                                    "grid.seeds=[1, 2]"], smoke=True)
+    keys = [p.key for p in build_grid(cfg)]
+    assert keys == ["bf16-adamw-all-s1", "e5m2-adamw-all-s1", "e4m3-adamw-all-s1",
+                    "bf16-adamw-all-s2", "e5m2-adamw-all-s2", "e4m3-adamw-all-s2"]

@@ -88,7 +88,9 @@ def make_point(settings: SweepSettings, fmt: str, optimizer: str, precision: str
 
 def build_grid(cfg: SweepConfig) -> list[GridPoint]:
     """Every point, in a fixed order (seed, optimizer, extra axes, format, precision): the order
-    trials start in. Points with `same_as` set are not run (`trials_to_run`)."""
+    trials start in, bf16 first of each group wherever `grid.formats` lists it: ASHA judges a
+    quantized trial against its bf16 at each rung, and holds it there until bf16 has reached it.
+    Points with `same_as` set are not run (`trials_to_run`)."""
     grid = cfg.grid
     seeds = grid.seeds or [cfg.base_run.train.seed]
     names = axis_names(list(grid.axes))
@@ -98,7 +100,7 @@ def build_grid(cfg: SweepConfig) -> list[GridPoint]:
         baseline_axes = {p: v for p, v in axes.items() if applies_to_baseline(p)}
         reference = (point_key(BASELINE, optimizer, "all", seed, baseline_axes, names)
                      if BASELINE in grid.formats else None)
-        for fmt in grid.formats:
+        for fmt in sorted(grid.formats, key=lambda f: f != BASELINE):
             for precision in ["all"] if fmt == BASELINE else grid.precisions:
                 rules = None
                 if precision in grid.policies:  # written out, so each trial's config.yaml says it
