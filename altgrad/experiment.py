@@ -89,7 +89,8 @@ class RunStatus(StrEnum):
     """`summary.json`'s status: the run's own, whatever Ray's status of its trial."""
 
     RUNNING = "running"
-    FINISHED = "finished"
+    FINISHED = "finished"  # its budget ran, or its trainer stopped it (`stop_reason`)
+    STOPPED = "stopped"  # ended from outside before that: the sweep stopped its trial, Ctrl-C
 
 
 class SweepStatus(StrEnum):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -139,3 +141,30 @@ def test_corrupt_resume_target_is_a_clean_error(tmp_path):
         and "not a run directory" in proc.stderr
         and "Traceback" not in proc.stderr
     )
+
+
+def test_ctrl_c_keeps_the_run_and_says_how_to_continue(eurlex_dir, data_root, tmp_path):
+    """Ctrl-C mid-run exits 130 with the resume command, no traceback; summary.json says how far
+    the run got, and the resume it names finishes the run."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ALTGRAD_NO_COMPILE": "1"}
+    args = [sys.executable, "-m", "altgrad", "train", *data_args(eurlex_dir, data_root), "--set",
+            "train.max_steps=100000", "--set", "train.checkpoint_interval=2", "--out", str(out), "--quiet"]
+    proc = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (out / "checkpoints" / "step_00000002").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert f"python -m altgrad train --resume {out}" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["steps"] >= 2 and summary["stop_reason"] is None
+    finish = summary["steps"] + 2
+    resumed = subprocess.run([sys.executable, "-m", "altgrad", "train", "--resume", str(out), "--set",
+                              f"train.max_steps={finish}", "--quiet"], env=env, cwd=tmp_path, capture_output=True,
+                             text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("finished", finish)

@@ -355,6 +355,38 @@ PER_LAYER = [
 ]
 
 
+@pytest.mark.parametrize("stopped_at", [3, 7])
+def test_a_run_stopped_from_outside_keeps_its_summary(make_config, tmp_path, stopped_at):
+    """Tune stops a trial inside `report` (SystemExit in the trial's process): its summary.json
+    still says how far it ran and what its trainer saw, a NaN collapse included (here the
+    trainer's own stop at step 7 is also the step Tune stops it at)."""
+    cfg = make_config("quant.format=e4m3", "train.max_steps=30", "stability.nan_patience=3",
+                      "train.checkpoint_interval=100")
+    trainer = Trainer(cfg, tmp_path)
+    backward_calls = 0
+
+    def poison(grad):  # from the 5th backward on, every gradient of one layer is NaN
+        nonlocal backward_calls
+        backward_calls += 1
+        return grad * math.nan if backward_calls >= 5 else grad
+
+    trainer.model.transformer.h[0].mlp.c_fc.weight.register_hook(poison)
+
+    def tune_stops(metrics, ckpt):
+        if metrics["step"] == stopped_at:
+            raise SystemExit(0)
+
+    with pytest.raises(SystemExit):
+        trainer.fit(report=tune_stops)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["steps"] == stopped_at
+    assert summary["wall_time_s"] > 0
+    if stopped_at == 7:
+        assert (summary["stop_reason"], summary["collapse_step"], summary["collapse_where"]) == ("nan", 5, "backward")
+    else:
+        assert summary["stop_reason"] is None and summary["collapse_step"] is None
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "manifold"])
 def test_a_step_reads_no_value_back_to_the_host(make_config, tmp_path, path, optimizer):
     """SPEC §5: one host sync per step, the trainer's read of everything the step measured. On the

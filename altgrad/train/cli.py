@@ -58,14 +58,27 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        if args.resume is None and args.out is None and run_dir is not None and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # the default directory this run claimed, still empty
+        _drop_if_unused(run_dir, claimed=args.resume is None and args.out is None)
         return 2
+    except KeyboardInterrupt:
+        if run_dir is not None and (run_dir / CONFIG_FILE).is_file():
+            print(f"interrupted: continue from the newest checkpoint with python -m altgrad train --resume "
+                  f"{run_dir}", file=sys.stderr)
+        else:
+            print("interrupted before training started", file=sys.stderr)
+            _drop_if_unused(run_dir, claimed=args.resume is None and args.out is None)
+        return 130
     print(
         f"done: {summary['stop_reason']} after {summary['steps']} steps, best val loss "
         f"{summary['best_val_loss']:.4f}, run dir {run_dir}"
     )
     return 0 if summary["stop_reason"] == StopReason.COMPLETED else 1
+
+
+def _drop_if_unused(run_dir: Path | None, claimed: bool) -> None:
+    """Remove the default directory this run claimed (`claimed`) if nothing was written to it."""
+    if claimed and run_dir is not None and run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
 
 
 def not_a_run_dir(path: Path) -> str:

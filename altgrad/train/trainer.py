@@ -215,29 +215,36 @@ class Trainer:
             self._log_event(start, Event(EventKind.RESUME, f"resumed from step {start}"))
         max_steps = self.cfg.train.max_steps
         stop_reason = None
-        step = start
+        trained = start  # the last step trained
         t_last = time.perf_counter()
-        for step in range(start + 1, max_steps + 1):
-            result = self.train_step(step)
-            metrics = result.metrics
-            now = time.perf_counter()
-            if self.first_step_s is None:  # this process's first step: data, model, compiling
-                self.first_step_s = now - self._started
-            self.wall_time += now - t_last
-            metrics[TOKENS_PER_S] = self.cfg.train.batch_size * self.cfg.model.block_size / (now - t_last)
-            t_last = now
-            stop_reason = self._apply_policy(step, metrics, result.nan_origin)
-            if is_logged_step(self.cfg.train, step) or stop_reason:
-                self.files.log_metrics(metrics)  # before the checkpoint: a checkpoint's rows exist
-            ckpt = None
-            if is_checkpoint_step(self.cfg.train, step):
-                ckpt = self.checkpoints.save(step, self._state(step), self.val_loss)
-                self.files.write_summary(self._summary(step, RunStatus.RUNNING, None))
-            if report is not None and (is_logged_step(self.cfg.train, step) or stop_reason):
-                report(metrics, ckpt)
-            if stop_reason:
-                break
-        summary = self._summary(step, RunStatus.FINISHED, stop_reason or StopReason.COMPLETED)
+        try:
+            for step in range(start + 1, max_steps + 1):
+                result = self.train_step(step)
+                trained = step
+                metrics = result.metrics
+                now = time.perf_counter()
+                if self.first_step_s is None:  # this process's first step: data, model, compiling
+                    self.first_step_s = now - self._started
+                self.wall_time += now - t_last
+                metrics[TOKENS_PER_S] = self.cfg.train.batch_size * self.cfg.model.block_size / (now - t_last)
+                t_last = now
+                stop_reason = self._apply_policy(step, metrics, result.nan_origin)
+                if is_logged_step(self.cfg.train, step) or stop_reason:
+                    self.files.log_metrics(metrics)  # before the checkpoint: a checkpoint's rows exist
+                ckpt = None
+                if is_checkpoint_step(self.cfg.train, step):
+                    ckpt = self.checkpoints.save(step, self._state(step), self.val_loss)
+                    self.files.write_summary(self._summary(step, RunStatus.RUNNING, None))
+                if report is not None and (is_logged_step(self.cfg.train, step) or stop_reason):
+                    report(metrics, ckpt)
+                if stop_reason:
+                    break
+        except BaseException:
+            # Ended from outside: Tune stops a trial inside `report` (its scheduler or stopper), or
+            # Ctrl-C. The summary keeps what ran (the collapse, the wall time) for the records.
+            self.files.write_summary(self._summary(trained, RunStatus.STOPPED, stop_reason))
+            raise
+        summary = self._summary(trained, RunStatus.FINISHED, stop_reason or StopReason.COMPLETED)
         self.files.write_summary(summary)
         return summary
 
