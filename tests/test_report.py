@@ -341,8 +341,9 @@ def test_gradients_off_fp32_are_said_even_where_the_loss_ties(tmp_path):
     assert fid["e7m0"].diff.paired and fid["e7m0"].verdict == "lower" and fid["e7m0"].family_wise.holds
     assert fid["e7m0"].cell.vs_bf16 == "indistinguishable" and fid["e6m1"].cell.vs_bf16 == "worse"
     assert fid["e6m1"].verdict == "lower" and fid["e6m1"].family_wise.adjusted > 0.05  # Holm: after e7m0 and e4m3
-    # e5m2's non-finite seed is left out: unpaired against bf16's three, and said
-    assert fid["e5m2"].cosine.n == 2 and not fid["e5m2"].diff.paired and "{2} not finite" in fid["e5m2"].diff.note
+    # e5m2's non-finite seed is left out: paired with bf16 on the other two, and said
+    assert fid["e5m2"].cosine.n == 2 and fid["e5m2"].diff.paired and fid["e5m2"].diff.n == 2
+    assert "{2} not finite" in fid["e5m2"].diff.note and "bf16's {2} left out" in fid["e5m2"].diff.note
     assert (fid["e5m2"].nonfinite, fid["e5m2"].shadow_steps) == (len(EVAL_STEPS), 3 * len(EVAL_STEPS))
     assert {g.family_wise.family for g in f.fidelity} == {5}
     assert f.multiplicity()[1].startswith("gradient cosine − bf16: 5 comparisons with an interval")
@@ -459,8 +460,9 @@ def test_mixed_seed_sets_still_render_and_say_why(tmp_path):
     records = [*seeded("bf16", [1.0, 1.0]), *seeded("e4m3", [1.0, 1.1, 1.05])]  # bf16 lacks seed 2
     text = write_report(records, tmp_path).read_text()
     cell = compute_findings(records).cells["e4m3", "adamw", "all", ()]
-    assert not cell.ratio.paired
-    assert "unpaired: bf16 has seeds {0, 1}, e4m3 {0, 1, 2}" in text.split("## Comparisons that could not be paired")[1]
+    assert cell.ratio.paired and cell.ratio.n == 2
+    assert "paired on the seeds both have, {0, 1}: e4m3's {2} left out" in text.split(
+        "## Comparisons not paired on every seed")[1]
 
 
 def test_equivalent_formats_are_one_measurement(tmp_path):
@@ -488,8 +490,26 @@ def test_a_bf16_seed_cut_short_is_not_the_baseline_of_a_longer_cell(tmp_path):
     ratio = compute_findings(records).cells["e4m3", "adamw", "all", ()].ratio
     assert not ratio.paired and (ratio.n, ratio.n_other) == (2, 1)
     assert ratio.mean == pytest.approx((1.02 + 1.03) / 2)  # against seed 0's full-budget bf16 alone
-    assert "bf16 seed {1} evaluated only up to step 30 of the cell's 60, left out" in ratio.note
+    assert "bf16 seed {1} evaluated only up to step 30 of the cell's 60 (asha), left out" in ratio.note
     assert ratio.note in write_report(records, tmp_path).read_text()
+
+
+@pytest.mark.parametrize("status, stop, why", [("TERMINATED", "asha", "asha"), ("RUNNING", None, "still running")])
+def test_a_cell_seed_cut_short_is_left_out_of_the_cell(tmp_path, status, stop, why):
+    """e4m3 seed 2 evaluated only up to step 30 of 60 (stopped by ASHA, or still running): its best
+    loss is a 30-step budget's, which against bf16's 60-step one read ~20 % worse (helper-16). The
+    cell's value and × bf16 are its other seeds', paired with bf16's, and the report says why."""
+    short = replace(trial("e4m3", seed=2, scale=1.01, steps=30, status=status), stop_reason=stop)
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e4m3", [1.02, 1.03]), short]
+    cell = compute_findings(records).cells["e4m3", "adamw", "all", ()]
+    assert cell.short == (2,) and cell.steps == STEPS
+    assert (cell.best.n, cell.ratio.n, cell.ratio.paired) == (2, 2, True)
+    assert cell.best.mean == pytest.approx(BF16_BEST * (1.02 + 1.03) / 2)
+    assert cell.ratio.mean == pytest.approx((1.02 + 1.03) / 2)
+    note = f"e4m3 seed {{2}} evaluated only up to step 30 of the cell's {STEPS} ({why}), left out"
+    assert note in cell.ratio.note and "bf16's {2} left out" in cell.ratio.note
+    text = write_report(records, tmp_path).read_text()
+    assert note in text and "| e4m3 | adamw | all | — | 0, 1 (short, left out: 2) |" in text
 
 
 def test_missing_optimizer_baseline_is_borrowed_and_noted():

@@ -42,6 +42,7 @@ from altgrad.metrics import (
 from altgrad.precision import BASELINE
 from altgrad.quant.formats import exmy_bits
 from altgrad.report.stats import (
+    MIN_PAIRED,
     Comparison,
     Interval,
     difference_interval,
@@ -80,12 +81,15 @@ DEFINITIONS = f"""\
   trial is evaluated on the same fixed validation tokens, whatever its seed. A **cell** is one
   grid point (format × optimizer × layer precision × extra-axis values); its value is the mean
   over seeds with a 95 % Student-t interval (mean ± t(0.975, n−1)·s/√n); one seed: "n = 1, no
-  interval". **Steps**: the last evaluation any of its trials reached.
+  interval". **Steps**: the last evaluation any of its trials reached. A seed, of the cell or of
+  bf16, whose last evaluation came before that (stopped, or still running) had a smaller budget:
+  it is left out of the cell's numbers, and said.
 - **× bf16**: per seed, the cell's best val loss divided by bf16's (same optimizer, same seed, same
   values of the extra axes that apply to bf16) over the same budget (bf16's evaluations up to the
   cell's steps), then the mean of these per-seed ratios with its t interval ("paired"). When the
-  seed sets differ the ratio of the means is used with a delta-method interval (Welch df,
-  "unpaired") and the table says why. An optimizer without a bf16 trial borrows `{STANDARD}`'s.
+  seed sets differ, the pairs are the seeds both have if there are at least {MIN_PAIRED} (the others
+  are named); with fewer, the ratio of the means with a delta-method interval (Welch df,
+  "unpaired"), and the table says why. An optimizer without a bf16 trial borrows `{STANDARD}`'s.
 - **Separates / indistinguishable**: two numbers are called different only when their 95 %
   intervals do not overlap; a cell is better or worse than bf16 only when its × bf16 interval
   excludes 1. Without an interval (one seed) nothing is called different.
@@ -320,9 +324,10 @@ class Cell:
     axes: AxesKey
     trials: tuple[TrialRecord, ...]
     steps: int  # the last evaluation any of its trials reached
-    best: Interval  # best val loss up to `steps`, over seeds
+    best: Interval  # best val loss up to `steps`, over the seeds that evaluated there
     ratio: Comparison  # × bf16, paired by seed where possible
     also: tuple[str, ...] = ()  # equivalent formats this cell's trials measure too (one measurement)
+    short: tuple[int, ...] = ()  # seeds evaluated short of `steps`: left out of `best` and `ratio`
     family_wise: FamilyWise | None = None  # of `ratio`, over every cell's × bf16
     NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
 
@@ -557,20 +562,37 @@ def _same_losses(a: list[TrialRecord], b: list[TrialRecord]) -> bool:
 def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ...],
                bf16: list[TrialRecord], also: tuple[str, ...]) -> Cell:
     steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
-    values = seed_values(trials, steps)
     label = " ≡ ".join((key[0], *also))
-    # a bf16 seed evaluated short of the cell's steps (running, or stopped) had a smaller budget
+    # A seed evaluated short of the cell's steps (stopped, or still running) had a smaller budget,
+    # on either side: its best loss is not the cell's measure, and is left out.
+    short = _short_seeds(trials, steps)
     baseline = baseline_trials(bf16, key[3])
-    short = {t.seed: reached for t in baseline if (reached := last_eval(t) or 0) < steps}
-    ratio = ratio_interval(values, seed_values([t for t in baseline if t.seed not in short], steps),
+    short_bf16 = _short_seeds(baseline, steps)
+    values = seed_values([t for t in trials if t.seed not in short], steps)
+    ratio = ratio_interval(values, seed_values([t for t in baseline if t.seed not in short_bf16], steps),
                            labels=(label, BASELINE))
     if not steps:  # no trial of the cell has evaluated yet: nothing to divide
         ratio = replace(ratio, note="no evaluation yet")
-    elif short:
-        why = (f"{BASELINE} seed{'s' if len(short) > 1 else ''} {seeds_text(short)} evaluated only up to step "
-               f"{min(short.values())} of the cell's {steps}, left out")
-        ratio = replace(ratio, note="; ".join(n for n in (why, ratio.note) if n))
-    return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also)
+    else:
+        why = [_short_text(name, cut, steps) for name, cut in ((label, short), (BASELINE, short_bf16)) if cut]
+        if why:
+            ratio = replace(ratio, note="; ".join(n for n in (*why, ratio.note) if n))
+    return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also,
+                short=tuple(sorted(short)))
+
+
+def _short_seeds(trials: Iterable[TrialRecord], steps: int) -> dict[int, tuple[int, str]]:
+    """The seeds whose last evaluation came before `steps`: (that step, why: its stop reason, or
+    still running)."""
+    return {t.seed: (reached, t.stop_reason or "still running")
+            for t in trials if (reached := last_eval(t) or 0) < steps}
+
+
+def _short_text(label: str, short: dict[int, tuple[int, str]], steps: int) -> str:
+    reached = min(step for step, _ in short.values())
+    why = ", ".join(sorted({w for _, w in short.values()}))
+    return (f"{label} seed{'s' if len(short) > 1 else ''} {seeds_text(short)} evaluated only up to step "
+            f"{reached} of the cell's {steps} ({why}), left out")
 
 
 def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey) -> SweetSpot:

@@ -117,9 +117,14 @@ def _stops(c: Cell) -> str:
     return ", ".join(c.stops) or (RunStatus.RUNNING if c.running else StopReason.COMPLETED)
 
 
+def _seeds(c: Cell) -> str:
+    """The cell's seeds; those evaluated short of its steps, left out of its numbers, marked."""
+    used = ", ".join(str(s) for s in sorted({t.seed for t in c.trials} - set(c.short)))
+    return f"{used} (short, left out: {', '.join(map(str, c.short))})" if c.short else used
+
+
 def _cells(f: Findings) -> str:
-    rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—",
-             ", ".join(sorted({str(t.seed) for t in c.trials})), c.best.text(), c.steps,
+    rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—", _seeds(c), c.best.text(), c.steps,
              c.ratio.text(3), c.vs_bf16, _family_wise(c.family_wise), _stops(c)]
             for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision, c.axes, format_key(c.format)))]
     return _table(["format", "optimizer", "precision", "extra axes", "seeds", "best val loss (95 %)", "steps",
@@ -167,7 +172,7 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
     if f.fidelity:
         sections += ["## Gradients against the FP32 shadow", _fidelity_table(f.fidelity)]
     sections += [
-        "## Comparisons that could not be paired by seed", _pairing(f),
+        "## Comparisons not paired on every seed", _pairing(f),
         "## What is missing",
         "\n".join(f"- {m}" for m in f.missing) or "Nothing: every grid point has a finished trial.",
         "## How these numbers are computed", DEFINITIONS.strip(),

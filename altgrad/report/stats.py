@@ -222,7 +222,7 @@ class Interval:
 class Comparison(Interval):
     """A comparison of two sets of seeds (`mean` is the ratio or the difference) with its interval.
 
-    `paired`: the seed sets were equal, so the interval is over per-seed ratios/differences (the
+    `paired`: the interval is over per-seed ratios/differences on the seeds both sides have (the
     seed-to-seed noise both share cancels); otherwise the sides were compared unpaired, `n` is the
     first side's count, `n_other` the second's, and `note` says why (for the report to print).
     `note` also names seeds left out for non-finite values.
@@ -286,17 +286,30 @@ def _left_out(sides: Iterable[tuple[str, list[int]]]) -> list[str]:
             for label, dropped in sides if dropped]
 
 
+# The fewest shared seeds a comparison pairs on when the sides' seed sets differ (fewer: the
+# two means, unpaired). Pairing on two cancels the seed-to-seed noise both sides share, which on
+# this bench's losses is several times the formats' effects; one shared seed gives no interval.
+MIN_PAIRED = 2
+
+
 def _compare(a: Mapping[int, float], b: Mapping[int, float], confidence: float,
              labels: tuple[str, str], ratio: bool) -> Comparison:
-    """The shared logic of `ratio_interval` and `difference_interval`: pair by seed when the
-    finite seed sets are equal, else compare the two means unpaired (Welch)."""
+    """The shared logic of `ratio_interval` and `difference_interval`: pair by seed on the finite
+    seeds both sides have when those are all of them or at least `MIN_PAIRED`, else compare the
+    two means unpaired (Welch)."""
     level = _check_confidence(confidence)
     (xa, dropped_a), (xb, dropped_b) = _split(a), _split(b)
     la, lb = labels
     left_out = _left_out(((la, dropped_a), (lb, dropped_b)))
-    if xa.keys() == xb.keys():
-        per_seed = [xa[s] / xb[s] if ratio else xa[s] - xb[s] for s in xa]
+    shared = [s for s in xa if s in xb]
+    if xa.keys() == xb.keys() or len(shared) >= MIN_PAIRED:
+        per_seed = [xa[s] / xb[s] if ratio else xa[s] - xb[s] for s in shared]
         est = mean_interval(per_seed, confidence)
+        unmatched = [f"{label}'s {seeds_text(extra)}" for label, x in ((la, xa), (lb, xb))
+                     if (extra := [s for s in x if s not in shared])]
+        if unmatched:
+            left_out.append(f"paired on the seeds both have, {seeds_text(shared)}: "
+                            f"{' and '.join(unmatched)} left out")
         return Comparison(est.mean, est.half_width, est.n, confidence, paired=True,
                           n_other=est.n, note="; ".join(left_out) or None)
 
@@ -329,21 +342,22 @@ def ratio_interval(cell: Mapping[int, float], baseline: Mapping[int, float],
                    labels: tuple[str, str] = ("the cell", BASELINE)) -> Comparison:
     """A cell's loss relative to the baseline's (seed -> value maps), with its interval.
 
-    Same finite seeds on both sides: the mean of the per-seed ratios x_s / b_s with their t
-    interval, because seed s fixes the data order and initialisation of both runs, and pairing
-    cancels that shared noise. Otherwise (different seeds, a seed lost to NaN, a one-seed
-    baseline): mean(x) / mean(b) with the delta-method interval (relative variance
-    se_x²/mean_x² + se_b²/mean_b², Welch–Satterthwaite df), and a note naming both seed sets
-    (`labels` name the cell and the baseline in it). Baseline values must be nonzero (losses are).
+    Same finite seeds on both sides, or at least `MIN_PAIRED` in common: the mean of the per-seed
+    ratios x_s / b_s over those seeds with their t interval, because seed s fixes the data order
+    and initialisation of both runs, and pairing cancels that shared noise (a note names the
+    seeds left without a partner). Otherwise (disjoint seeds, a one-seed baseline):
+    mean(x) / mean(b) with the delta-method interval (relative variance se_x²/mean_x² +
+    se_b²/mean_b², Welch–Satterthwaite df), and a note naming both seed sets (`labels` name the
+    cell and the baseline in it). Baseline values must be nonzero (losses are).
     """
     return _compare(cell, baseline, confidence, labels, ratio=True)
 
 
 def difference_interval(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0.95,
                         labels: tuple[str, str] = ("a", "b")) -> Comparison:
-    """a − b (seed -> value maps) with its interval: the t interval of per-seed differences when
-    the finite seed sets are equal, else Welch's unpaired interval, with a note naming the seed
-    sets (`labels` name a and b in it)."""
+    """a − b (seed -> value maps) with its interval: the t interval of per-seed differences on
+    the seeds both have (as `ratio_interval` pairs), else Welch's unpaired interval, with a note
+    naming the seed sets (`labels` name a and b in it)."""
     return _compare(a, b, confidence, labels, ratio=False)
 
 
