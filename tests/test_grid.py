@@ -114,3 +114,14 @@ def test_bf16_starts_first_wherever_the_config_lists_it():
     keys = [p.key for p in build_grid(cfg)]
     assert keys == ["bf16-adamw-all-s1", "e5m2-adamw-all-s1", "e4m3-adamw-all-s1",
                     "bf16-adamw-all-s2", "e5m2-adamw-all-s2", "e4m3-adamw-all-s2"]
+
+
+def test_a_policy_rule_matching_no_layer_fails_before_the_sweep(capsys):
+    """SPEC §3: a pattern that matches no layer is an error; the dry run (and so the sweep, before
+    Ray starts) names it and the grid point, where every trial used to fail in its worker."""
+    code = sweep_main(FormatAblation, ABLATION, "test", [
+        "--dry-run", "--smoke", "--set", "grid.policies={mine: [{pattern: '*.attn.*', format: '{fmt}'}, "
+        "{pattern: '*.mpl.*', format: '{fmt}'}]}", "--set", "grid.precisions=[mine]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "grid point e4m3-adamw-mine-s42: quant.precision: layer pattern(s) ['*.mpl.*'] match no linear layer" in err

@@ -79,6 +79,8 @@ def test_train_writes_a_run_dir_and_resumes(eurlex_dir, data_root, tmp_path, cap
         (["optim.lr=-0.1"], "optim.lr"),
         (["model.block_size=10000000"], "block_size"),
         (["data.source=jsonl:/nonexistent/eurlex"], "/nonexistent/eurlex"),
+        (["quant.precision=[{pattern: '*.mlp.*', format: e4m3}, {pattern: nomatch, format: e5m2}]"],
+         "quant.precision: layer pattern(s) ['nomatch'] match no linear layer"),
     ],
 )
 def test_config_errors_exit_2_and_write_nothing(

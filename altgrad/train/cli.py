@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from altgrad.train.trainer import Trainer
+    from altgrad.train.trainer import Trainer, check_layer_policy
 
     run_dir = None
     try:
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
             run_dir = args.resume
         else:
             cfg = load_config(args.config, args.overrides)
+            check_layer_policy(cfg)
             run_dir = new_run_dir(args.out, f"{cfg.quant.format}-{cfg.optim.name}")
         trainer = Trainer(cfg, run_dir)
         summary = trainer.fit(

@@ -20,6 +20,7 @@ from altgrad.config import ConfigError, RunConfig, deep_merge, nested
 from altgrad.experiment import axis_names, axis_value_text
 from altgrad.precision import BASELINE, policy_rules
 from altgrad.quant.equivalence import quantize_identically
+from altgrad.train.trainer import check_layer_policy
 from altgrad.tune.asha import asha_milestones
 from altgrad.tune.config import (
     AxisValue,
@@ -80,6 +81,7 @@ def make_point(settings: SweepSettings, fmt: str, optimizer: str, precision: str
         overrides = deep_merge(overrides, layer)
     try:
         run = settings.run_config(overrides)
+        check_layer_policy(run)
     except ConfigError as e:
         raise ConfigError(f"grid point {key}: {e}") from None
     return GridPoint(key, fmt, optimizer, precision, seed, absolute_data_paths(run.model_dump(mode="json")),
