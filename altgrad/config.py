@@ -279,7 +279,10 @@ class TrainConfig(StrictModel):
         "the run drifts from there (docs/design.md). null: the process's count when the run starts "
         "(a sweep trial's: its CPUs), which the run's config.yaml then records, so that a resume or a "
         "re-run of that config computes with the same")
-    autocast: bool = True
+    autocast: bool = Field(
+        True, description="bf16 autocast for what a run does not quantize (the bf16 baseline's "
+        "whole model; every run's attention, norms, softmax and loss), on CUDA only: on the CPU those "
+        "compute in fp32, and summary.json's `autocast` says which a run did")
     compile: bool = Field(
         True, description="the model's forward and backward as one compiled graph per step, the "
         "quantizer kernels lowered by inductor and every other op its ATen kernel, called from one "

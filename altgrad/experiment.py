@@ -10,7 +10,8 @@ A run directory, written by `altgrad.train.Trainer` and knowing nothing of Ray, 
                      `val/loss` carries the latest evaluation, whose step is `val/step`)
 - `events.jsonl`     `{"step", "kind", "message", ...}` per event (`EventKind`)
 - `summary.json`     `{"status" (RunStatus), "stop_reason" (StopReason), "steps", "best_val_loss",
-                     "final_val_loss", "collapse_step", "collapse_where", "wall_time_s", ...}`,
+                     "final_val_loss", "collapse_step", "collapse_where", "wall_time_s",
+                     "autocast" (bf16 autocast, else fp32, for what it does not quantize), ...}`,
                      rewritten as it goes
 - `bit_positions.jsonl`  per diagnostic step, how far each quantized weight moved in codes
 - `checkpoints/`     `step_XXXXXXXX/checkpoint.pt` (best + last N), `anomaly_step_XXXXXXXX/`,
@@ -174,6 +175,8 @@ class TrialRecord:
     unreadable: str | None = None  # why the trial's files could not be read (file and line)
     # The thresholds the run's trainer acted on (its config.yaml); the defaults before it started.
     stability: StabilityConfig = field(default_factory=StabilityConfig)
+    # Whether what the run does not quantize computed in bf16 autocast (CUDA), not fp32; None: unknown.
+    autocast: bool | None = None
 
     def __post_init__(self) -> None:
         if self.stop_reason is None:
@@ -373,17 +376,19 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
         events = read_jsonl(run / EVENTS_FILE)
         summary = read_json(run / SUMMARY_FILE) or {}
         stability = run_stability(run)
+        autocast = summary.get("autocast", run_autocast(run))
     except ValueError as e:  # one corrupt trial must not hide the others
         return _record(entry, trial_id=trial_id, status=TrialStatus.ERROR, stop_reason=StopReason.ERROR,
                        trial_dir=trial_dir, unreadable=str(e))
     if stop is None:
         return _record(entry, trial_id=trial_id, status=entry["status"], history=history, events=events,
-                       summary=summary, trial_dir=trial_dir, error=entry.get("error"), stability=stability)
+                       summary=summary, trial_dir=trial_dir, error=entry.get("error"), stability=stability,
+                       autocast=autocast)
     step = int(stop[STEP])
     cut = _record(entry, trial_id=trial_id, status=entry["status"], stop_reason=stop["reason"],
                   history=[r for r in history if r[STEP] <= step], events=[e for e in events if e[STEP] <= step],
                   summary=summary, trial_dir=trial_dir, stop_step=step, stop_detail=stop_detail(stop),
-                  error=entry.get("error"), stability=stability)
+                  error=entry.get("error"), stability=stability, autocast=autocast)
     values = cut.val_series()[1]
     cut.summary = {**summary, "best_val_loss": cut.best_val_loss(upto=step),
                    "final_val_loss": values[-1] if values else math.nan,
@@ -397,6 +402,17 @@ def run_stability(run_dir: Path) -> StabilityConfig:
     path = run_dir / CONFIG_FILE
     section = (read_yaml(path).get("stability") or {}) if path.is_file() else {}
     return StabilityConfig.model_validate({k: v for k, v in section.items() if k in StabilityConfig.model_fields})
+
+
+def run_autocast(run_dir: Path) -> bool | None:
+    """Whether a run computed its unquantized ops in bf16 autocast, from its config.yaml, for a run
+    whose summary does not say (written before summaries did, or not started): not on the CPU or
+    with autocast off; unknown where the device was chosen at run time."""
+    path = run_dir / CONFIG_FILE
+    train = (read_yaml(path).get("train") or {}) if path.is_file() else {}
+    if train.get("autocast") is False or train.get("device") == "cpu":
+        return False
+    return True if train.get("device") == "cuda" else None
 
 
 def _by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

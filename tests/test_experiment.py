@@ -3,10 +3,12 @@ at the sweep's stops, and whether a driver on another host is alive."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
 import pytest
+import yaml
 from experiment_files import KEYS
 
 from altgrad.experiment import SWEEP_FILE, driver_alive, load_experiment
@@ -26,6 +28,25 @@ def test_load_experiment(experiment):
     nan = records[2]
     assert nan.summary["best_val_loss"] == pytest.approx(6.0) and nan.summary["final_val_loss"] == math.inf
     assert records[4].error == "RuntimeError: boom"
+
+
+def test_what_a_trial_computed_in_comes_from_its_summary_else_its_config(experiment):
+    """`autocast` (what the report calls its bf16 baseline's compute): the summary's when it says,
+    else the config's device and setting (a run from before summaries said it)."""
+    def autocast_with(summary: dict | None, train: dict | None) -> bool | None:
+        run = experiment / "trials" / KEYS[0] / "run"
+        summary_file, config = run / "summary.json", run / "config.yaml"
+        if summary is not None:
+            summary_file.write_text(json.dumps({**json.loads(summary_file.read_text()), **summary}))
+        if train is not None:
+            config.write_text(yaml.safe_dump({"train": train}))
+        return load_experiment(experiment)[0].autocast
+
+    assert autocast_with(None, {"device": "cpu", "autocast": True}) is False
+    assert autocast_with(None, {"device": "cuda", "autocast": False}) is False
+    assert autocast_with(None, {"device": "cuda", "autocast": True}) is True
+    assert autocast_with(None, {"device": "auto", "autocast": True}) is None
+    assert autocast_with({"autocast": True}, None) is True
 
 
 def test_a_driver_on_another_host_is_alive_while_its_heartbeat_is_fresh(tmp_path):

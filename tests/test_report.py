@@ -512,6 +512,22 @@ def test_a_cell_seed_cut_short_is_left_out_of_the_cell(tmp_path, status, stop, w
     assert note in text and "| e4m3 | adamw | all | — | 0, 1 (short, left out: 2) |" in text
 
 
+def test_a_baseline_computed_in_fp32_is_called_so():
+    """On the CPU there is no bf16 autocast: "bf16" is the model in fp32, and the report says so
+    (SPEC §2 defines the baseline as bf16 compute); on CUDA it says nothing; a mix is called out."""
+    def notes(autocast: list[bool | None]) -> list[str]:
+        records = [*seeded("bf16", [1.0] * len(autocast)), *seeded("e4m3", [1.01] * len(autocast))]
+        for r, a in zip(records, autocast, strict=False):
+            r.autocast = a
+        return [n for n in compute_findings(records).notes if "fp32" in n]
+
+    (fp32,) = notes([False, False])
+    assert fp32.startswith("**bf16 here is the model in fp32**") and "× bf16 compares a format with fp32" in fp32
+    assert notes([True, True]) == [] and notes([None, None]) == []
+    (mixed,) = notes([True, False])
+    assert "do not share one baseline" in mixed
+
+
 def test_missing_optimizer_baseline_is_borrowed_and_noted():
     records = [trial("bf16"), trial("e4m3", "manifold", scale=1.2)]
     f = compute_findings(records)

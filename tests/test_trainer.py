@@ -87,6 +87,7 @@ def test_the_summary_says_when_the_first_step_ended_and_whether_the_step_compile
     # from construction (its 1 s of data included) through step 1's sleep; ended before step 3's
     assert constructed + 0.5 <= summary["first_step_s"] <= elapsed - 0.5
     assert summary["compile"] == "eager (RuntimeError: no compiler here)"
+    assert summary["autocast"] is False  # train.autocast is on, but there is no bf16 autocast on the CPU
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 

@@ -550,6 +550,20 @@ def _baselines(records: list[TrialRecord], optimizers: tuple[str, ...],
     return {opt: own.get(opt) or own[lender] for opt in optimizers if opt in own or lender is not None}
 
 
+def _baseline_compute(bf16: list[TrialRecord]) -> list[str]:
+    """What "bf16" computed in, where it was not bf16 (SPEC §2: autocast bf16 where supported; the
+    trainer autocasts on CUDA only)."""
+    autocast = {t.autocast for t in bf16}
+    if False not in autocast:
+        return []
+    if True in autocast:
+        return [f"Some {BASELINE} trials computed in bf16 autocast (CUDA) and some in fp32 (no autocast on "
+                f"the CPU): their × {BASELINE} ratios do not share one baseline."]
+    return [f"**{BASELINE} here is the model in fp32**: bf16 autocast runs on CUDA only, so on this device the "
+            f"baseline, and what every run leaves unquantized (attention, norms, softmax, loss), computed in fp32. "
+            f"Every × {BASELINE} compares a format with fp32 compute."]
+
+
 def _same_losses(a: list[TrialRecord], b: list[TrialRecord]) -> bool:
     """Whether two optimizers' bf16 trials have the same seeds and extra axes and, for each, the
     same best val loss (finite, equal as floats)."""
@@ -693,6 +707,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     axes_order = {ax: i for i, ax in enumerate(axes)}
     notes: list[str] = []
     bf16 = _baselines(measured, optimizers, notes)
+    notes += _baseline_compute([t for trials in bf16.values() for t in trials])
 
     cells: dict[tuple[str, str, str, AxesKey], Cell] = {}
     for key in sorted({(r.format, r.optimizer, r.precision, axes_key(r)) for r in quantized}):

@@ -371,8 +371,13 @@ class Trainer:
         self.model.train()
         return torch.stack(losses).mean()
 
+    @property
+    def autocast(self) -> bool:
+        """Whether the unquantized compute runs in bf16 autocast (on CUDA), else in fp32."""
+        return self.cfg.train.autocast and self.device.type == "cuda"
+
     def _autocast(self):
-        if self.cfg.train.autocast and self.device.type == "cuda":
+        if self.autocast:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -465,6 +470,7 @@ class Trainer:
             "wall_time_s": round(self.wall_time, 3),
             "first_step_s": None if self.first_step_s is None else round(self.first_step_s, 3),
             "compile": compile_status(),
+            "autocast": self.autocast,
             "format": q.format,
             "optimizer": self.cfg.optim.name,
             "precision": q.precision if isinstance(q.precision, str) else "custom",
