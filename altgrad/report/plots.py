@@ -15,6 +15,7 @@ from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
 from altgrad.experiment import TrialRecord
@@ -31,7 +32,12 @@ from altgrad.report.findings import (
 )
 from altgrad.report.stats import decimals_to_show
 
-STABILITY_METRICS = (BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN)
+STABILITY_METRICS = {  # metric -> its axis label
+    BIT_STALL_RATE: "bit-stall rate",
+    OVERFLOW_RATE: "overflow rate (both passes)",
+    SHADOW_COS_MEAN: "cosine to FP32 gradients",
+}
+LEGEND_WIDTH = 1.0  # inches right of the panels for a figure's legend, so it covers no data
 THRESHOLD_LABEL = "_threshold"  # "_": matplotlib keeps it out of the legend
 
 
@@ -158,11 +164,13 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
 def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
     """Bit-stall, overflow and FP32-shadow cosine over steps: rows = metric, columns = precision."""
     precisions = findings.precisions
-    width, height = max(4.5 * len(precisions), 5.0), 8.0  # fixed margins (inches): a layout engine doubles the time
+    # fixed margins (inches): a layout engine doubles the time
+    width, height = max(4.5 * len(precisions), 5.0) + LEGEND_WIDTH, 8.0
     fig = Figure(figsize=(width, height))
     grid = fig.subplots(len(STABILITY_METRICS), len(precisions), squeeze=False, sharex=True, gridspec_kw=dict(
-        left=0.75 / width, right=1 - 0.2 / width, bottom=0.6 / height, top=1 - 0.65 / height,
+        left=0.75 / width, right=1 - (0.2 + LEGEND_WIDTH) / width, bottom=0.6 / height, top=1 - 0.65 / height,
         hspace=0.3, wspace=0.25))
+    plotted: set[str] = set()
     for row, metric in zip(grid, STABILITY_METRICS, strict=True):
         for ax, precision in zip(row, precisions, strict=True):
             cells = sorted((c for c in findings.cells.values()
@@ -173,15 +181,17 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
                 steps, values = r.series(metric)
                 if steps:
                     _curve(ax, r, steps, values)
+                    plotted.add(r.format)
             if metric == OVERFLOW_RATE:  # rare events matter: show 0, 1e-4 and 0.5 alike
                 ax.set_yscale("symlog", linthresh=1e-4)
             for threshold in sorted({t for r in trials for key, t, _ in signals(r.stability) if key == metric}):
                 ax.axhline(threshold, color="grey", ls=":", lw=1, label=THRESHOLD_LABEL)  # each run's own
             ax.set_title(f"{precision}: {metric}", fontsize=9)
             ax.grid(alpha=0.3)
-    for ax in grid[0]:  # one legend per column is enough
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
+        row[0].set_ylabel(STABILITY_METRICS[metric], fontsize=8)
+    if plotted:  # one entry per format (its seeds share its colour), beside the panels
+        fig.legend(handles=[Line2D([], [], color=color(f), lw=1.0, label=f) for f in sorted(plotted, key=format_key)],
+                   loc="center right", fontsize=7, title="format", title_fontsize=7, frameon=False)
     for ax in grid[-1]:
         ax.set_xlabel("step")
     fig.suptitle(f"Stability signals — optimizer {optimizer}{_suffix(axes)}")
