@@ -12,8 +12,8 @@ Every logged row
     DIVERGENCE, FORMAT_SHIFTS;
     VAL_LOSS, VAL_PPL: the latest evaluation, made at step VAL_STEP (`is_eval_step`).
 Diagnostic steps (`is_diagnostic_step`), quantized runs
-    model-wide OVERFLOW_RATE, UNDERFLOW_RATE, CODES_USED, BIT_STALL_RATE, ZERO_UPDATE_FRAC,
-    KURTOSIS_MAX, and per layer (`per_layer(metric, layer)`) the first four, ACT_KURTOSIS and
+    model-wide OVERFLOW_RATE, UNDERFLOW_RATE (and each by pass: FORWARD_OVERFLOW_RATE, ...),
+    CODES_USED, BIT_STALL_RATE, ZERO_UPDATE_FRAC, KURTOSIS_MAX, and per layer (`per_layer(metric, layer)`) the first four, ACT_KURTOSIS and
     `gradient_stat(stat)` for each of `diagnostics.GRADIENT_STATS` (GRAD_DEAD_FRAC among them).
 Shadow steps (`is_shadow_step`)
     SHADOW_COS_MEAN, SHADOW_COS_MIN, and per layer SHADOW_COS.
@@ -51,8 +51,14 @@ VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_STEP = "val/step"
 
-OVERFLOW_RATE = "quant/overflow_rate"
+OVERFLOW_RATE = "quant/overflow_rate"  # over every quantized tensor: both passes
 UNDERFLOW_RATE = "quant/underflow_rate"
+# The same counts by pass: the forward quantizes inputs and weights, the backward grad_output.
+FORWARD_OVERFLOW_RATE = "quant/forward_overflow_rate"
+FORWARD_UNDERFLOW_RATE = "quant/forward_underflow_rate"
+BACKWARD_OVERFLOW_RATE = "quant/backward_overflow_rate"
+BACKWARD_UNDERFLOW_RATE = "quant/backward_underflow_rate"
+RATES_BY_PASS = (FORWARD_OVERFLOW_RATE, FORWARD_UNDERFLOW_RATE, BACKWARD_OVERFLOW_RATE, BACKWARD_UNDERFLOW_RATE)
 CODES_USED = "quant/codes_used"
 BIT_STALL_RATE = "quant/bit_stall_rate"
 ZERO_UPDATE_FRAC = "quant/zero_update_frac"

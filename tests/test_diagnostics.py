@@ -72,10 +72,13 @@ def test_diagnostics_quant_metrics_per_layer_and_overall(path, last_roles):
     out = per_name(diagnostics.quant_metrics())
     diagnostics.end()
     totals = torch.zeros(3)
+    by_pass = {"forward": torch.zeros(3), "backward": torch.zeros(3)}
     used_all = []
     for name, layer in zip(("0", "2", "3"), (model[0], model[2], model[3]), strict=True):
         counts = sum(layer.stats[r].counts()[0] for r in ROLES)
         totals += counts
+        for role in ROLES:
+            by_pass["backward" if role == "grad_output" else "forward"] += layer.stats[role].counts()[0]
         on = [r for r in ROLES if layer.policy.quantizes(r)]
         used = sum((layer.stats[r].counts()[1] > 0).sum().item() / layer.policy.format_of(r).num_finite_codes
                    for r in on) / len(on)
@@ -86,4 +89,8 @@ def test_diagnostics_quant_metrics_per_layer_and_overall(path, last_roles):
     assert 0 < totals[0] and len({round(u, 6) for u in used_all}) == 3
     assert out["quant/overflow_rate"].item() == pytest.approx((totals[0] / totals[2]).item())
     assert out["quant/underflow_rate"].item() == pytest.approx((totals[1] / totals[2]).item())
+    for p, c in by_pass.items():  # the forward's roles are the input and the weight, the backward's grad_output
+        assert out[f"quant/{p}_overflow_rate"].item() == pytest.approx((c[0] / c[2]).item())
+        assert out[f"quant/{p}_underflow_rate"].item() == pytest.approx((c[1] / c[2]).item())
+    assert by_pass["forward"][0] > 0 and by_pass["backward"][1] > 0  # neither rate is a trivial 0
     assert out["quant/codes_used"].item() == pytest.approx(sum(used_all) / 3)

@@ -276,8 +276,19 @@ def test_collapse_step_and_site_inferred_from_metrics():
         (trial("e4m3", summary={"collapse_step": 12, "collapse_where": "optimizer", "stop_reason": "nan"}),
          "optimizer stall", "recorded"),
         (trial("e6m1", summary={"stop_reason": "bit_stall"}), "optimizer stall", "bit-stall"),
+        # the rates by pass name the pass (helper-16: e0m7's underflow, 1.1 % over both passes, was
+        # called a backward underflow; its gradients, e5m2 with delayed scaling, did not underflow)
+        (trial("e0m7", summary={"stop_reason": "asha"}, **{"quant/underflow_rate": 0.0108,
+                                                           "quant/forward_underflow_rate": 0.022,
+                                                           "quant/backward_underflow_rate": 0.0}),
+         "forward underflow", "quant/forward_underflow_rate = 0.022 > 0.01"),
+        (trial("e5m2", summary={"stop_reason": "asha"}, **{"quant/overflow_rate": 0.02,
+                                                           "quant/forward_overflow_rate": 0.0,
+                                                           "quant/backward_overflow_rate": 0.06}),
+         "backward overflow", "quant/backward_overflow_rate = 0.06 > 0.01"),
+        # a run recorded before the rates by pass: its rate over both passes names no pass
         (trial("e2m5", summary={"stop_reason": "asha"}, **{"quant/underflow_rate": 0.05}),
-         "backward underflow", "quant/underflow_rate = 0.05 > 0.01"),
+         "underflow", "quant/underflow_rate = 0.05 > 0.01"),
         (trial("e2m5", summary={"stop_reason": "asha"},
                **{"grad/dead_frac/h.0.mlp.c_fc": 0.9, "grad/dead_frac/lm_head": 0.7}),
          "backward underflow", "grad/dead_frac = 0.8 > 0.5"),
@@ -625,6 +636,30 @@ def test_every_figure_draws_inside_its_canvas(tmp_path, monkeypatch, n_formats):
         assert (drawn[:2] >= canvas[:2] - 0.01).all() and (drawn[2:] <= canvas[2:] + 0.01).all(), (canvas, drawn)
 
 
+def test_the_stability_legend_covers_no_panel(tmp_path, monkeypatch):
+    """Fifteen trials gave a 15-entry legend over the top panel's title and data (helper-16): the
+    legend now names each format once, beside the panels, and each row says what it plots."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = [*seeded("bf16", [1.0] * 3), *(r for fmt in ("e2m5", "e3m4", "e4m3", "e5m2", "e7m0")
+                                             for r in seeded(fmt, [1.01, 1.02, 1.03]))]
+    saved: list[Figure] = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (saved.append(fig), save(fig, *a, **kw))[1])
+    plot_stability(compute_findings(records), "adamw", (), tmp_path / "stability.png")
+    (fig,) = saved
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["e2m5", "e3m4", "e4m3", "e5m2", "e7m0"]
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_tightbbox(renderer)), ax.get_title()
+    assert [ax.get_ylabel() for ax in fig.axes[::len(fig.axes) // 3]] == [
+        "bit-stall rate", "overflow rate (both passes)", "cosine to FP32 gradients"]
+
+
 def test_partial_experiment_lists_what_is_missing():
     records = [
         trial("bf16"),
@@ -725,8 +760,9 @@ def test_failure_sites_and_guides_use_each_runs_own_thresholds(tmp_path):
     """Two runs with the same overflow rate (0.05): one at the default warning level (0.01), one
     whose config raised it to 0.1. Read back from their config.yaml, only the first is a forward
     overflow, and the stability plot draws both runs' levels."""
-    default = trial("e2m5", seed=0, summary={"stop_reason": "asha"}, **{"quant/overflow_rate": 0.05})
-    raised = trial("e2m5", seed=1, summary={"stop_reason": "asha"}, **{"quant/overflow_rate": 0.05})
+    rates = {"quant/overflow_rate": 0.05, "quant/forward_overflow_rate": 0.05}
+    default = trial("e2m5", seed=0, summary={"stop_reason": "asha"}, **rates)
+    raised = trial("e2m5", seed=1, summary={"stop_reason": "asha"}, **rates)
     raised.stability = StabilityConfig(overflow_warn=0.1)
     exp = write_experiment(tmp_path / "exp", [trial("bf16"), default, raised])
     (run_dir(exp, raised) / "config.yaml").write_text(  # a field this version does not know is ignored
@@ -737,7 +773,7 @@ def test_failure_sites_and_guides_use_each_runs_own_thresholds(tmp_path):
         r.stop_reason = r.summary.get("stop_reason")
     f = compute_findings(records)
     sites = {fail.trial.seed: (fail.where, fail.evidence) for fail in f.failures}
-    assert sites[0] == ("forward overflow", "quant/overflow_rate = 0.05 > 0.01")
+    assert sites[0] == ("forward overflow", "quant/forward_overflow_rate = 0.05 > 0.01")
     assert sites[1] == ("—", "no signal above threshold")
     plot = plot_stability(f, "adamw", (), tmp_path / "stability.png")
     assert plot.thresholds["all: quant/overflow_rate"] == [0.01, 0.1]

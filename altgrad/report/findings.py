@@ -27,7 +27,11 @@ from altgrad.experiment import (
     axis_value_text,
 )
 from altgrad.metrics import (
+    BACKWARD_OVERFLOW_RATE,
+    BACKWARD_UNDERFLOW_RATE,
     BIT_STALL_RATE,
+    FORWARD_OVERFLOW_RATE,
+    FORWARD_UNDERFLOW_RATE,
     GRAD_DEAD_FRAC,
     GRAD_HAS_NAN,
     LOSS_IS_NAN,
@@ -62,16 +66,22 @@ WINDOW = 5  # logged rows up to the stop that are searched for signals
 
 
 def signals(stability: StabilityConfig) -> tuple[tuple[str, float, str], ...]:
-    """(metric, threshold, site) per failure signal: a signal above its threshold points at that
-    site. Every threshold is the run's own (`stability`): overflow, underflow and bit-stall its
-    warning levels (SPEC §5), the dead-gradient fraction (the mean over layers) and the zero-update
-    fraction its `dead_grad_signal` and `zero_update_signal`."""
+    """(metric, threshold, where) per failure signal: a signal above its threshold points there.
+    Every threshold is the run's own (`stability`): overflow, underflow and bit-stall its warning
+    levels (SPEC §5), the dead-gradient fraction (the mean over layers) and the zero-update
+    fraction its `dead_grad_signal` and `zero_update_signal`. Overflow and underflow are read by
+    pass; the rates over both passes only name no pass (runs recorded before the rates by pass)
+    and, listed last, win no tie: a pass's rate is at least the two passes' rate where it leads."""
     return (
-        (OVERFLOW_RATE, stability.overflow_warn, "forward"),
-        (UNDERFLOW_RATE, stability.underflow_warn, "backward"),
-        (GRAD_DEAD_FRAC, stability.dead_grad_signal, "backward"),
-        (BIT_STALL_RATE, stability.stall_warn, "optimizer"),
-        (ZERO_UPDATE_FRAC, stability.zero_update_signal, "optimizer"),
+        (FORWARD_OVERFLOW_RATE, stability.overflow_warn, "forward overflow"),
+        (BACKWARD_OVERFLOW_RATE, stability.overflow_warn, "backward overflow"),
+        (FORWARD_UNDERFLOW_RATE, stability.underflow_warn, "forward underflow"),
+        (BACKWARD_UNDERFLOW_RATE, stability.underflow_warn, "backward underflow"),
+        (GRAD_DEAD_FRAC, stability.dead_grad_signal, WHERE["backward"]),
+        (BIT_STALL_RATE, stability.stall_warn, WHERE["optimizer"]),
+        (ZERO_UPDATE_FRAC, stability.zero_update_signal, WHERE["optimizer"]),
+        (OVERFLOW_RATE, stability.overflow_warn, "overflow"),
+        (UNDERFLOW_RATE, stability.underflow_warn, "underflow"),
     )
 
 
@@ -114,7 +124,7 @@ DEFINITIONS = f"""\
   Where: `collapse_where` when the trainer recorded it; a `bit_stall` stop is an optimizer stall;
   otherwise the last {WINDOW} logged rows up to that step are read: a non-finite loss means the
   forward pass broke, a non-finite gradient with a finite loss means the backward pass did; else the
-  signal furthest above its threshold names the site ({", ".join(f"{k} → {WHERE[s]}" for k, _, s in
+  signal furthest above its threshold names the site ({", ".join(f"{k} → {s}" for k, _, s in
   _DEFAULT_SIGNALS)}); "—" when none is. Every threshold is the run's own `stability` setting
   (its config.yaml; by default {", ".join(f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)});
   the evidence names the one that applied.
@@ -217,11 +227,11 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
     ):
         if broken:
             return WHERE[site], f"{what} at step {last[STEP]:.0f}{also}"
-    return (WHERE[signal[0]], signal[1]) if signal else ("—", "no signal above threshold")
+    return signal if signal else ("—", "no signal above threshold")
 
 
 def _strongest_signal(rows: list[dict[str, float]], stability: StabilityConfig) -> tuple[str, str] | None:
-    """(site, evidence) of the signal furthest above its threshold (by ratio), if any is."""
+    """(where, evidence) of the signal furthest above its threshold (by ratio), if any is."""
     best: tuple[float, str, str] | None = None
     for key, threshold, site in signals(stability):
         value = max((v for v in (_metric(row, key) for row in rows) if math.isfinite(v)), default=0.0)

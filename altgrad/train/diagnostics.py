@@ -15,10 +15,15 @@ from torch import nn
 
 from altgrad.metrics import (
     ACT_KURTOSIS,
+    BACKWARD_OVERFLOW_RATE,
+    BACKWARD_UNDERFLOW_RATE,
     BIT_STALL_RATE,
     CODES_USED,
+    FORWARD_OVERFLOW_RATE,
+    FORWARD_UNDERFLOW_RATE,
     KURTOSIS_MAX,
     OVERFLOW_RATE,
+    RATES_BY_PASS,
     UNDERFLOW_RATE,
     ZERO_UPDATE_FRAC,
     gradient_stat,
@@ -204,7 +209,7 @@ class Diagnostics:
         all layers' counters at once."""
         if not self.quantized:
             zero = torch.zeros((), device=self._device())
-            return {OVERFLOW_RATE: zero, UNDERFLOW_RATE: zero, CODES_USED: zero}
+            return {name: zero for name in (OVERFLOW_RATE, UNDERFLOW_RATE, CODES_USED, *RATES_BY_PASS)}
         names, layers = tuple(self.quantized), list(self.quantized.values())
         counted = torch.stack(self._counters).view(len(layers), len(ROLES), -1)
         counts = counted[:, :, :3].sum(1).float()  # overflow, underflow, elements
@@ -214,11 +219,18 @@ class Diagnostics:
         used = (codes / finite_code_counts(formats, codes.device).view(codes.shape) * on).sum(1) / on.sum(1)
         rates = counts[:, :2] / counts[:, 2:].clamp_min(1)
         totals = counts.sum(0)
+        by_role = counted[:, :, :3].sum(0).float()  # role -> overflow, underflow, elements
+        backward = by_role[ROLES.index("grad_output")]
+        forward = by_role.sum(0) - backward
         return {layer_metric_names(OVERFLOW_RATE, names): rates[:, 0],
                 layer_metric_names(UNDERFLOW_RATE, names): rates[:, 1],
                 layer_metric_names(CODES_USED, names): used,
                 OVERFLOW_RATE: totals[0] / totals[2].clamp_min(1),
                 UNDERFLOW_RATE: totals[1] / totals[2].clamp_min(1),
+                FORWARD_OVERFLOW_RATE: forward[0] / forward[2].clamp_min(1),
+                FORWARD_UNDERFLOW_RATE: forward[1] / forward[2].clamp_min(1),
+                BACKWARD_OVERFLOW_RATE: backward[0] / backward[2].clamp_min(1),
+                BACKWARD_UNDERFLOW_RATE: backward[1] / backward[2].clamp_min(1),
                 CODES_USED: used.mean()}
 
     # -- optimizer: bit-stall on the weights each quantized layer stores ---------------------
