@@ -230,7 +230,7 @@ def test_one_seed_says_n_1_and_is_never_called_different():
     cell = f.cells["e4m3", "adamw", "all", ()]
     assert cell.ratio.text(3) == "1.500 (n = 1, paired, no interval)"
     assert cell.best.text() .endswith("(n = 1, no interval)")
-    assert cell.vs_bf16 == "indistinguishable (no interval)"
+    assert cell.vs_bf16 == "not tested (no interval)"  # one seed: no test was made, so no tie either
     assert spot(f, "all").group == ("bf16", "e5m2", "e4m3")  # nothing separates without an interval
     assert not f.verdict.passed and "n = 1, no interval" in f.verdict.reason
 
@@ -688,7 +688,15 @@ def test_a_report_on_a_running_sweep_claims_nothing_it_has_not_seen(tmp_path):
     assert e5m2.vs_bf16 == "not compared (no finite value)" and e5m2.ratio.note == "no evaluation yet"
     text = write_report(records, tmp_path).read_text()
     assert "No trial has failed so far; 2 not finished" in text and "Every trial completed" not in text
-    assert "not finite" not in text and "step None" not in text and "indistinguishable (no interval)" not in text
+    assert "not finite" not in text and "step None" not in text and "not tested (no interval)" not in text
+    # a cell without an evaluation reads as such, not as a loss that went non-finite
+    assert "| e5m2 | adamw | all | — | 0 | not evaluated yet | 0 | — | — |" in text
+    assert "no finite value" not in text and "e5m2 / all, adamw: no evaluation yet" not in text
+    # bf16 itself still running: its number is provisional, and said
+    running = [trial("bf16", status="RUNNING", steps=20), trial("e5m2")]
+    assert "bf16 best val loss: adamw " in (text := write_report(running, tmp_path / "r").read_text())
+    assert text.split("bf16 best val loss: adamw ", 1)[1].split(".\n", 1)[0].endswith(
+        "(provisional: still running)")
 
 
 def test_only_baseline_trials(tmp_path):

@@ -102,7 +102,7 @@ DEFINITIONS = f"""\
   "unpaired"), and the table says why. An optimizer without a bf16 trial borrows `{STANDARD}`'s.
 - **Separates / indistinguishable**: two numbers are called different only when their 95 %
   intervals do not overlap; a cell is better or worse than bf16 only when its × bf16 interval
-  excludes 1. Without an interval (one seed) nothing is called different.
+  excludes 1. Without an interval (one seed) nothing is called different: "not tested".
 - **Family-wise (Holm)**: at 95 % each, about one comparison in twenty excludes its null by chance
   alone, and a report reads many. So every comparison with an interval also has its two-sided p
   (the t test its interval inverts: p < 0.05 when the interval excludes the null) and
@@ -314,11 +314,12 @@ def family_wise(comparisons: list[tuple[Interval, float]]) -> list[FamilyWise | 
 
 def reading(estimate: Interval, null: float, below: str, above: str) -> str:
     """`below` / `above` when the 95 % interval excludes `null` on that side (`Interval.excludes`,
-    the one rule by which the report calls a difference a difference), else "indistinguishable"."""
+    the one rule by which the report calls a difference a difference), else "indistinguishable";
+    without an interval (one seed) nothing was tested, which is not the same as a tie."""
     if math.isnan(estimate.mean):
         return "not compared (no finite value)"
     if not estimate.bounded:
-        return "indistinguishable (no interval)"
+        return "not tested (no interval)"
     if not estimate.excludes(null):
         return "indistinguishable"
     return below if estimate.hi < null else above

@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from altgrad.experiment import RunStatus, StopReason, TrialRecord
+from altgrad.experiment import UNFINISHED, RunStatus, StopReason, TrialRecord
 from altgrad.report.findings import (
     DEFINITIONS,
     MANIFOLD,
@@ -51,7 +51,9 @@ def _overview(records: list[TrialRecord], f: Findings) -> str:
     measured = [r for r in records if not r.same_as]
     status = ", ".join(f"{n} {s.lower()}" for s, n in sorted(Counter(r.status for r in measured).items()))
     seeds = sorted({r.seed for r in measured})
-    baselines = ", ".join(f"{o} {f.baseline_best(o).text()}" for o in sorted(f.baselines))
+    baselines = ", ".join(f"{o} {f.baseline_best(o).text()}"
+                          + (" (provisional: still running)" if any(t.status in UNFINISHED for t in f.baselines[o])
+                             else "") for o in sorted(f.baselines))
     lines = [f"{len(measured)} trials ({status}), seeds {', '.join(map(str, seeds))}. Formats: "
              f"{', '.join(f.formats) or 'none'}; optimizers: {', '.join(f.optimizers)}; layer precisions: "
              f"{', '.join(f.precisions)}" + (f"; extra axes: {', '.join(sorted({p for ax in f.axes for p, _ in ax}))}"
@@ -124,8 +126,10 @@ def _seeds(c: Cell) -> str:
 
 
 def _cells(f: Findings) -> str:
-    rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—", _seeds(c), c.best.text(), c.steps,
-             c.ratio.text(3), c.vs_bf16, _family_wise(c.family_wise), _stops(c)]
+    rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—", _seeds(c),
+             c.best.text() if c.steps else "not evaluated yet", c.steps,
+             c.ratio.text(3) if c.steps else "—", c.vs_bf16 if c.steps else "—", _family_wise(c.family_wise),
+             _stops(c)]
             for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision, c.axes, format_key(c.format)))]
     return _table(["format", "optimizer", "precision", "extra axes", "seeds", "best val loss (95 %)", "steps",
                    "× bf16 (95 %)", "vs bf16", "family-wise (Holm)", "stops"], rows)
@@ -143,8 +147,9 @@ def _fidelity_table(fidelity: list[GradientFidelity]) -> str:
 
 
 def _pairing(f: Findings) -> str:
+    # (a cell with nothing to compare, no evaluation or no finite loss, is no comparison)
     notes = [f"- {c.name} / {where_text(c.precision, c.optimizer, c.axes)}: {c.ratio.note}"
-             for c in f.cells.values() if c.ratio.note]
+             for c in f.cells.values() if c.ratio.note and c.ratio.n]
     notes += [f"- {d.what}, {d.a.name} / {d.a.precision}: {d.diff.note}" for d in [*f.deltas, *f.axis_effects]
               if d.diff.note]
     notes += [f"- gradient cosine, {g.cell.name} / {where_text(g.cell.precision, g.cell.optimizer, g.cell.axes)}: "
