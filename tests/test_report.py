@@ -795,6 +795,11 @@ def test_a_bad_threshold_in_a_runs_config_makes_that_trial_unreadable(tmp_path):
     records = load_experiment(exp)
     assert records[0].unreadable is None
     assert "overflow_warn" in records[1].unreadable and records[1].status == "ERROR"
+    # its failure row says why it has no numbers, not "no metrics recorded" at step "None"
+    text = write_report(records, tmp_path / "report").read_text()
+    row = next(line for line in text.split("## Failures and early stops")[1].splitlines() if "e4m3" in line)
+    assert "| error | — | unknown | its files could not be read: " in row and "overflow_warn" in row
+    assert "None" not in row and "no metrics recorded" not in row
 
 
 def test_cli_partial_experiment_says_what_is_missing(tmp_path):

@@ -209,6 +209,8 @@ def _metric(row: dict[str, float], key: str) -> float:
 
 def failure_site(r: TrialRecord) -> tuple[str, str]:
     """(where, evidence) of a failure; see DEFINITIONS. The evidence names the strongest signal."""
+    if r.unreadable:
+        return "unknown", f"its files could not be read: {r.unreadable}"
     step, _ = stop_step(r)
     rows = [row for row in r.history if step is None or row[STEP] <= step][-WINDOW:]
     signal = _strongest_signal(rows, r.stability)

@@ -43,8 +43,14 @@ def _num(x: float | None, spec: str = ".4f") -> str:
 
 def _table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cell_text(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _cell_text(value: object) -> str:
+    """A table cell on one line, its pipes escaped: a multi-line error (pydantic's) or a `|` in a
+    message would otherwise end the row, and the table, there."""
+    return " ".join(str(value).split()).replace("|", "\\|")
 
 
 def _overview(records: list[TrialRecord], f: Findings) -> str:
@@ -92,7 +98,8 @@ def _failures(f: Findings) -> str:
         return "Every trial completed without a collapse."
     rows = [[name(x.trial), x.trial.format, x.trial.optimizer, x.trial.precision,
              axes_text(tuple(sorted(x.trial.axes.items()))) or "—", x.trial.seed,
-             x.stop_reason, f"{x.step} ({'collapse' if x.collapsed else 'stop'})", x.where, x.evidence]
+             x.stop_reason, "—" if x.step is None else f"{x.step} ({'collapse' if x.collapsed else 'stop'})",
+             x.where, x.evidence]
             for x in f.failures]
     return _table(["trial", "format", "optimizer", "precision", "extra axes", "seed", "stop reason", "step",
                    "where it failed", "evidence"], rows)
