@@ -3,20 +3,44 @@ format, from trial records alone."""
 
 from __future__ import annotations
 
+from sweep_helpers import LR_SEARCH
+
+from altgrad.experiment import TrialRecord
+
+
+def trial(lr: float, vals: list[float], reason: str = "completed") -> TrialRecord:
+    history = [{"step": i + 1, "val/loss": v, "val/step": i + 1} for i, v in enumerate(vals)]
+    return TrialRecord(trial_id=str(lr), format="e4m3", optimizer="adamw", precision="all",
+                       status="TERMINATED", stop_reason=reason, history=history,
+                       summary={"final_val_loss": vals[-1]}, params={"lr": lr})
+
 
 def test_lr_search_table():
-    from altgrad.experiment import TrialRecord
     from altgrad.tune.lr_search import render_lr_table, stable_lr_row
-
-    def trial(lr: float, vals: list[float], reason: str = "completed") -> TrialRecord:
-        history = [{"step": i + 1, "val/loss": v, "val/step": i + 1} for i, v in enumerate(vals)]
-        return TrialRecord(trial_id=str(lr), format="e4m3", optimizer="adamw", precision="all",
-                           status="TERMINATED", stop_reason=reason, history=history,
-                           summary={"final_val_loss": vals[-1]}, params={"lr": lr})
 
     records = [trial(1e-3, [10, 8]), trial(1e-2, [10, 7]), trial(3e-2, [10, 11]),
                trial(1e-1, [10, float("inf")], "nan"), trial(5e-3, [10, 9], "bit_stall")]
-    row = stable_lr_row("e4m3", records)
+    row = stable_lr_row("e4m3", records, 0.0)
     assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7,
                    "smallest_unstable_lr": 5e-3, "trials": 5, "unfinished": 0}
     assert "e4m3" in render_lr_table([row]) and "0.01" in render_lr_table([row])
+
+
+def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes():
+    """`tolerance: 0.25` asks for a val loss 25 % below the first: a run that fell 20 % is not stable,
+    neither in the summary table nor in the `sweep/stable_lr` its trial reports to Optuna (which
+    gets the setting through the trial config)."""
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import LrSearch, stable_lr_row
+    from altgrad.tune.trainable import SweepSignals
+    from altgrad.tune.trial_spec import learning_tolerance
+
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "tolerance=0.25"], smoke=True)
+    row = stable_lr_row("e4m3", [trial(1e-3, [10, 7]), trial(1e-2, [10, 8])], cfg.tolerance)
+    assert (row["largest_stable_lr"], row["smallest_unstable_lr"]) == (1e-3, 1e-2)
+    config = LrSearch.experiments(cfg)[0].param_space
+    for lr, last, stable_lr in [(1e-3, 7.0, 1e-3), (1e-2, 8.0, 0.0)]:
+        signals = SweepSignals(0.99, lr, tolerance=learning_tolerance(config))
+        signals.observe({"step": 1.0, "val/loss": 10.0, "val/step": 1.0})
+        assert signals.observe({"step": 2.0, "val/loss": last, "val/step": 2.0})[STABLE_LR] == stable_lr

@@ -42,7 +42,7 @@ class LrSearch:
             search = OptunaSearch(metric=STABLE_LR, mode="max", seed=seed,
                                   points_to_evaluate=[{"lr": lr} for lr in cfg.lr.grid])
             param_space = {"key": point.key, "lr": tune.loguniform(cfg.lr.low, cfg.lr.high),
-                           **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
+                           "tolerance": cfg.tolerance, **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
             grid = [trial_labels({"key": point.key, "lr": lr}, point.labels) for lr in cfg.lr.grid]
             out.append(Experiment(cfg, LrSearch.kind, f"{cfg.experiment_path}/{fmt}", {point.key: point},
                                   param_space, grid, len(cfg.lr.grid) + cfg.lr.samples, search_alg=search))
@@ -66,7 +66,8 @@ class LrSearch:
         if is_remote(cfg.experiment_path):
             print(f"copy {cfg.experiment_path} to local disk to read its results")
             return 0
-        rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path)) for exp in experiments]
+        rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path), cfg.tolerance)
+                for exp in experiments]
         print(render_lr_table(rows))
         path = Path(cfg.experiment_path) / LR_SEARCH_FILE
         path.write_text(json.dumps(rows, indent=1))
@@ -74,16 +75,17 @@ class LrSearch:
         return 0
 
 
-def stable(record: TrialRecord) -> bool:
-    """Ran to the end, and its final val loss is finite and below its first."""
+def stable(record: TrialRecord, tolerance: float) -> bool:
+    """Ran to the end, and its final val loss is finite and below its first by more than
+    `tolerance` (`learning`, as the trial judged itself for Optuna)."""
     vals = record.val_series()[1]
-    return record.stop_reason == StopReason.COMPLETED and bool(vals) and learning(vals[0], vals[-1])
+    return record.stop_reason == StopReason.COMPLETED and bool(vals) and learning(vals[0], vals[-1], tolerance)
 
 
-def stable_lr_row(fmt: str, records: list[TrialRecord]) -> dict[str, Any]:
+def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dict[str, Any]:
     done = [r for r in records if r.status == TrialStatus.TERMINATED and "lr" in r.params]
-    ok = [r for r in done if stable(r)]
-    bad = [r.params["lr"] for r in done if not stable(r)]
+    ok = [r for r in done if stable(r, tolerance)]
+    bad = [r.params["lr"] for r in done if not stable(r, tolerance)]
     best = max(ok, key=lambda r: r.params["lr"], default=None)
     return {
         "format": fmt,
