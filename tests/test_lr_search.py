@@ -44,3 +44,13 @@ def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes()
         signals = SweepSignals(0.99, lr, tolerance=learning_tolerance(config))
         signals.observe({"step": 1.0, "val/loss": 10.0, "val/step": 1.0})
         assert signals.observe({"step": 2.0, "val/loss": last, "val/step": 2.0})[STABLE_LR] == stable_lr
+
+
+def test_trial_keys_tell_close_learning_rates_apart():
+    """Two sampled learning rates that agree to 3 significant digits get their own keys (and so
+    their own trial directories); the grid's round values keep their short names."""
+    from altgrad.tune.trial_spec import trial_key
+
+    keys = [trial_key({"key": "e4m3-adamw-all-s42", "lr": lr}) for lr in (0.17701, 0.17704, 0.1770400000000001)]
+    assert len(set(keys)) == 3 and keys[0] == "e4m3-adamw-all-s42-lr0.17701"
+    assert [trial_key({"key": "k", "lr": lr}) for lr in (0.01, 10.0, 1000.0)] == ["k-lr0.01", "k-lr10", "k-lr1e+03"]

@@ -48,10 +48,14 @@ def stall_reports_in_run(run: RunConfig) -> int:
 
 
 def trial_key(config: dict[str, Any]) -> str:
-    """The grid key, plus the sampled values: unique within an experiment."""
+    """The grid key, plus the sampled values: unique within an experiment. The learning rate is
+    written with as few significant digits as read back as the same number, at least 3 (`0.01`,
+    `1e+03`): Optuna may sample two that agree to 3 digits, and a shared key would be a shared
+    trial directory."""
     key = config["key"]
     if "lr" in config:
-        key += f"-lr{config['lr']:.3g}"
+        lr = config["lr"]
+        key += "-lr" + next(text for digits in range(3, 18) if float(text := f"{lr:.{digits}g}") == lr)
     return key
 
 
