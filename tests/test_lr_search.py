@@ -54,3 +54,35 @@ def test_trial_keys_tell_close_learning_rates_apart():
     keys = [trial_key({"key": "e4m3-adamw-all-s42", "lr": lr}) for lr in (0.17701, 0.17704, 0.1770400000000001)]
     assert len(set(keys)) == 3 and keys[0] == "e4m3-adamw-all-s42-lr0.17701"
     assert [trial_key({"key": "k", "lr": lr}) for lr in (0.01, 10.0, 1000.0)] == ["k-lr0.01", "k-lr10", "k-lr1e+03"]
+
+
+def test_samples_after_the_grid_are_tpes_and_differ_by_format(monkeypatch):
+    """Each format's searcher hands out the grid first and no sample while a grid point still runs;
+    then TPE samples modelled on the grid (its random start-up sampler is not used), all of them at
+    the edge of stability, from a seed of the format's own."""
+    from optuna.samplers import RandomSampler
+
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import LrSearch
+
+    random_draws: list[str] = []
+    draw = RandomSampler.sample_independent
+    monkeypatch.setattr(RandomSampler, "sample_independent",
+                        lambda self, study, trial, name, dist: random_draws.append(name) or draw(self, study, trial, name, dist))
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "formats=[e4m3, e7m0]"])
+    samples = {}
+    for exp in LrSearch.experiments(cfg):
+        search = exp.search_alg
+        search.set_search_properties(None, None, exp.param_space)
+        grid = {f"grid{i}": search.suggest(f"grid{i}")["lr"] for i in range(len(cfg.lr.grid))}
+        assert list(grid.values()) == cfg.lr.grid
+        assert search.suggest("early") is None  # the grid still runs
+        for trial_id, lr in grid.items():
+            result = {STABLE_LR: lr if lr <= 0.1 else 0.0, "training_iteration": 1}
+            search.on_trial_result(trial_id, result)
+            search.on_trial_complete(trial_id, result)
+        samples[exp.path] = [search.suggest(f"sample{i}")["lr"] for i in range(cfg.lr.samples)]
+        assert all(0.01 < x < 1.0 for x in samples[exp.path])  # at the edge: 0.1 learns, 1.0 does not
+    assert random_draws == []
+    assert len({tuple(s) for s in samples.values()}) == 2
