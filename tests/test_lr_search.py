@@ -59,7 +59,10 @@ def test_trial_keys_tell_close_learning_rates_apart():
 def test_samples_after_the_grid_are_tpes_and_differ_by_format(monkeypatch):
     """Each format's searcher hands out the grid first and no sample while a grid point still runs;
     then TPE samples modelled on the grid (its random start-up sampler is not used), all of them at
-    the edge of stability, from a seed of the format's own."""
+    the edge of stability, from a seed of the format's own; and a resumed trial's repeated reports
+    raise no Optuna warning."""
+    import warnings
+
     from optuna.samplers import RandomSampler
 
     from altgrad.metrics import STABLE_LR
@@ -78,10 +81,13 @@ def test_samples_after_the_grid_are_tpes_and_differ_by_format(monkeypatch):
         grid = {f"grid{i}": search.suggest(f"grid{i}")["lr"] for i in range(len(cfg.lr.grid))}
         assert list(grid.values()) == cfg.lr.grid
         assert search.suggest("early") is None  # the grid still runs
-        for trial_id, lr in grid.items():
-            result = {STABLE_LR: lr if lr <= 0.1 else 0.0, "training_iteration": 1}
-            search.on_trial_result(trial_id, result)
-            search.on_trial_complete(trial_id, result)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for trial_id, lr in grid.items():
+                result = {STABLE_LR: lr if lr <= 0.1 else 0.0, "training_iteration": 1}
+                search.on_trial_result(trial_id, result)
+                search.on_trial_result(trial_id, result)  # resumed: the same iteration again
+                search.on_trial_complete(trial_id, result)
         samples[exp.path] = [search.suggest(f"sample{i}")["lr"] for i in range(cfg.lr.samples)]
         assert all(0.01 < x < 1.0 for x in samples[exp.path])  # at the edge: 0.1 learns, 1.0 does not
     assert random_draws == []

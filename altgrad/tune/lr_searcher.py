@@ -14,7 +14,12 @@ do not count as finished, and one seed gave every format the same random samples
   has finished, and the liar would count those still running as failures, pushing the later ones
   away from the edge the first one found, out to rates the grid already judged;
 - each format's sampler has its own seed (`LrSearch` derives it from the sweep's seed and the
-  format), the same in every run of the sweep.
+  format), the same in every run of the sweep;
+- Optuna is told each trial's final result only. Intermediate values feed only a pruner, and Ray
+  runs Optuna without one (a stability verdict needs the whole run). A resumed trial reports steps
+  Optuna already has: its checkpoint's row again (`TuneReporter`, for ASHA), and from Tune's
+  `training_iteration` 1 again where no Tune checkpoint carried the count (local storage), which
+  Optuna ignores with a warning.
 
 The counters below are part of the searcher's state, which Tune saves with the experiment's and
 restores on resume.
@@ -45,6 +50,9 @@ class GridThenTpe(OptunaSearch):
             return None
         self.asked += 1
         return super().suggest(trial_id)
+
+    def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+        """Nothing: Optuna judges a trial by its final result (see the module's docstring)."""
 
     def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
         self.finished.add(trial_id)
