@@ -4,6 +4,7 @@ changed config, never clobber a directory, `--fresh` moves it aside."""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 from sweep_helpers import ABLATION, ablation
@@ -74,3 +75,39 @@ def test_a_sweep_stored_before_the_stopper_thresholds_moved_still_resumes(tmp_pa
     doc["config"]["base"]["stability"] = {"nan_patience": 11}
     path.write_text(json.dumps(doc))
     assert SweepConfig.validated(stored_sweep(str(exp))["config"]).base_run.stability.nan_patience == 11
+
+
+def test_a_sweep_resumes_from_any_working_directory(tmp_path, monkeypatch):
+    """The shipped config's data source is relative (`../shared/data/eurlex`). The stored config
+    holds it resolved where the sweep was created, so `--resume` from another directory trains on
+    the same data; a re-run from where it started still matches the stored config, and so does
+    one of a sweep stored with the relative path (before paths were stored absolute)."""
+    import altgrad.data
+    from altgrad.experiment import SweepStatus
+    from altgrad.tune import cli
+
+    started, elsewhere = tmp_path / "work" / "main", tmp_path / "home" / "me" / "other"
+    data = tmp_path / "work" / "shared" / "data" / "eurlex"
+    for folder in (started, elsewhere, data):
+        folder.mkdir(parents=True)
+    trained: list[set[str]] = []
+
+    def run_experiment(exp, restore: bool, resume_command: str):
+        trained.append({point.run["data"]["source"] for point in exp.points.values()})
+        return SweepStatus.INTERRUPTED, signal.SIGINT
+
+    monkeypatch.setattr(altgrad.data, "prepare_dataset", lambda data: None)
+    monkeypatch.setattr(cli, "start_ray", lambda dashboard: None)
+    monkeypatch.setattr(cli, "run_experiment", run_experiment)
+    monkeypatch.chdir(started)
+    exp = existing(tmp_path, "interrupted")
+    monkeypatch.chdir(elsewhere)
+    assert ablation("--storage-path", str(tmp_path), "--resume") == 128 + signal.SIGINT
+    monkeypatch.chdir(started)
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu") == 128 + signal.SIGINT
+    path = exp / STATE_DIR / SWEEP_FILE
+    doc = json.loads(path.read_text())
+    doc["config"]["base"]["data"] = {"source": "jsonl:../shared/data/eurlex"}  # as stored before
+    path.write_text(json.dumps(doc))
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu") == 128 + signal.SIGINT
+    assert trained == [{f"jsonl:{data}"}] * 3

@@ -3,20 +3,92 @@ format, from trial records alone."""
 
 from __future__ import annotations
 
+from sweep_helpers import LR_SEARCH
+
+from altgrad.experiment import TrialRecord
+
+
+def trial(lr: float, vals: list[float], reason: str = "completed") -> TrialRecord:
+    history = [{"step": i + 1, "val/loss": v, "val/step": i + 1} for i, v in enumerate(vals)]
+    return TrialRecord(trial_id=str(lr), format="e4m3", optimizer="adamw", precision="all",
+                       status="TERMINATED", stop_reason=reason, history=history,
+                       summary={"final_val_loss": vals[-1]}, params={"lr": lr})
+
 
 def test_lr_search_table():
-    from altgrad.experiment import TrialRecord
     from altgrad.tune.lr_search import render_lr_table, stable_lr_row
-
-    def trial(lr: float, vals: list[float], reason: str = "completed") -> TrialRecord:
-        history = [{"step": i + 1, "val/loss": v, "val/step": i + 1} for i, v in enumerate(vals)]
-        return TrialRecord(trial_id=str(lr), format="e4m3", optimizer="adamw", precision="all",
-                           status="TERMINATED", stop_reason=reason, history=history,
-                           summary={"final_val_loss": vals[-1]}, params={"lr": lr})
 
     records = [trial(1e-3, [10, 8]), trial(1e-2, [10, 7]), trial(3e-2, [10, 11]),
                trial(1e-1, [10, float("inf")], "nan"), trial(5e-3, [10, 9], "bit_stall")]
-    row = stable_lr_row("e4m3", records)
+    row = stable_lr_row("e4m3", records, 0.0)
     assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7,
                    "smallest_unstable_lr": 5e-3, "trials": 5, "unfinished": 0}
     assert "e4m3" in render_lr_table([row]) and "0.01" in render_lr_table([row])
+
+
+def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes():
+    """`tolerance: 0.25` asks for a val loss 25 % below the first: a run that fell 20 % is not stable,
+    neither in the summary table nor in the `sweep/stable_lr` its trial reports to Optuna (which
+    gets the setting through the trial config)."""
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import LrSearch, stable_lr_row
+    from altgrad.tune.trainable import SweepSignals
+    from altgrad.tune.trial_spec import learning_tolerance
+
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "tolerance=0.25"], smoke=True)
+    row = stable_lr_row("e4m3", [trial(1e-3, [10, 7]), trial(1e-2, [10, 8])], cfg.tolerance)
+    assert (row["largest_stable_lr"], row["smallest_unstable_lr"]) == (1e-3, 1e-2)
+    config = LrSearch.experiments(cfg)[0].param_space
+    for lr, last, stable_lr in [(1e-3, 7.0, 1e-3), (1e-2, 8.0, 0.0)]:
+        signals = SweepSignals(0.99, lr, tolerance=learning_tolerance(config))
+        signals.observe({"step": 1.0, "val/loss": 10.0, "val/step": 1.0})
+        assert signals.observe({"step": 2.0, "val/loss": last, "val/step": 2.0})[STABLE_LR] == stable_lr
+
+
+def test_trial_keys_tell_close_learning_rates_apart():
+    """Two sampled learning rates that agree to 3 significant digits get their own keys (and so
+    their own trial directories); the grid's round values keep their short names."""
+    from altgrad.tune.trial_spec import trial_key
+
+    keys = [trial_key({"key": "e4m3-adamw-all-s42", "lr": lr}) for lr in (0.17701, 0.17704, 0.1770400000000001)]
+    assert len(set(keys)) == 3 and keys[0] == "e4m3-adamw-all-s42-lr0.17701"
+    assert [trial_key({"key": "k", "lr": lr}) for lr in (0.01, 10.0, 1000.0)] == ["k-lr0.01", "k-lr10", "k-lr1e+03"]
+
+
+def test_samples_after_the_grid_are_tpes_and_differ_by_format(monkeypatch):
+    """Each format's searcher hands out the grid first and no sample while a grid point still runs;
+    then TPE samples modelled on the grid (its random start-up sampler is not used), all of them at
+    the edge of stability, from a seed of the format's own; and a resumed trial's repeated reports
+    raise no Optuna warning."""
+    import warnings
+
+    from optuna.samplers import RandomSampler
+
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import LrSearch
+
+    random_draws: list[str] = []
+    draw = RandomSampler.sample_independent
+    monkeypatch.setattr(RandomSampler, "sample_independent",
+                        lambda self, study, trial, name, dist: random_draws.append(name) or draw(self, study, trial, name, dist))
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "formats=[e4m3, e7m0]"])
+    samples = {}
+    for exp in LrSearch.experiments(cfg):
+        search = exp.search_alg
+        search.set_search_properties(None, None, exp.param_space)
+        grid = {f"grid{i}": search.suggest(f"grid{i}")["lr"] for i in range(len(cfg.lr.grid))}
+        assert list(grid.values()) == cfg.lr.grid
+        assert search.suggest("early") is None  # the grid still runs
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for trial_id, lr in grid.items():
+                result = {STABLE_LR: lr if lr <= 0.1 else 0.0, "training_iteration": 1}
+                search.on_trial_result(trial_id, result)
+                search.on_trial_result(trial_id, result)  # resumed: the same iteration again
+                search.on_trial_complete(trial_id, result)
+        samples[exp.path] = [search.suggest(f"sample{i}")["lr"] for i in range(cfg.lr.samples)]
+        assert all(0.01 < x < 1.0 for x in samples[exp.path])  # at the edge: 0.1 learns, 1.0 does not
+    assert random_draws == []
+    assert len({tuple(s) for s in samples.values()}) == 2

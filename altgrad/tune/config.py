@@ -26,6 +26,7 @@ from pydantic import (
 from altgrad.config import (
     PRESETS,
     ConfigError,
+    DataConfig,
     LayerRule,
     RunConfig,
     StrictModel,
@@ -500,6 +501,8 @@ def load_sweep_config(
             out["resources"] = {**SWEEP_PRESETS[preset], **resources}
         if isinstance(out.get("storage_path"), str) and not is_remote(out["storage_path"]):
             out["storage_path"] = str(Path(out["storage_path"]).expanduser().resolve())
+        if isinstance(base := out.get("base", {}), dict):
+            out["base"] = absolute_data_paths(base)
         return out
 
     for other in set(per_preset) - {preset}:  # a typo in another preset's section fails here too
@@ -513,9 +516,18 @@ def load_sweep_config(
 
 
 def absolute_data_paths(run: dict[str, Any]) -> dict[str, Any]:
-    """Trials run in their own working directory: make the run's data paths absolute."""
-    data = dict(run["data"])
-    if data["source"].startswith("jsonl:"):
-        data["source"] = "jsonl:" + str(Path(data["source"].removeprefix("jsonl:")).expanduser().resolve())
-    data["data_root"] = str(Path(data["data_root"]).expanduser().resolve())
+    """`run` (a run config, or a sweep's `base`: part of one) with its data paths absolute, those it
+    leaves at their defaults included. Trials run in their own working directory, and a sweep's
+    stored config (its `base`, resolved where the sweep was created) must name the same data when
+    it is resumed from another one. What is not a path (`hf`, a wrong type) is left to validation."""
+    data = run.get("data", {})
+    if not isinstance(data, dict):
+        return run
+    defaults = DataConfig()
+    data = {"source": defaults.source, "data_root": defaults.data_root, **data}
+    source, root = data["source"], data["data_root"]
+    if isinstance(source, str) and source.startswith("jsonl:") and (folder := source.removeprefix("jsonl:")):
+        data["source"] = "jsonl:" + str(Path(folder).expanduser().resolve())
+    if isinstance(root, str):
+        data["data_root"] = str(Path(root).expanduser().resolve())
     return {**run, "data": data}

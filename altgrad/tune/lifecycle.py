@@ -16,7 +16,7 @@ from typing import Any
 from altgrad.config import ConfigError
 from altgrad.experiment import STATE_DIR, SWEEP_FILE
 from altgrad.remote import is_remote
-from altgrad.tune.config import MOVED_STOPPER_KEYS
+from altgrad.tune.config import MOVED_STOPPER_KEYS, absolute_data_paths
 from altgrad.tune.store import StateStore
 
 # Settings that may change between a run and its resume: where it is and how it is watched.
@@ -33,10 +33,17 @@ def stored_sweep(experiment_path: str) -> dict[str, Any] | None:
 
 
 def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A stored sweep config with the stopper's thresholds moved to the run settings that replaced
-    them (`MOVED_STOPPER_KEYS`). A threshold the stopper set was the one that ended its trials, so it
-    wins over the run's own; unset (None), the run's stays. A config file given by the user is not
-    upgraded: it is refused with the new place named."""
+    """A stored sweep config in the form a config is loaded in now.
+
+    - Its `base` data paths absolute (`absolute_data_paths`, as `load_sweep_config` makes them): a
+      sweep stored with relative ones could only be resumed from where it started, and resolved
+      here they match the config loaded there again.
+    - The stopper's thresholds moved to the run settings that replaced them (`MOVED_STOPPER_KEYS`).
+      A threshold the stopper set was the one that ended its trials, so it wins over the run's own;
+      unset (None), the run's stays. A config file given by the user is not upgraded: it is refused
+      with the new place named."""
+    if isinstance(config.get("base"), dict):
+        config = {**config, "base": absolute_data_paths(config["base"])}
     stopper = config.get("stopper")
     if not isinstance(stopper, dict) or not set(stopper) & set(MOVED_STOPPER_KEYS):
         return config

@@ -2,21 +2,21 @@
 
 One Tune experiment per format (`<experiment>/<format>/`), searched by Optuna over a log-uniform
 range: the configured grid of learning rates is evaluated first (`points_to_evaluate`, since
-`grid_search` cannot be mixed with a searcher), then `samples` more that Optuna picks. Each trial
-reports `sweep/stable_lr` (its learning rate while it learns stably, else 0), which Optuna
-maximizes, so the samples concentrate at the edge of stability. No ASHA: a stability verdict needs
-the whole run; the stability stopper still ends NaN runs early.
+`grid_search` cannot be mixed with a searcher), then `samples` more that Optuna's TPE picks once the
+grid has finished (`lr_searcher`). Each trial reports `sweep/stable_lr` (its learning rate while it
+learns stably, else 0), which TPE maximizes, so the samples concentrate at the edge of stability.
+No ASHA: a stability verdict needs the whole run; the stability stopper still ends NaN runs early.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import zlib
 from pathlib import Path
 from typing import Any
 
 from altgrad.experiment import LR_SEARCH_FILE, StopReason, TrialRecord, TrialStatus, load_experiment
-from altgrad.metrics import STABLE_LR
 from altgrad.remote import is_remote
 from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
@@ -32,17 +32,17 @@ class LrSearch:
     @staticmethod
     def experiments(cfg: LrSearchConfig) -> list[Experiment]:
         from ray import tune
-        from ray.tune.search.optuna import OptunaSearch
+
+        from altgrad.tune.lr_searcher import GridThenTpe
 
         seed = cfg.base_run.train.seed
         r = cfg.resources
         out = []
         for fmt in cfg.formats:
             point = make_point(cfg, fmt, cfg.optimizer, cfg.precision, seed)
-            search = OptunaSearch(metric=STABLE_LR, mode="max", seed=seed,
-                                  points_to_evaluate=[{"lr": lr} for lr in cfg.lr.grid])
+            search = GridThenTpe(cfg.lr.grid, sampler_seed(seed, fmt))
             param_space = {"key": point.key, "lr": tune.loguniform(cfg.lr.low, cfg.lr.high),
-                           **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
+                           "tolerance": cfg.tolerance, **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
             grid = [trial_labels({"key": point.key, "lr": lr}, point.labels) for lr in cfg.lr.grid]
             out.append(Experiment(cfg, LrSearch.kind, f"{cfg.experiment_path}/{fmt}", {point.key: point},
                                   param_space, grid, len(cfg.lr.grid) + cfg.lr.samples, search_alg=search))
@@ -66,7 +66,8 @@ class LrSearch:
         if is_remote(cfg.experiment_path):
             print(f"copy {cfg.experiment_path} to local disk to read its results")
             return 0
-        rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path)) for exp in experiments]
+        rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path), cfg.tolerance)
+                for exp in experiments]
         print(render_lr_table(rows))
         path = Path(cfg.experiment_path) / LR_SEARCH_FILE
         path.write_text(json.dumps(rows, indent=1))
@@ -74,16 +75,23 @@ class LrSearch:
         return 0
 
 
-def stable(record: TrialRecord) -> bool:
-    """Ran to the end, and its final val loss is finite and below its first."""
+def sampler_seed(seed: int, fmt: str) -> int:
+    """A format's own Optuna seed: formats draw different samples, and every run of the sweep the
+    same ones (Python's `hash` of a string changes between processes)."""
+    return zlib.crc32(f"{fmt}:{seed}".encode())
+
+
+def stable(record: TrialRecord, tolerance: float) -> bool:
+    """Ran to the end, and its final val loss is finite and below its first by more than
+    `tolerance` (`learning`, as the trial judged itself for Optuna)."""
     vals = record.val_series()[1]
-    return record.stop_reason == StopReason.COMPLETED and bool(vals) and learning(vals[0], vals[-1])
+    return record.stop_reason == StopReason.COMPLETED and bool(vals) and learning(vals[0], vals[-1], tolerance)
 
 
-def stable_lr_row(fmt: str, records: list[TrialRecord]) -> dict[str, Any]:
+def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dict[str, Any]:
     done = [r for r in records if r.status == TrialStatus.TERMINATED and "lr" in r.params]
-    ok = [r for r in done if stable(r)]
-    bad = [r.params["lr"] for r in done if not stable(r)]
+    ok = [r for r in done if stable(r, tolerance)]
+    bad = [r.params["lr"] for r in done if not stable(r, tolerance)]
     best = max(ok, key=lambda r: r.params["lr"], default=None)
     return {
         "format": fmt,

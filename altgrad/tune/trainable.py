@@ -61,7 +61,7 @@ from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
 from altgrad.train.resources import limit_resources
 from altgrad.tune.compile_cache import CompileCache
-from altgrad.tune.trial_spec import learning, trial_key, trial_run_config
+from altgrad.tune.trial_spec import learning, learning_tolerance, trial_key, trial_run_config
 from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
 
 log = logging.getLogger("altgrad.tune.trial")
@@ -89,7 +89,7 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
         history = read_jsonl(run_dir / METRICS_FILE)  # read before the trainer trims it
         with trial_run(wandb, trial_key(config), cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
             reporter = TuneReporter(SweepSignals(cfg.stability.stall_stop, cfg.optim.lr,
-                                                 stall_halts_learning(cfg)),
+                                                 stall_halts_learning(cfg), learning_tolerance(config)),
                                     history, attach_checkpoints=not storage_is_local(), wandb_run=run,
                                     compile_cache=cache)
             with resume_point(run_dir) as resume:
@@ -200,16 +200,17 @@ class SweepSignals:
     - `sweep/stall_streak`: consecutive reports with bit-stall at or above the run's
       `stability.stall_stop`, for a run where stall halts learning (`stall_halts_learning`), else
       always 0;
-    - `sweep/stable_lr`: the run's peak learning rate while it learns stably, else 0 (the
-      learning-rate search maximizes it).
+    - `sweep/stable_lr`: the run's peak learning rate while it learns stably (`trial_spec.learning`
+      with the search's `tolerance`), else 0 (the learning-rate search maximizes it).
     Fed the run's history before the first new report on resume, so the values match a run that
     never stopped.
     """
 
-    def __init__(self, stall_stop: float, lr: float, counts_stall: bool = True):
+    def __init__(self, stall_stop: float, lr: float, counts_stall: bool = True, tolerance: float = 0.0):
         self.stall_stop = stall_stop
         self.lr = lr
         self.counts_stall = counts_stall
+        self.tolerance = tolerance
         self.stall_streak = 0
         self.first_val: float | None = None
 
@@ -224,7 +225,7 @@ class SweepSignals:
         return {
             VAL_LOSS: math.inf if broken else val,
             STALL_STREAK: float(self.stall_streak),
-            STABLE_LR: self.lr if not broken and learning(self.first_val, val) else 0.0,
+            STABLE_LR: self.lr if not broken and learning(self.first_val, val, self.tolerance) else 0.0,
         }
 
 

@@ -1,9 +1,10 @@
 """The config Ray hands each trial, and the names derived from it (driver and worker agree here).
 
 A trial config is small: `{"key": <grid point key>, "limits": {"cpus", "gpu_fraction"}}`, plus
-`"lr"` when a searcher samples the learning rate. The grid points' run configs (with every
-threshold a trial is judged by, its `stability`) reach the trainable separately
-(`tune.with_parameters`), so Ray's status tables, `params.json` and experiment snapshots stay small.
+`"lr"` when a searcher samples the learning rate, and in a learning-rate search its `"tolerance"`
+(`learning`). The grid points' run configs (with every threshold a trial is judged by, its
+`stability`) reach the trainable separately (`tune.with_parameters`), so Ray's status tables,
+`params.json` and experiment snapshots stay small.
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ def trial_limits(cpus: int, gpu_fraction: float) -> dict[str, Any]:
     return {"limits": {"cpus": cpus, "gpu_fraction": gpu_fraction}}
 
 
-def learning(first_val_loss: float | None, val_loss: float) -> bool:
-    """A run trains stably while its val loss is finite and below its first evaluation."""
-    return first_val_loss is not None and math.isfinite(val_loss) and val_loss < first_val_loss
+def learning(first_val_loss: float | None, val_loss: float, tolerance: float) -> bool:
+    """A run trains stably while its val loss is finite and below its first evaluation by more than
+    `tolerance`, a fraction of the first (the learning-rate search's setting)."""
+    return (first_val_loss is not None and math.isfinite(val_loss)
+            and val_loss < first_val_loss * (1 - tolerance))
+
+
+def learning_tolerance(config: dict[str, Any]) -> float:
+    """The `tolerance` a trial's run is judged `learning` by: its learning-rate search's; 0 for a
+    grid's trial (a format ablation searches no learning rate)."""
+    return config.get("tolerance", 0.0)
 
 
 def stall_reports_in_run(run: RunConfig) -> int:
@@ -39,10 +48,14 @@ def stall_reports_in_run(run: RunConfig) -> int:
 
 
 def trial_key(config: dict[str, Any]) -> str:
-    """The grid key, plus the sampled values: unique within an experiment."""
+    """The grid key, plus the sampled values: unique within an experiment. The learning rate is
+    written with as few significant digits as read back as the same number, at least 3 (`0.01`,
+    `1e+03`): Optuna may sample two that agree to 3 digits, and a shared key would be a shared
+    trial directory."""
     key = config["key"]
     if "lr" in config:
-        key += f"-lr{config['lr']:.3g}"
+        lr = config["lr"]
+        key += "-lr" + next(text for digits in range(3, 18) if float(text := f"{lr:.{digits}g}") == lr)
     return key
 
 
