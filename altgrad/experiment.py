@@ -221,10 +221,15 @@ def axis_names(paths: list[str]) -> dict[str, str]:
 
 
 def axis_value_text(value: Any) -> str:
-    """An axis value as trial keys, columns and the report write it (`true`, `0.002`, `e5m2`)."""
+    """An axis value as trial keys, columns and the report write it (`true`, `0.002`, `e5m2`). A
+    float is written short (`:g`) where that reads back as the same number, else in full: two
+    values of an axis that agree to `:g`'s 6 digits would share a trial key, and one would not run."""
     if isinstance(value, bool):
         return str(value).lower()
-    text = f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        text = short if float(short := f"{value:g}") == value else repr(value)
+    else:
+        text = str(value)
     return text.replace("/", "_")
 
 

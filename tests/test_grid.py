@@ -125,3 +125,14 @@ def test_a_policy_rule_matching_no_layer_fails_before_the_sweep(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "grid point e4m3-adamw-mine-s42: quant.precision: layer pattern(s) ['*.mpl.*'] match no linear layer" in err
+
+
+def test_axis_values_that_agree_to_six_digits_are_two_trials():
+    """`:g` wrote 0.1234567 and 0.1234568 alike: one key, and the grid silently ran one of them."""
+    from altgrad.tune.grid import build_grid
+
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "grid.formats=[e4m3]",
+                                                    "grid.axes={optim.lr: [0.1234567, 0.1234568, 0.002]}"],
+                            smoke=True)
+    keys = [p.key for p in build_grid(cfg)]
+    assert keys == ["e4m3-adamw-all-lr=0.1234567-s42", "e4m3-adamw-all-lr=0.1234568-s42", "e4m3-adamw-all-lr=0.002-s42"]
