@@ -21,7 +21,7 @@ import pytest
 
 from altgrad.experiment import STATE_DIR, SWEEP_FILE, SweepStatus, read_json
 from altgrad.tune import runner
-from altgrad.tune.config import SweepConfig, load_sweep_config
+from altgrad.tune.config import DashboardSettings, SweepConfig, load_sweep_config
 from altgrad.tune.runner import Experiment, sigterm_stops_gracefully, write_sweep_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,3 +125,23 @@ def test_a_taken_dashboard_port_gives_way_to_a_free_one(capsys):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", port))  # the one it chose was free
     assert runner.dashboard_port("127.0.0.1", port) == port and capsys.readouterr().out == ""
+
+
+def test_without_the_dashboard_ray_still_gets_a_free_port(capsys, monkeypatch):
+    """Ray binds the dashboard port even with the dashboard off, and logged an ERROR when another
+    Ray had it: the port it is given is free, and nothing is said about a dashboard that is off."""
+    import ray
+
+    given = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: given.update(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        runner.start_ray(DashboardSettings(enabled=False, host="127.0.0.1", port=taken))
+        assert given["include_dashboard"] is False and given["dashboard_port"] != taken
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", given["dashboard_port"]))
+    assert capsys.readouterr().out == ""

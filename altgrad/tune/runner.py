@@ -71,7 +71,9 @@ def start_ray(d: DashboardSettings) -> None:
     # files") repeat what the sweep prints itself; its warnings and errors still show. The token
     # warning is replaced by `dashboard_help`, which also says how to get past it.
     logging.getLogger(TOKEN_AUTH_LOGGER).setLevel(logging.ERROR)
-    port = d.port if not d.enabled else dashboard_port(d.host, d.port)
+    # Ray binds the port even without the dashboard (its minimal head), and logs an ERROR where it
+    # is taken: a free one is chosen either way, and said only where someone will browse to it.
+    port = dashboard_port(d.host, d.port, say=d.enabled)
     context = ray.init(include_dashboard=d.enabled, dashboard_host=d.host, dashboard_port=port,
                        logging_level=logging.WARNING)
     if d.enabled:
@@ -81,9 +83,9 @@ def start_ray(d: DashboardSettings) -> None:
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
-def dashboard_port(host: str, port: int) -> int:
-    """`port` if it is free on `host`, else a free one (said): a dashboard of another Ray (a second
-    sweep, a test run) on the configured port made `ray.init` fail the sweep."""
+def dashboard_port(host: str, port: int, say: bool = True) -> int:
+    """`port` if it is free on `host`, else a free one (said, with `say`): a dashboard of another
+    Ray (a second sweep, a test run) on the configured port made `ray.init` fail the sweep."""
     with socket.socket() as probe:
         try:
             probe.bind((host, port))
@@ -91,8 +93,9 @@ def dashboard_port(host: str, port: int) -> int:
         except OSError:
             probe.bind((host, 0))
             free = probe.getsockname()[1]
-    print(f"dashboard port {port} on {host} is taken (another Ray?): using {free} "
-          "(set dashboard.port to choose one)")
+    if say:
+        print(f"dashboard port {port} on {host} is taken (another Ray?): using {free} "
+              "(set dashboard.port to choose one)")
     return free
 
 
