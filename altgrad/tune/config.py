@@ -75,6 +75,14 @@ Formats = Annotated[list[str], Field(min_length=1),
                     AfterValidator(lambda v: _unique([format_name(f) for f in v], "format"))]
 
 
+def _builtin_precision(name: str) -> str | None:
+    """The built-in layer precision `name` names, in any case; None for another name (a policy's)."""
+    try:
+        return precision_name(name)
+    except ValueError:
+        return None
+
+
 def registered_optimizers() -> list[str]:
     from altgrad.optim import OPTIMIZERS
 
@@ -277,6 +285,12 @@ class GridSettings(StrictModel):
                 raise ValueError(f"{path}: duplicate values {values}")
         return v
 
+    @field_validator("precisions")
+    @classmethod
+    def _builtin_precisions_canonical(cls, v: list[str]) -> list[str]:
+        """`MLP` is the built-in `mlp`, as in a run's quant.precision; a policy's name is kept as written."""
+        return [_builtin_precision(p) or p for p in v]
+
     @field_validator("optimizers")
     @classmethod
     def _optimizers(cls, v: list[str] | str) -> list[str] | str:
@@ -291,7 +305,7 @@ class GridSettings(StrictModel):
 
     @model_validator(mode="after")
     def _precisions_are_known(self) -> GridSettings:
-        clash = set(self.policies) & set(PRECISION_PRESETS)
+        clash = {p for p in self.policies if _builtin_precision(p)}
         if clash:
             raise ValueError(f"policies: {sorted(clash)} would shadow the built-in precisions")
         unknown = [p for p in self.precisions if p not in PRECISION_PRESETS and p not in self.policies]
