@@ -3,6 +3,8 @@ exits 2 naming the field, before anything is written."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from sweep_helpers import ABLATION, LR_SEARCH, ablation
 
@@ -72,6 +74,14 @@ def test_malformed_yaml_files(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "bad.yaml: line 1 is not UTF-8 text" in err and "Traceback" not in err
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("name", [".", "..", "..."])
+def test_a_name_of_dots_only_is_refused(name):
+    """`.` fits the name pattern but is the storage folder itself (`--fresh` moved all of it aside),
+    `..` its parent."""
+    with pytest.raises(ConfigError, match=f"name: '{re.escape(name)}' names the storage path itself or a folder above it"):
+        load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", f"name='{name}'"])
 
 
 def test_built_in_precisions_are_named_in_any_case():

@@ -162,6 +162,16 @@ class SweepSettings(StrictModel):
     dashboard: DashboardSettings = Field(default_factory=DashboardSettings)
     smoke: dict[str, Any] = Field(default_factory=dict, description="overrides applied by --smoke")
 
+    @field_validator("name")
+    @classmethod
+    def _names_a_folder_of_its_own(cls, v: str) -> str:
+        """`.` and `..` fit the pattern, but name the storage folder or its parent: `--fresh` would
+        move that aside, every experiment in it with it."""
+        if not v.strip("."):
+            raise ValueError(f"{v!r} names the storage path itself or a folder above it, not an experiment "
+                             "in it; use a name with a letter or a digit")
+        return v
+
     @field_validator("base")
     @classmethod
     def _no_preset_inside(cls, base: dict[str, Any]) -> dict[str, Any]:
