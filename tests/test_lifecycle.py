@@ -74,3 +74,24 @@ def test_a_sweep_stored_before_the_stopper_thresholds_moved_still_resumes(tmp_pa
     doc["config"]["base"]["stability"] = {"nan_patience": 11}
     path.write_text(json.dumps(doc))
     assert SweepConfig.validated(stored_sweep(str(exp))["config"]).base_run.stability.nan_patience == 11
+
+
+def test_a_corrupt_sweep_file_is_a_clean_error(tmp_path, capsys):
+    exp = existing(tmp_path, "interrupted")
+    (exp / STATE_DIR / SWEEP_FILE).write_text("{not json")
+    for mode in ([], ["--resume"], ["--fresh"]):  # whether it runs is unknown: --fresh may not move it either
+        assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", *mode) == 2
+        err = capsys.readouterr().err
+        assert f"{exp}: its {STATE_DIR}/{SWEEP_FILE} is corrupt (" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [exp.name]
+
+
+def test_storage_that_cannot_be_reached_is_a_clean_error(monkeypatch, capsys):
+    """As `python -m altgrad trials` says it (exit 2, the path and why), not pyarrow's traceback."""
+    for key, value in {"AWS_ENDPOINT_URL": "http://127.0.0.1:1", "AWS_ACCESS_KEY_ID": "x",
+                       "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    assert ablation("--storage-path", "s3://altgrad-sweeps/unreachable", "--set", "preset=cpu") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read s3://altgrad-sweeps/unreachable/format_ablation: ")
+    assert "Traceback" not in err

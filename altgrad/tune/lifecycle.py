@@ -26,7 +26,13 @@ NOT_COMPARED = ("storage_path", "dashboard", "smoke")
 def stored_sweep(experiment_path: str) -> dict[str, Any] | None:
     """The `sweep.json` of an experiment, or None when there is none; a config stored before a
     setting moved has it where it is now (`upgraded_config`), so an older sweep still resumes."""
-    doc = StateStore(experiment_path).read(SWEEP_FILE)
+    try:
+        doc = StateStore(experiment_path).read(SWEEP_FILE)
+    except OSError as e:  # remote storage unreachable, or no permission
+        raise ConfigError(f"cannot read {experiment_path}: {e}") from None
+    except ValueError as e:  # not JSON: nothing says whether it runs, or with what config
+        raise ConfigError(f"{experiment_path}: its {STATE_DIR}/{SWEEP_FILE} is corrupt ({e}); move the "
+                          "experiment aside by hand, or choose another --name") from None
     if doc is not None and isinstance(doc.get("config"), dict):
         doc["config"] = upgraded_config(doc["config"])
     return doc
