@@ -76,6 +76,16 @@ def test_a_sweep_stored_before_the_stopper_thresholds_moved_still_resumes(tmp_pa
     assert SweepConfig.validated(stored_sweep(str(exp))["config"]).base_run.stability.nan_patience == 11
 
 
+def test_fresh_checks_everything_before_it_moves_the_old_experiment(tmp_path, capsys):
+    """A data source that does not exist fails the run: the old experiment stays where it was."""
+    exp = existing(tmp_path, "finished")
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", "--fresh",
+                    "--set", "base.data.source=jsonl:/nonexistent") == 2
+    out, err = capsys.readouterr()
+    assert "jsonl folder /nonexistent does not exist" in err and "moved" not in out
+    assert (exp / STATE_DIR / SWEEP_FILE).is_file() and sorted(p.name for p in tmp_path.iterdir()) == [exp.name]
+
+
 def test_a_corrupt_sweep_file_is_a_clean_error(tmp_path, capsys):
     exp = existing(tmp_path, "interrupted")
     (exp / STATE_DIR / SWEEP_FILE).write_text("{not json")

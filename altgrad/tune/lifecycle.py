@@ -90,13 +90,19 @@ def check_new_location(experiment_path: str) -> None:
         )
 
 
-def move_aside(experiment_path: str) -> Path | None:
-    """Rename an existing experiment directory to `<name>.old-<time>`; returns the new path."""
+def check_movable(experiment_path: str) -> None:
+    """`--fresh` renames the old experiment: a local directory can be renamed, an object store's
+    prefix cannot (a copy of every object would be a rename that can fail halfway)."""
     if is_remote(experiment_path):
         raise ConfigError(
             f"--fresh cannot move {experiment_path} on remote storage; move or delete it with your "
             "storage tools, or choose another --name"
         )
+
+
+def move_aside(experiment_path: str) -> Path | None:
+    """Rename an existing experiment directory to `<name>.old-<time>`; returns the new path."""
+    check_movable(experiment_path)
     path = Path(experiment_path)
     if not path.exists():
         return None
