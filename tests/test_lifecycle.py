@@ -105,3 +105,23 @@ def test_storage_that_cannot_be_reached_is_a_clean_error(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: cannot read s3://altgrad-sweeps/unreachable/format_ablation: ")
     assert "Traceback" not in err
+
+
+def test_a_finished_sweep_on_s3_says_what_starts_it_again(s3_bucket, capsys):
+    """--fresh cannot move an experiment in a bucket: the sweep names what works instead."""
+    from altgrad.tune.config import SweepConfig, load_sweep_config
+    from altgrad.tune.store import StateStore
+
+    storage = f"{s3_bucket}/finished"
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu"], storage_path=storage)
+    StateStore(cfg.experiment_path).write(SWEEP_FILE, {"status": "finished", "points": [],
+                                                       "config": cfg.model_dump(mode="json")})
+    assert ablation("--storage-path", storage, "--set", "preset=cpu") == 0
+    out = capsys.readouterr().out
+    assert f"sweep format_ablation is complete ({cfg.experiment_path}); run it again under another --name" in out
+    assert "--fresh starts it over" not in out
+    assert ablation("--storage-path", storage, "--set", "preset=cpu", "--set", "base.optim.lr=1e-3") == 2
+    err = capsys.readouterr().err
+    assert "already exists with a different config" in err and "--fresh" not in err
+    assert ablation("--storage-path", storage, "--set", "preset=cpu", "--fresh") == 2
+    assert "--fresh cannot move" in capsys.readouterr().err

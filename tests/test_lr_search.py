@@ -20,3 +20,17 @@ def test_lr_search_table():
     assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7,
                    "smallest_unstable_lr": 5e-3, "trials": 5, "unfinished": 0}
     assert "e4m3" in render_lr_table([row]) and "0.01" in render_lr_table([row])
+
+
+def test_a_search_on_s3_ends_with_the_command_that_reads_it(capsys):
+    """`python -m altgrad trials` reads each format's experiment from the bucket: no copy to local disk."""
+    from sweep_helpers import LR_SEARCH
+
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import LrSearch
+
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu"], storage_path="s3://bucket/p")
+    assert LrSearch.summarize(cfg, []) == 0
+    out = capsys.readouterr().out
+    assert f"python -m altgrad trials s3://bucket/p/{cfg.name}/<format> (formats: {', '.join(cfg.formats)})" in out
+    assert "local disk" not in out

@@ -103,8 +103,9 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
         stored = None  # the old experiment is moved aside once everything else has been checked
     if stored is not None:
         explicit = args.config is not None or bool(args.overrides)
-        doc = choose_config(stored, cfg.model_dump(mode="json"), mode, explicit,
-                            "or start over with --fresh (the old one is moved aside), or use another --name")
+        start_over = ("or use another --name" if is_remote(cfg.experiment_path) else
+                      "or start over with --fresh (the old one is moved aside), or use another --name")
+        doc = choose_config(stored, cfg.model_dump(mode="json"), mode, explicit, start_over)
         try:
             cfg = kind.model.validated(doc)
         except ConfigError as e:
@@ -119,7 +120,9 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
               for e in experiments}
     todo = [e for e in experiments if status[e.path] != SweepStatus.FINISHED]
     if not todo:
-        print(f"sweep {cfg.name} is complete ({cfg.experiment_path}); --fresh starts it over")
+        again = ("run it again under another --name (--fresh cannot move an experiment on remote storage)"
+                 if is_remote(cfg.experiment_path) else "--fresh starts it over")
+        print(f"sweep {cfg.name} is complete ({cfg.experiment_path}); {again}")
         return _finish(kind, cfg, experiments, after)
     if cfg.wandb.enabled and (problem := missing_login(cfg.wandb.mode)):
         raise ConfigError(problem)
