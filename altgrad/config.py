@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -33,11 +32,12 @@ class ConfigError(ValueError):
 
 class StrictModel(BaseModel):
     """Every config section: an unknown key is an error (a typo never passes silently), so is a
-    boolean where a number belongs (pydantic would take `max_steps: true` as 1), values are frozen
-    once validated, and defaults are validated like given values. Otherwise values convert as
+    boolean where a number belongs (pydantic would take `max_steps: true` as 1), so is an infinite
+    or NaN number (`gt=0` lets `lr: .inf` through, and no setting means to be infinite), values are
+    frozen once validated, and defaults are validated like given values. Otherwise values convert as
     pydantic's lax mode does: YAML 1.1 reads `6e-4` as a string, which must still be a float."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -65,10 +65,13 @@ def format_name(name: str) -> str:
 
 
 def precision_name(name: str) -> str:
-    if name not in PRECISION_PRESETS:
+    """The canonical name of a built-in layer precision (`MLP` -> `mlp`: case-insensitive, as format
+    names are); ValueError listing the choices."""
+    canonical = name.strip().lower()
+    if canonical not in PRECISION_PRESETS:
         raise ValueError(f"unknown precision {name!r}; use one of {list(PRECISION_PRESETS)} or a list of "
                          "{pattern, format} rules")
-    return name
+    return canonical
 
 
 class ModelConfig(StrictModel):
@@ -162,7 +165,7 @@ class RolesConfig(StrictModel):
 
 class QuantConfig(StrictModel):
     format: str = "e4m3"
-    precision: Annotated[str, AfterValidator(precision_name)] | list[LayerRule] = "all"
+    precision: str | list[LayerRule] = "all"
     grad_format: str = GRAD_FORMAT
     roles: RolesConfig = Field(default_factory=RolesConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
@@ -180,6 +183,13 @@ class QuantConfig(StrictModel):
     @classmethod
     def _known_format(cls, v: str) -> str:
         return format_name(v)
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _known_precision(cls, v: Any) -> Any:
+        """A name is checked before the union is tried: an unknown one is one error, not one per
+        member (pydantic would add that it is not a list of rules either)."""
+        return precision_name(v) if isinstance(v, str) else v
 
     @field_validator("grad_format")
     @classmethod
@@ -456,7 +466,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line} is not UTF-8 text ({e.reason}); save the file as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -477,13 +492,14 @@ def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def resolve_preset(name: str | None) -> str:
-    """`None`/`auto` -> `gpu` when CUDA is available, else `cpu`."""
+def resolve_preset(name: Any) -> str:
+    """`None`/`auto` -> `gpu` when CUDA is available, else `cpu`. `name` is whatever the YAML or
+    `--set` gave (`preset: [a]` is a list), so anything but a preset's name is a ConfigError."""
     if name in (None, "auto"):
         import torch
 
         return "gpu" if torch.cuda.is_available() else "cpu"
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return name
 

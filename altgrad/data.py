@@ -127,7 +127,13 @@ def prepare_dataset(cfg: DataSource) -> Path:
         "val_split": cfg.val_split,
         "tokenizer": TOKENIZER,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, or a place that cannot hold folders (/proc)
+        raise DataError(
+            f"data.data_root={cfg.data_root!r}: cannot make the folder {out.parent} ({e.strerror}). "
+            "Fix: point data.data_root at a folder that can be written"
+        ) from None
     with filelock.FileLock(str(out.parent / f"{out.name}.lock")):
         if _is_prepared(out, request):
             log.info("dataset %s is up to date", out)
@@ -200,14 +206,19 @@ def _split_texts(
 def _jsonl_texts(path: Path, max_docs: int | None) -> Iterator[list[str]]:
     chunk: list[str] = []
     docs = 0
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:  # decoded line by line, so that a byte that is not UTF-8 has its line
         for lineno, line in enumerate(f, 1):
             if max_docs is not None and docs >= max_docs:
                 break
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start + 1} of the line). "
+                    "Fix: save the file as UTF-8"
+                ) from None
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from e
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):

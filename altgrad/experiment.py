@@ -256,12 +256,13 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def load_experiment(exp_dir: str | Path) -> list[TrialRecord]:
+def load_experiment(exp_dir: str | Path, shown: str | Path | None = None) -> list[TrialRecord]:
     """Every trial of a sweep in grid order, finished, running or not started; Ray is not needed.
 
     A trial that the sweep stopped (ASHA or the stability stopper) ends at the step of that
     decision: its history and summary are cut there, so the record does not depend on how far the
-    trainer ran before the stop reached it (nor on a kill and resume in between).
+    trainer ran before the stop reached it (nor on a kill and resume in between). `shown` is the
+    experiment as the user named it, for the error when `exp_dir` is a fetched copy of a remote one.
     """
     exp_dir = Path(exp_dir)
     state = exp_dir / STATE_DIR
@@ -272,7 +273,7 @@ def load_experiment(exp_dir: str | Path) -> list[TrialRecord]:
         hint = (f"it holds the experiments {', '.join(inside)} (one per format of a learning-rate "
                 "search): pass one of them" if inside else
                 "pass the directory a sweep printed, e.g. experiments/format_ablation")
-        raise ExperimentError(f"{exp_dir} is not an AltGrad experiment ({what}); {hint}")
+        raise ExperimentError(f"{shown or exp_dir} is not an AltGrad experiment ({what}); {hint}")
     trials: dict[str, dict[str, Any]] = read_json(state / TRIALS_FILE) or {}
     stops = {tid: {"reason": StopReason.ASHA, **d} for tid, d in _stopped(state / ASHA_FILE).items()}
     stops.update(_stopped(state / STOPPER_FILE))
@@ -308,7 +309,7 @@ def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
 
     try:
         with readable(experiment) as exp_dir:
-            records = load_experiment(exp_dir)
+            records = load_experiment(exp_dir, shown=experiment)
             return ExperimentSnapshot(exp_dir.resolve().name, read_json(exp_dir / STATE_DIR / SWEEP_FILE), records)
     except ExperimentError:
         raise

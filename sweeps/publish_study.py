@@ -23,11 +23,10 @@ from statistics import fmean, stdev
 from altgrad.experiment import (
     REPORT_DIR,
     REPORT_FILE,
-    STATE_DIR,
-    SWEEP_FILE,
     WORKER_FILE,
     ExperimentError,
-    load_experiment,
+    ExperimentSnapshot,
+    read_experiment,
     read_json,
 )
 from altgrad.report import Findings, compute_findings, write_report
@@ -37,8 +36,9 @@ BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 IMAGES = Path("docs/img/study")
 
 
-def section(exp_dir: Path, readme_dir: Path) -> str:
-    records = load_experiment(exp_dir)
+def section(exp_dir: Path, experiment: ExperimentSnapshot, readme_dir: Path) -> str:
+    """The README section of the experiment read from `exp_dir`; writes its report and images."""
+    records = experiment.records
     report = write_report(records, exp_dir / REPORT_DIR, title=f"AltGrad report: {exp_dir.name}")
     f = compute_findings(records)
     (readme_dir / IMAGES).mkdir(parents=True, exist_ok=True)
@@ -51,7 +51,7 @@ def section(exp_dir: Path, readme_dir: Path) -> str:
     measured = [r for r in records if not r.same_as]
     seeds = sorted({r.seed for r in measured})
     stops = sorted({r.stop_reason for r in measured if r.stop_reason})
-    sweep = read_json(exp_dir / STATE_DIR / SWEEP_FILE) or {}
+    sweep = experiment.sweep or {}
     workers = [w for r in measured if (w := read_json(r.trial_dir / WORKER_FILE))]
     lines = [
         f"*`make study` published {datetime.date.today().isoformat()}; {code_text(workers, sweep)}: "
@@ -120,15 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.readme.is_file():
         print(f"error: --readme {args.readme}: no such file", file=sys.stderr)
         return 2
+    # Both checked before the report and the images are written: a failure leaves nothing half-published.
     text = args.readme.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"error: {args.readme} has no {BEGIN} ... {END} section", file=sys.stderr)
+    if BEGIN not in text or END not in text.split(BEGIN, 1)[1]:
+        print(f"error: {args.readme} has no {BEGIN} ... {END} section (in that order)", file=sys.stderr)
         return 2
     try:
-        body = section(args.experiment, args.readme.parent)
+        experiment = read_experiment(args.experiment)  # a corrupt sweep file is an ExperimentError too
     except ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    body = section(args.experiment, experiment, args.readme.parent)
     head, rest = text.split(BEGIN, 1)
     args.readme.write_text(f"{head}{BEGIN}\n{body}\n{END}{rest.split(END, 1)[1]}")
     print(f"published {args.experiment} in {args.readme}")

@@ -57,6 +57,10 @@ def test_dump_round_trips(tmp_path):
         ("quant.grad_scaling.mode=off", "quant.grad_scaling.mode", "'delayed'"),
         ("quant.scaling.history_len=0", "quant.scaling", "history_len must be >= 1"),  # ScalingPolicy's rule
         ("train.eval_iters=0", "train.eval_iters", "greater than or equal to 1"),
+        ("optim.lr=inf", "optim.lr", "finite number"),  # gt=0 alone lets infinity through
+        ("stability.kurtosis_warn=nan", "stability.kurtosis_warn", "finite number"),
+        ("preset=[a]", "unknown preset ['a']", "choose one of ['cpu', 'gpu']"),  # not hashable
+        ("preset={a: 1}", "unknown preset {'a': 1}", "choose one of"),
     ],
 )
 def test_invalid_fields_are_named(override, field, hint):
@@ -97,6 +101,22 @@ def test_malformed_files_and_overrides(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["optim.lr"])
+    bad.write_bytes(b"preset: cpu\n# caf\xe9 in Latin-1\n")
+    with pytest.raises(ConfigError, match="bad.yaml: line 2 is not UTF-8 text"):
+        load_config(bad)
+    bad.write_text("preset: [a]\n")
+    with pytest.raises(ConfigError, match=r"unknown preset \['a'\]"):
+        load_config(bad)
+
+
+def test_precision_names_are_case_insensitive_and_an_unknown_one_is_one_error():
+    """As format names are: `MLP` is `mlp`. An unknown name is one line listing the names, not a
+    second one saying that it is no list of rules either."""
+    assert build_run_config({"preset": "cpu"}, ["quant.precision=MLP"]).quant.precision == "mlp"
+    with pytest.raises(ConfigError) as err:
+        build_run_config({"preset": "cpu"}, ["quant.precision=foo"])
+    assert str(err.value) == ("invalid configuration:\n  quant.precision: unknown precision 'foo'; use one of "
+                              "['all', 'mlp', 'attn', 'no_head'] or a list of {pattern, format} rules")
 
 
 def test_model_config_builds_the_models_own_config():

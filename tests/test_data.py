@@ -4,6 +4,7 @@ a pure function of (seed, step)."""
 import hashlib
 import json
 import multiprocessing
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -220,6 +221,24 @@ def test_missing_text_field_names_file_and_line(tmp_path):
     with pytest.raises(DataError, match=r"train\.jsonl:2: no string 'text' field"):
         prepare_dataset(data_cfg(f"jsonl:{tmp_path}", tmp_path / "data"))
     assert not list((tmp_path / "data").rglob("*.bin*"))
+
+
+def test_a_byte_that_is_not_utf8_names_file_and_line(tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')  # Latin-1
+    write_jsonl(tmp_path / "validation.jsonl", [{"text": "fine"}])
+    with pytest.raises(DataError, match=r"train\.jsonl:2: not UTF-8 text \(invalid continuation byte at "
+                                        r"byte 14 of the line\)\. Fix: save the file as UTF-8"):
+        prepare_dataset(data_cfg(f"jsonl:{tmp_path}", tmp_path / "data"))
+    assert not list((tmp_path / "data").rglob("*.bin*"))
+
+
+@pytest.mark.parametrize("data_root", ["file", "file/below", "/proc/altgrad-data"])
+def test_a_data_root_that_cannot_be_a_folder(eurlex_dir, tmp_path, data_root):
+    """A file where data_root (or a folder above it) would be, or a place that holds no folders."""
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(DataError, match=f"data.data_root='[^']*{re.escape(data_root)}': cannot make the folder .*Fix: "):
+        prepare_dataset(data_cfg(f"jsonl:{eurlex_dir}", tmp_path / data_root))
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_empty_split(tmp_path):

@@ -111,3 +111,54 @@ def test_a_sweep_resumes_from_any_working_directory(tmp_path, monkeypatch):
     path.write_text(json.dumps(doc))
     assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu") == 128 + signal.SIGINT
     assert trained == [{f"jsonl:{data}"}] * 3
+
+
+def test_fresh_checks_everything_before_it_moves_the_old_experiment(tmp_path, capsys):
+    """A data source that does not exist fails the run: the old experiment stays where it was."""
+    exp = existing(tmp_path, "finished")
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", "--fresh",
+                    "--set", "base.data.source=jsonl:/nonexistent") == 2
+    out, err = capsys.readouterr()
+    assert "jsonl folder /nonexistent does not exist" in err and "moved" not in out
+    assert (exp / STATE_DIR / SWEEP_FILE).is_file() and sorted(p.name for p in tmp_path.iterdir()) == [exp.name]
+
+
+def test_a_corrupt_sweep_file_is_a_clean_error(tmp_path, capsys):
+    exp = existing(tmp_path, "interrupted")
+    (exp / STATE_DIR / SWEEP_FILE).write_text("{not json")
+    for mode in ([], ["--resume"], ["--fresh"]):  # whether it runs is unknown: --fresh may not move it either
+        assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", *mode) == 2
+        err = capsys.readouterr().err
+        assert f"{exp}: its {STATE_DIR}/{SWEEP_FILE} is corrupt (" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [exp.name]
+
+
+def test_storage_that_cannot_be_reached_is_a_clean_error(monkeypatch, capsys):
+    """As `python -m altgrad trials` says it (exit 2, the path and why), not pyarrow's traceback."""
+    for key, value in {"AWS_ENDPOINT_URL": "http://127.0.0.1:1", "AWS_ACCESS_KEY_ID": "x",
+                       "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    assert ablation("--storage-path", "s3://altgrad-sweeps/unreachable", "--set", "preset=cpu") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read s3://altgrad-sweeps/unreachable/format_ablation: ")
+    assert "Traceback" not in err
+
+
+def test_a_finished_sweep_on_s3_says_what_starts_it_again(s3_bucket, capsys):
+    """--fresh cannot move an experiment in a bucket: the sweep names what works instead."""
+    from altgrad.tune.config import SweepConfig, load_sweep_config
+    from altgrad.tune.store import StateStore
+
+    storage = f"{s3_bucket}/finished"
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu"], storage_path=storage)
+    StateStore(cfg.experiment_path).write(SWEEP_FILE, {"status": "finished", "points": [],
+                                                       "config": cfg.model_dump(mode="json")})
+    assert ablation("--storage-path", storage, "--set", "preset=cpu") == 0
+    out = capsys.readouterr().out
+    assert f"sweep format_ablation is complete ({cfg.experiment_path}); run it again under another --name" in out
+    assert "--fresh starts it over" not in out
+    assert ablation("--storage-path", storage, "--set", "preset=cpu", "--set", "base.optim.lr=1e-3") == 2
+    err = capsys.readouterr().err
+    assert "already exists with a different config" in err and "--fresh" not in err
+    assert ablation("--storage-path", storage, "--set", "preset=cpu", "--fresh") == 2
+    assert "--fresh cannot move" in capsys.readouterr().err

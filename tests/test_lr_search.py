@@ -92,3 +92,17 @@ def test_samples_after_the_grid_are_tpes_and_differ_by_format(monkeypatch):
         assert all(0.01 < x < 1.0 for x in samples[exp.path])  # at the edge: 0.1 learns, 1.0 does not
     assert random_draws == []
     assert len({tuple(s) for s in samples.values()}) == 2
+
+
+def test_a_search_on_s3_ends_with_the_command_that_reads_it(capsys):
+    """`python -m altgrad trials` reads each format's experiment from the bucket: no copy to local disk."""
+    from sweep_helpers import LR_SEARCH
+
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import LrSearch
+
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu"], storage_path="s3://bucket/p")
+    assert LrSearch.summarize(cfg, []) == 0
+    out = capsys.readouterr().out
+    assert f"python -m altgrad trials s3://bucket/p/{cfg.name}/<format> (formats: {', '.join(cfg.formats)})" in out
+    assert "local disk" not in out

@@ -896,12 +896,18 @@ def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, t
     assert (tmp_path / "again" / "report.md").read_text().split("\n", 1)[1] == text.split("\n", 1)[1]
 
 
-def test_the_published_study_names_the_code_its_trials_ran(tmp_path):
-    """Trials of one study that ran different code (a sweep resumed after a commit) are named
-    with their commits, not with whatever the checkout held when the sweep last wrote its state."""
+def publish_study():
+    """The module of `sweeps/publish_study.py` (a script, not a package module)."""
     spec = importlib.util.spec_from_file_location("publish_study", ROOT / "sweeps" / "publish_study.py")
     publish = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(publish)
+    return publish
+
+
+def test_the_published_study_names_the_code_its_trials_ran(tmp_path):
+    """Trials of one study that ran different code (a sweep resumed after a commit) are named
+    with their commits, not with whatever the checkout held when the sweep last wrote its state."""
+    publish = publish_study()
     records = study()
     exp = write_experiment(tmp_path / "exp", records)
     state = json.loads((exp / STATE_DIR / SWEEP_FILE).read_text())
@@ -927,3 +933,23 @@ def test_the_published_study_names_the_code_its_trials_ran(tmp_path):
                            "--readme", str(tmp_path / "NOPE.md")], capture_output=True, text=True)
     assert proc.returncode == 2 and "--readme" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "NOPE.md").exists()
+
+
+def test_publishing_checks_the_readme_and_the_experiment_before_writing_anything(tmp_path, capsys):
+    """README markers out of order, or a sweep file that is not JSON: exit 2 with a message, and
+    neither the README nor the report nor the README's images are touched."""
+    publish = publish_study()
+    exp = write_experiment(tmp_path / "exp", study())
+    readme = tmp_path / "README.md"
+    out_of_order = "# x\n<!-- study:end -->\nold\n<!-- study:begin -->\n"
+    readme.write_text(out_of_order)
+    assert publish.main([str(exp), "--readme", str(readme)]) == 2
+    assert "has no <!-- study:begin --> ... <!-- study:end --> section (in that order)" in capsys.readouterr().err
+    assert readme.read_text() == out_of_order
+    in_order = "# x\n<!-- study:begin -->\nold\n<!-- study:end -->\n"
+    readme.write_text(in_order)
+    (exp / STATE_DIR / SWEEP_FILE).write_text("{not json")
+    assert publish.main([str(exp), "--readme", str(readme)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {exp}: cannot read the experiment: ")
+    assert readme.read_text() == in_order
+    assert not (exp / "report").exists() and not (tmp_path / publish.IMAGES).exists()

@@ -57,6 +57,13 @@ def test_train_writes_a_run_dir_and_resumes(eurlex_dir, data_root, tmp_path, cap
     assert "checkpoint is at step 9, past train.max_steps=6" in err and "Traceback" not in err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
+    # --resume continues in the run's own directory: an --out beside it is refused, not ignored
+    assert main(["train", "--resume", str(out), "--out", str(tmp_path / "other"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --resume continues the run in its own directory; drop --out" in err and "Traceback" not in err
+    assert not (tmp_path / "other").exists()
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
     # a checkpoint inside the run is not a run directory: the error names the run to give instead
     (older, *_) = sorted((out / "checkpoints").glob("step_*"))
     for inside in (older, older.parent):
@@ -102,6 +109,17 @@ def test_out_that_is_a_file_is_a_clean_error(eurlex_dir, data_root, tmp_path, ca
     assert main(["train", *data_args(eurlex_dir, data_root), "--out", str(config), "--quiet"]) == 2
     assert "a file, not a directory" in capsys.readouterr().err
     assert config.read_text() == "train: {max_steps: 2}\n"
+
+
+@pytest.mark.parametrize("out", ["file.yaml/run", "/proc/altgrad-run"])
+def test_out_that_cannot_be_a_directory_is_a_clean_error(out, eurlex_dir, data_root, tmp_path, capsys):
+    """A file above --out, or a place that holds no directories: exit 2 before anything is prepared."""
+    (tmp_path / "file.yaml").write_text("mine")
+    out = tmp_path / out
+    assert main(["train", *data_args(eurlex_dir, data_root), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out}: cannot make this directory (") and "Traceback" not in err
+    assert (tmp_path / "file.yaml").read_text() == "mine"
 
 
 def test_cuda_without_a_device_is_a_clean_error(eurlex_dir, data_root, tmp_path, monkeypatch, capsys):

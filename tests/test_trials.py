@@ -39,6 +39,29 @@ def test_a_corrupt_trial_is_listed_and_exits_2(experiment, capsys):
     assert KEYS[0] in err
 
 
+def test_an_s3_prefix_that_is_no_experiment_is_named_as_given(s3_bucket, capsys):
+    """Not by the local folder it was fetched into, which the user never named."""
+    uri = f"{s3_bucket}/nothing/here"
+    assert main(["trials", uri]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {uri} is not an AltGrad experiment") and "altgrad-fetch-" not in err
+
+
+def test_a_sweep_on_s3_ends_with_its_trial_table(experiment, s3_bucket, capsys):
+    """Read from the bucket as `trials` reads it, not a request to copy it to local disk first."""
+    from sweep_helpers import ABLATION
+
+    from altgrad.remote import upload_dir
+    from altgrad.tune.ablation import FormatAblation
+    from altgrad.tune.config import SweepConfig, load_sweep_config
+
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu"], storage_path=f"{s3_bucket}/table")
+    upload_dir(experiment, cfg.experiment_path)
+    assert FormatAblation.summarize(cfg, []) == 0
+    out = capsys.readouterr().out
+    assert all(key in out for key in KEYS) and "local disk" not in out
+
+
 @pytest.mark.parametrize("command", ["trials", "report"])
 def test_a_corrupt_sweep_file_exits_2_with_a_message(experiment, capsys, command):
     """Both readers open an experiment the same way (`read_experiment`): a sweep file that is not

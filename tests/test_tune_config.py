@@ -3,11 +3,14 @@ exits 2 naming the field, before anything is written."""
 
 from __future__ import annotations
 
-import pytest
-from sweep_helpers import LR_SEARCH, ablation
+import re
 
-from altgrad.config import build_run_config
+import pytest
+from sweep_helpers import ABLATION, LR_SEARCH, ablation
+
+from altgrad.config import ConfigError, build_run_config
 from altgrad.tune.cli import sweep_main
+from altgrad.tune.config import LrSearchConfig, SweepConfig, load_sweep_config
 from altgrad.tune.lr_search import LrSearch
 from altgrad.tune.trial_spec import trial_limits, trial_run_config
 
@@ -22,6 +25,8 @@ from altgrad.tune.trial_spec import trial_limits, trial_run_config
     (["resources.gpu_per_trial=-0.5"], "resources.gpu_per_trial: Input should be greater than or equal to 0"),
     (["wandb.mode=sometimes"], "wandb.mode: Input should be 'offline', 'online' or 'disabled'"),
     (["name=a/b"], "name: String should match pattern"),
+    (["preset=[a]"], "unknown preset ['a']; choose one of ['cpu', 'gpu']"),
+    (["base.optim.lr=inf"], "base.optim.lr: Input should be a finite number"),
     (["stoper.nan_patience=3"], "stoper: unknown field"),
     (["stopper.nan_patience=3"], "stopper: stopper.nan_patience moved to base.stability.nan_patience"),
     (["stopper.stall_threshold=0.9"], "stopper.stall_threshold moved to base.stability.stall_stop"),
@@ -64,7 +69,29 @@ def test_malformed_yaml_files(tmp_path, capsys):
     bad.write_text("- a list\n")
     assert ablation("--config", str(bad)) == 2
     assert "expected a mapping" in capsys.readouterr().err
+    bad.write_bytes(b"name: caf\xe9\n")  # Latin-1
+    assert ablation("--config", str(bad), "--dry-run") == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml: line 1 is not UTF-8 text" in err and "Traceback" not in err
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("name", [".", "..", "..."])
+def test_a_name_of_dots_only_is_refused(name):
+    """`.` fits the name pattern but is the storage folder itself (`--fresh` moved all of it aside),
+    `..` its parent."""
+    with pytest.raises(ConfigError, match=f"name: '{re.escape(name)}' names the storage path itself or a folder above it"):
+        load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", f"name='{name}'"])
+
+
+def test_built_in_precisions_are_named_in_any_case():
+    """As in a run's quant.precision (and as format names are); a policy may not take a built-in's
+    name in another case, which would now name the built-in."""
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "grid.precisions=[ALL, Mlp]"])
+    assert cfg.grid.precisions == ["all", "mlp"]
+    assert load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "precision=MLP"]).precision == "mlp"
+    with pytest.raises(ConfigError, match=r"policies: \['MLP'\] would shadow the built-in precisions"):
+        load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "grid.policies={MLP: [{pattern: '*', format: e5m2}]}"])
 
 
 def test_base_settings_the_sweep_overrides_are_warned_about(capsys):

@@ -40,10 +40,13 @@ def run(args: argparse.Namespace) -> int:
     from altgrad.train.trainer import Trainer, check_layer_policy
 
     run_dir = None
+    claimed = False  # whether this run made run_dir: removed again if nothing was written to it
     try:
         if args.resume is not None:
             if args.config is not None:
                 raise ConfigError("--resume uses the run's own config.yaml; drop --config")
+            if args.out is not None:
+                raise ConfigError("--resume continues the run in its own directory; drop --out")
             if not (args.resume / CONFIG_FILE).is_file():
                 raise ConfigError(not_a_run_dir(args.resume))
             cfg = load_config(args.resume / CONFIG_FILE, args.overrides)
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             cfg = load_config(args.config, args.overrides)
             check_layer_policy(cfg)
+            claimed = args.out is None or not args.out.exists()
             run_dir = new_run_dir(args.out, f"{cfg.quant.format}-{cfg.optim.name}")
         trainer = Trainer(cfg, run_dir)
         summary = trainer.fit(
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        _drop_if_unused(run_dir, claimed=args.resume is None and args.out is None)
+        _drop_if_unused(run_dir, claimed)
         return 2
     except KeyboardInterrupt:
         if run_dir is not None and (run_dir / CONFIG_FILE).is_file():
@@ -67,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{run_dir}", file=sys.stderr)
         else:
             print("interrupted before training started", file=sys.stderr)
-            _drop_if_unused(run_dir, claimed=args.resume is None and args.out is None)
+            _drop_if_unused(run_dir, claimed)
         return 130
     print(
         f"done: {summary['stop_reason']} after {summary['steps']} steps, best val loss "
@@ -77,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _drop_if_unused(run_dir: Path | None, claimed: bool) -> None:
-    """Remove the default directory this run claimed (`claimed`) if nothing was written to it."""
+    """Remove the directory this run made (`claimed`) if nothing was written to it."""
     if claimed and run_dir is not None and run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()
 
@@ -94,15 +98,20 @@ def not_a_run_dir(path: Path) -> str:
 
 
 def new_run_dir(out: Path | None, name: str) -> Path:
-    """The directory of a new run: `out`, which must not hold anything yet (a new run there would
-    delete an earlier run's metrics and mix its checkpoints with the earlier ones), or by default
-    runs/<time>-<name>, made here so that two runs started in the same second get two directories."""
+    """The directory of a new run, made here: `out`, which must not hold anything yet (a new run
+    there would delete an earlier run's metrics and mix its checkpoints with the earlier ones), or
+    by default runs/<time>-<name>, so that two runs started in the same second get two directories.
+    Made before the data is prepared: a path that cannot be a directory fails first."""
     if out is not None:
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {out}: a file, not a directory")
         if out.is_dir() and any(out.iterdir()):
             raise ConfigError(f"--out {out} is not empty: continue the run there with --resume {out}, "
                               "or give a new directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file above it, or a place that holds no directories (/proc)
+            raise ConfigError(f"--out {out}: cannot make this directory ({e.strerror})") from None
         return out
     base = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     for attempt in range(1, 100):

@@ -6,10 +6,7 @@ report written, so this package never imports its reader.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from altgrad.experiment import load_experiment
-from altgrad.remote import is_remote
+from altgrad.experiment import ExperimentError, read_experiment
 from altgrad.trial_table import render_table, trial_row
 from altgrad.tune.asha import StabilityRungs
 from altgrad.tune.config import SweepConfig
@@ -49,9 +46,12 @@ class FormatAblation:
 
     @staticmethod
     def summarize(cfg: SweepConfig, experiments: list[Experiment]) -> int:
-        """Print the trial table."""
-        if is_remote(cfg.experiment_path):
-            print(f"trial table: copy {cfg.experiment_path} to local disk, then run `python -m altgrad trials DIR`")
-            return 0
-        print(render_table([trial_row(r) for r in load_experiment(Path(cfg.experiment_path))]))
+        """Print the trial table, of an experiment on local disk or on object storage, as `python -m
+        altgrad trials` does; 1 (with that command, to retry) when it cannot be read."""
+        try:
+            records = read_experiment(cfg.experiment_path).records
+        except ExperimentError as e:
+            print(f"trial table failed ({e}); retry: python -m altgrad trials {cfg.experiment_path}")
+            return 1
+        print(render_table([trial_row(r) for r in records]))
         return 0

@@ -19,7 +19,13 @@ from altgrad.config import ConfigError
 from altgrad.experiment import STALE_S, SweepStatus, driver_alive
 from altgrad.remote import is_remote
 from altgrad.tune.config import SweepSettings, load_sweep_config
-from altgrad.tune.lifecycle import check_new_location, choose_config, move_aside, stored_sweep
+from altgrad.tune.lifecycle import (
+    check_movable,
+    check_new_location,
+    choose_config,
+    move_aside,
+    stored_sweep,
+)
 from altgrad.tune.runner import Experiment, run_experiment, start_ray
 
 
@@ -93,13 +99,13 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     if stored is not None:
         _refuse_if_running(stored, cfg.experiment_path)
     if mode == "fresh":
-        if moved := move_aside(cfg.experiment_path):
-            print(f"moved the previous experiment aside to {moved}")
-        stored = None
+        check_movable(cfg.experiment_path)
+        stored = None  # the old experiment is moved aside once everything else has been checked
     if stored is not None:
         explicit = args.config is not None or bool(args.overrides)
-        doc = choose_config(stored, cfg.model_dump(mode="json"), mode, explicit,
-                            "or start over with --fresh (the old one is moved aside), or use another --name")
+        start_over = ("or use another --name" if is_remote(cfg.experiment_path) else
+                      "or start over with --fresh (the old one is moved aside), or use another --name")
+        doc = choose_config(stored, cfg.model_dump(mode="json"), mode, explicit, start_over)
         try:
             cfg = kind.model.validated(doc)
         except ConfigError as e:
@@ -107,13 +113,16 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
         experiments = kind.experiments(cfg)
     elif mode == "resume":
         raise ConfigError(f"nothing to resume: no sweep at {cfg.experiment_path} (check --name / --storage-path)")
-    else:
+    elif mode == "auto":
         check_new_location(cfg.experiment_path)
 
-    status = {e.path: (stored_sweep(e.path) or {}).get("status") for e in experiments}
+    status = {e.path: None if mode == "fresh" else (stored_sweep(e.path) or {}).get("status")
+              for e in experiments}
     todo = [e for e in experiments if status[e.path] != SweepStatus.FINISHED]
     if not todo:
-        print(f"sweep {cfg.name} is complete ({cfg.experiment_path}); --fresh starts it over")
+        again = ("run it again under another --name (--fresh cannot move an experiment on remote storage)"
+                 if is_remote(cfg.experiment_path) else "--fresh starts it over")
+        print(f"sweep {cfg.name} is complete ({cfg.experiment_path}); {again}")
         return _finish(kind, cfg, experiments, after)
     if cfg.wandb.enabled and (problem := missing_login(cfg.wandb.mode)):
         raise ConfigError(problem)
@@ -121,6 +130,8 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
         prepare_dataset(cfg.base_run.data)  # once, before the trials race for it
     except DataError as e:
         raise ConfigError(str(e)) from None
+    if mode == "fresh" and (moved := move_aside(cfg.experiment_path)):  # every check has passed
+        print(f"moved the previous experiment aside to {moved}")
 
     command = resume_command(kind, cfg)
     total = sum(e.total_trials for e in experiments)

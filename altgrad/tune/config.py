@@ -76,6 +76,14 @@ Formats = Annotated[list[str], Field(min_length=1),
                     AfterValidator(lambda v: _unique([format_name(f) for f in v], "format"))]
 
 
+def _builtin_precision(name: str) -> str | None:
+    """The built-in layer precision `name` names, in any case; None for another name (a policy's)."""
+    try:
+        return precision_name(name)
+    except ValueError:
+        return None
+
+
 def registered_optimizers() -> list[str]:
     from altgrad.optim import OPTIMIZERS
 
@@ -154,6 +162,16 @@ class SweepSettings(StrictModel):
     wandb: WandbSettings = Field(default_factory=WandbSettings)
     dashboard: DashboardSettings = Field(default_factory=DashboardSettings)
     smoke: dict[str, Any] = Field(default_factory=dict, description="overrides applied by --smoke")
+
+    @field_validator("name")
+    @classmethod
+    def _names_a_folder_of_its_own(cls, v: str) -> str:
+        """`.` and `..` fit the pattern, but name the storage folder or its parent: `--fresh` would
+        move that aside, every experiment in it with it."""
+        if not v.strip("."):
+            raise ValueError(f"{v!r} names the storage path itself or a folder above it, not an experiment "
+                             "in it; use a name with a letter or a digit")
+        return v
 
     @field_validator("base")
     @classmethod
@@ -278,6 +296,12 @@ class GridSettings(StrictModel):
                 raise ValueError(f"{path}: duplicate values {values}")
         return v
 
+    @field_validator("precisions")
+    @classmethod
+    def _builtin_precisions_canonical(cls, v: list[str]) -> list[str]:
+        """`MLP` is the built-in `mlp`, as in a run's quant.precision; a policy's name is kept as written."""
+        return [_builtin_precision(p) or p for p in v]
+
     @field_validator("optimizers")
     @classmethod
     def _optimizers(cls, v: list[str] | str) -> list[str] | str:
@@ -292,7 +316,7 @@ class GridSettings(StrictModel):
 
     @model_validator(mode="after")
     def _precisions_are_known(self) -> GridSettings:
-        clash = set(self.policies) & set(PRECISION_PRESETS)
+        clash = {p for p in self.policies if _builtin_precision(p)}
         if clash:
             raise ValueError(f"policies: {sorted(clash)} would shadow the built-in precisions")
         unknown = [p for p in self.precisions if p not in PRECISION_PRESETS and p not in self.policies]

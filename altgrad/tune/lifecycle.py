@@ -26,7 +26,13 @@ NOT_COMPARED = ("storage_path", "dashboard", "smoke")
 def stored_sweep(experiment_path: str) -> dict[str, Any] | None:
     """The `sweep.json` of an experiment, or None when there is none; a config stored before a
     setting moved has it where it is now (`upgraded_config`), so an older sweep still resumes."""
-    doc = StateStore(experiment_path).read(SWEEP_FILE)
+    try:
+        doc = StateStore(experiment_path).read(SWEEP_FILE)
+    except OSError as e:  # remote storage unreachable, or no permission
+        raise ConfigError(f"cannot read {experiment_path}: {e}") from None
+    except ValueError as e:  # not JSON: nothing says whether it runs, or with what config
+        raise ConfigError(f"{experiment_path}: its {STATE_DIR}/{SWEEP_FILE} is corrupt ({e}); move the "
+                          "experiment aside by hand, or choose another --name") from None
     if doc is not None and isinstance(doc.get("config"), dict):
         doc["config"] = upgraded_config(doc["config"])
     return doc
@@ -91,13 +97,19 @@ def check_new_location(experiment_path: str) -> None:
         )
 
 
-def move_aside(experiment_path: str) -> Path | None:
-    """Rename an existing experiment directory to `<name>.old-<time>`; returns the new path."""
+def check_movable(experiment_path: str) -> None:
+    """`--fresh` renames the old experiment: a local directory can be renamed, an object store's
+    prefix cannot (a copy of every object would be a rename that can fail halfway)."""
     if is_remote(experiment_path):
         raise ConfigError(
             f"--fresh cannot move {experiment_path} on remote storage; move or delete it with your "
             "storage tools, or choose another --name"
         )
+
+
+def move_aside(experiment_path: str) -> Path | None:
+    """Rename an existing experiment directory to `<name>.old-<time>`; returns the new path."""
+    check_movable(experiment_path)
     path = Path(experiment_path)
     if not path.exists():
         return None

@@ -64,7 +64,9 @@ class LrSearch:
     @staticmethod
     def summarize(cfg: LrSearchConfig, experiments: list[Experiment]) -> int:
         if is_remote(cfg.experiment_path):
-            print(f"copy {cfg.experiment_path} to local disk to read its results")
+            print(f"each format's trials: python -m altgrad trials {cfg.experiment_path}/<format> "
+                  f"(formats: {', '.join(cfg.formats)}); the largest-stable-lr table is made for local "
+                  "storage only")
             return 0
         rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path), cfg.tolerance)
                 for exp in experiments]
