@@ -23,7 +23,8 @@ from record import Claim, add_record_argument, write
 from altgrad.config import build_run_config
 from altgrad.optim import build_optimizer
 from altgrad.quant import FORMATS
-from altgrad.train.trainer import build_model, resolve_device
+from altgrad.run_model import build_model
+from altgrad.train.trainer import resolve_device
 
 TARGET = 1.3
 

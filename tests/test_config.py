@@ -136,7 +136,7 @@ def test_custom_rules_use_the_presets_vocabulary():
     """A run's own rules may say `{fmt}` (the run's format) and `bf16` (high precision), exactly as
     the presets do: written out, no_head quantizes the same layers in the same formats."""
     from altgrad.quant.convert import quantized_layers
-    from altgrad.train.trainer import build_model
+    from altgrad.run_model import build_model
 
     def formats(precision):
         cfg = build_run_config({"quant": {"format": "e3m4", "precision": precision}}, ["preset=cpu"])

@@ -265,7 +265,7 @@ def test_collapse_step_and_site_inferred_from_metrics():
     f = compute_findings([trial("bf16"), trial("e7m0", "adamw", "all", 0.5, nan_from=37)])
     (failure,) = f.failures
     assert (failure.trial.format, failure.trial.precision, failure.stop_reason) == ("e7m0", "all", "nan")
-    assert (failure.step, failure.collapsed, failure.where) == (37, True, "forward overflow")
+    assert (failure.step, failure.collapsed, failure.where) == (37, True, "forward (non-finite loss)")
     assert failure.evidence == "loss non-finite at step 37; quant/overflow_rate = 0.251 > 0.01"
     assert spot(f, "all").group == ()  # a format that collapsed is no sweet spot, whatever its loss
 
@@ -293,7 +293,7 @@ def test_collapse_step_and_site_inferred_from_metrics():
                **{"grad/dead_frac/h.0.mlp.c_fc": 0.9, "grad/dead_frac/lm_head": 0.7}),
          "backward underflow", "grad/dead_frac = 0.8 > 0.5"),
         (trial("e1m6", summary={"stop_reason": "error"}, **{"stability/grad_has_nan": 1.0}),
-         "backward underflow", "gradient non-finite"),
+         "backward (non-finite gradient)", "gradient non-finite"),
         (trial("e3m4", summary={"stop_reason": "asha"}), "—", "no signal"),
     ],
 )
@@ -380,13 +380,13 @@ def test_gradients_off_fp32_are_said_even_where_the_loss_ties(tmp_path):
 
 
 def test_gradient_cosine_ranks_healthy_full_budgets_and_pairs_each_seed_over_its_own_steps(tmp_path):
-    """A broken cell (e5m2: seed 0 stopped by ASHA at step 30) and a partial one (e6m1: seed 2
-    still running at 30) are in the table but not ranked; a seed that stopped early is compared
-    with bf16's same seed over the same steps; a non-finite shadow step (e7m0 seed 1, step 20) is
+    """A broken cell (e5m2: seed 0 stopped for NaN at step 30) and a partial one (e6m1: seed 2
+    still running at 30, left out) are in the table but not ranked; a seed that broke early is
+    compared with bf16's same seed over the same steps; a non-finite shadow step (e7m0 seed 1, step 20) is
     left out and counted; a cell without a finite cosine (e0m7) is kept, with nothing to rank."""
     records = [*(trial("bf16", seed=s, cos=0.999) for s in range(3)),
                *(trial("e4m3", scale=x, seed=s, cos=c) for s, (x, c) in enumerate([(1.0, 0.99), (1.01, 0.985), (0.99, 0.99)])),
-               replace(trial("e5m2", seed=0, cos=0.5, steps=30), stop_reason="asha"),
+               replace(trial("e5m2", seed=0, cos=0.5, steps=30), stop_reason="nan"),
                *(trial("e5m2", seed=s, cos=0.5) for s in (1, 2)),
                *(trial("e6m1", seed=s, cos=0.6) for s in (0, 1)), trial("e6m1", seed=2, cos=0.6, steps=30, status="RUNNING"),
                *(trial("e7m0", scale=x, seed=s, cos=0.7) for s, x in enumerate([1.0, 1.01, 0.99])),
@@ -404,7 +404,8 @@ def test_gradient_cosine_ranks_healthy_full_budgets_and_pairs_each_seed_over_its
     assert f.fidelity_summary() == [f"all, adamw: closest to FP32: e4m3 {fid['e4m3'].cosine.text(3)}; further: "
                                     f"e7m0 {fid['e7m0'].cosine.text(3)}; loss not separated from bf16's for e7m0"]
     text = write_report(records, tmp_path).read_text()
-    assert "| e5m2 | adamw | all | — | 60 | 0 of 18 |" in text and "| asha |" in text
+    assert "| e5m2 | adamw | all | — | 60 | 0 of 18 |" in text and "| nan |" in text
+    assert fid["e6m1"].cosine.n == 2 and fid["e6m1"].baseline.n == 3  # its running seed: left out, as from its loss
     assert "| e0m7 | adamw | all | — | 60 | 21 of 21 | no finite value (n = 0) |" in text
     # the group's label names its extra-axis values (bf16 carries none of the quant axes)
     stochastic = [r if r.format == "bf16" else replace(r, axes={"quant.rounding": "stochastic"}) for r in records]
@@ -521,6 +522,9 @@ def test_a_cell_seed_cut_short_is_left_out_of_the_cell(tmp_path, status, stop, w
     assert note in cell.ratio.note and "bf16's {2} left out" in cell.ratio.note
     text = write_report(records, tmp_path).read_text()
     assert note in text and "| e4m3 | adamw | all | — | 0, 1 (short, left out: 2) |" in text
+    # nor does its curve end where the short seed stopped: the band spans the seeds the numbers use
+    x, _ = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png").lines["precision: all", "e4m3"]
+    assert x[-1] == STEPS
 
 
 def test_a_baseline_computed_in_fp32_is_called_so():
@@ -537,6 +541,17 @@ def test_a_baseline_computed_in_fp32_is_called_so():
     assert notes([True, True]) == [] and notes([None, None]) == []
     (mixed,) = notes([True, False])
     assert "do not share one baseline" in mixed
+
+
+def test_a_seed_that_broke_stays_in_its_cell():
+    """A seed that broke early (NaN at step 30 of 60) is the cell's result, not a cut budget: it
+    stays in the cell's numbers (which the cell's stop marks as broken) rather than leaving the
+    cell to be judged on its survivors (review of 829b79a)."""
+    broke = replace(trial("e5m2", seed=2, scale=1.01, steps=30), stop_reason="nan")
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.02, 1.03]), broke]
+    cell = compute_findings(records).cells["e5m2", "adamw", "all", ()]
+    assert cell.short == () and cell.best.n == 3 and cell.ratio.n == 3 and cell.broke
+    assert cell.stops == ("nan",)
 
 
 def test_missing_optimizer_baseline_is_borrowed_and_noted():
@@ -691,6 +706,8 @@ def test_a_report_on_a_running_sweep_claims_nothing_it_has_not_seen(tmp_path):
     assert "not finite" not in text and "step None" not in text and "not tested (no interval)" not in text
     # a cell without an evaluation reads as such, not as a loss that went non-finite
     assert "| e5m2 | adamw | all | — | 0 | not evaluated yet | 0 | — | — |" in text
+    heat = plot_heatmap(f, "adamw", (), tmp_path / "heat.png")  # the heatmap says so too
+    assert "not evaluated yet" in heat.texts["Best val loss / bf16 — optimizer adamw"]
     assert "no finite value" not in text and "e5m2 / all, adamw: no evaluation yet" not in text
     # bf16 itself still running: its number is provisional, and said
     running = [trial("bf16", status="RUNNING", steps=20), trial("e5m2")]
@@ -754,7 +771,7 @@ def test_cli_writes_the_report(tmp_path, capsys):
     mean, hw = hand_interval([1.20, 1.21, 1.22])
     assert f"**E5M2 within 10 % of BF16: INVESTIGATE (× bf16 {mean:.3f} ± {hw:.3f} (n = 3, paired)" in text
     assert "- Sweet spot for **mlp, adamw**: tie: e3m4 ≈ e2m5 (intervals overlap)" in text
-    assert "| e7m0_adamw_all_0 | e7m0 | adamw | all | — | 0 | nan | 37 (collapse) | forward overflow |" in text
+    assert "| e7m0_adamw_all_0 | e7m0 | adamw | all | — | 0 | nan | 37 (collapse) | forward (non-finite loss) |" in text
     assert "Nothing: every grid point has a finished trial." in text
     pngs = sorted(p.name for p in path.parent.glob("*.png"))
     assert pngs == sorted(f"{kind}_adamw.png" for kind in ("loss", "heatmap", "stability"))

@@ -64,6 +64,11 @@ def test_train_writes_a_run_dir_and_resumes(eurlex_dir, data_root, tmp_path, cap
     assert not (tmp_path / "other").exists()
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
+    # a resume's --set is checked like a new run's config (a rule matching no layer: exit 2, no traceback)
+    assert main(["train", "--resume", str(out), "--set", "quant.precision=[{pattern: nomatch, format: e4m3}]"]) == 2
+    assert "match no linear layer" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
     # a checkpoint inside the run is not a run directory: the error names the run to give instead
     (older, *_) = sorted((out / "checkpoints").glob("step_*"))
     for inside in (older, older.parent):

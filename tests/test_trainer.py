@@ -23,11 +23,11 @@ from altgrad.quant import kernels
 from altgrad.quant.convert import quantized_layers
 from altgrad.quant.formats import FORMATS
 from altgrad.quant.quantize import quantize
+from altgrad.run_model import build_model
 from altgrad.scaling_policy import AmaxAlgo, ScalingMode
 from altgrad.train import Trainer
 from altgrad.train import trainer as trainer_module
 from altgrad.train.checkpoint import CheckpointError, step_checkpoints
-from altgrad.train.trainer import build_model
 
 # The trainer's behaviour, on eager kernels: compiling them cold costs minutes here, and the
 # compiled kernels and step graph are checked against eager in test_kernels (and through `path`).
@@ -380,12 +380,26 @@ def test_a_run_stopped_from_outside_keeps_its_summary(make_config, tmp_path, sto
     with pytest.raises(SystemExit):
         trainer.fit(report=tune_stops)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "stopped" and summary["steps"] == stopped_at
-    assert summary["wall_time_s"] > 0
-    if stopped_at == 7:
-        assert (summary["stop_reason"], summary["collapse_step"], summary["collapse_where"]) == ("nan", 5, "backward")
+    assert summary["steps"] == stopped_at and summary["wall_time_s"] > 0
+    if stopped_at == 7:  # the trainer's own stop, at the step Tune stopped it: the run's own ending
+        assert (summary["status"], summary["stop_reason"]) == ("finished", "nan")
+        assert (summary["collapse_step"], summary["collapse_where"]) == (5, "backward")
     else:
-        assert summary["stop_reason"] is None and summary["collapse_step"] is None
+        assert (summary["status"], summary["stop_reason"], summary["collapse_step"]) == ("stopped", None, None)
+
+
+def test_a_crash_is_not_recorded_as_a_stop(make_config, tmp_path):
+    """Only Tune's stop and Ctrl-C are "stopped": an error leaves the last checkpoint's summary."""
+    trainer = Trainer(make_config("quant.format=e4m3", "train.max_steps=30", "train.checkpoint_interval=2"), tmp_path)
+
+    def crash(metrics, ckpt):
+        if metrics["step"] == 3:
+            raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        trainer.fit(report=crash)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("running", 2)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "manifold"])

@@ -60,8 +60,10 @@ from altgrad.report.stats import (
 STANDARD, MANIFOLD = "adamw", "manifold"
 VERDICT_FORMAT, VERDICT_PRECISION, VERDICT_TOLERANCE = "e5m2", "all", 0.10
 
-# The pass a failure is attributed to, keyed by summary.json `collapse_where` values.
-WHERE = {"forward": "forward overflow", "backward": "backward underflow", "optimizer": "optimizer stall"}
+# Where a failure is placed: a collapse by the pass its trainer saw go non-finite (summary.json
+# `collapse_where`), a stall in the optimizer; the signals (`signals`) name more precise sites.
+WHERE = {"forward": "forward (non-finite loss)", "backward": "backward (non-finite gradient)",
+         "optimizer": "optimizer stall"}
 WINDOW = 5  # logged rows up to the stop that are searched for signals
 
 
@@ -77,7 +79,7 @@ def signals(stability: StabilityConfig) -> tuple[tuple[str, float, str], ...]:
         (BACKWARD_OVERFLOW_RATE, stability.overflow_warn, "backward overflow"),
         (FORWARD_UNDERFLOW_RATE, stability.underflow_warn, "forward underflow"),
         (BACKWARD_UNDERFLOW_RATE, stability.underflow_warn, "backward underflow"),
-        (GRAD_DEAD_FRAC, stability.dead_grad_signal, WHERE["backward"]),
+        (GRAD_DEAD_FRAC, stability.dead_grad_signal, "backward underflow"),
         (BIT_STALL_RATE, stability.stall_warn, WHERE["optimizer"]),
         (ZERO_UPDATE_FRAC, stability.zero_update_signal, WHERE["optimizer"]),
         (OVERFLOW_RATE, stability.overflow_warn, "overflow"),
@@ -121,9 +123,10 @@ DEFINITIONS = f"""\
   which of them do not hold family-wise ("bf16 (every format is worse; not family-wise for e4m3)").
 - **Failures**: every trial whose stop reason is not `completed` or that recorded a collapse. Step:
   `collapse_step` from the summary, else the first non-finite training loss, else the last step.
-  Where: `collapse_where` when the trainer recorded it; a `bit_stall` stop is an optimizer stall;
-  otherwise the last {WINDOW} logged rows up to that step are read: a non-finite loss means the
-  forward pass broke, a non-finite gradient with a finite loss means the backward pass did; else the
+  Where: `collapse_where` when the trainer recorded it ({", ".join(f"{k} → {v}" for k, v in WHERE.items()
+  if k != "optimizer")}); a `bit_stall` stop is an optimizer stall; otherwise the last {WINDOW}
+  logged rows up to that step are read: a non-finite loss means the forward pass broke, a
+  non-finite gradient with a finite loss means the backward pass did; else the
   signal furthest above its threshold names the site ({", ".join(f"{k} → {s}" for k, _, s in
   _DEFAULT_SIGNALS)}); "—" when none is. Every threshold is the run's own `stability` setting
   (its config.yaml; by default {", ".join(f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)});
@@ -340,7 +343,8 @@ class Cell:
     best: Interval  # best val loss up to `steps`, over the seeds that evaluated there
     ratio: Comparison  # × bf16, paired by seed where possible
     also: tuple[str, ...] = ()  # equivalent formats this cell's trials measure too (one measurement)
-    short: tuple[int, ...] = ()  # seeds evaluated short of `steps`: left out of `best` and `ratio`
+    short: tuple[int, ...] = ()  # seeds cut short of `steps` (ASHA, unfinished): left out of its numbers
+    short_baseline: tuple[int, ...] = ()  # bf16 seeds evaluated short of `steps`: no baseline of it
     family_wise: FamilyWise | None = None  # of `ratio`, over every cell's × bf16
     NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
 
@@ -590,9 +594,11 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
                bf16: list[TrialRecord], also: tuple[str, ...]) -> Cell:
     steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
     label = " ≡ ".join((key[0], *also))
-    # A seed evaluated short of the cell's steps (stopped, or still running) had a smaller budget,
-    # on either side: its best loss is not the cell's measure, and is left out.
-    short = _short_seeds(trials, steps)
+    # A seed of the cell evaluated short of its steps because its budget was cut (ASHA stopped it,
+    # or it has not finished) measured a smaller budget: its best loss is not the cell's measure,
+    # and is left out. One that broke (NaN, bit-stall, an error) stays: its loss is the cell's
+    # result, and the cell is marked broken. Any bf16 seed short of the steps is no baseline.
+    short = _short_seeds([t for t in trials if t.stop_reason in (None, StopReason.ASHA)], steps)
     baseline = baseline_trials(bf16, key[3])
     short_bf16 = _short_seeds(baseline, steps)
     values = seed_values([t for t in trials if t.seed not in short], steps)
@@ -605,13 +611,13 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
         if why:
             ratio = replace(ratio, note="; ".join(n for n in (*why, ratio.note) if n))
     return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also,
-                short=tuple(sorted(short)))
+                short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)))
 
 
 def _short_seeds(trials: Iterable[TrialRecord], steps: int) -> dict[int, tuple[int, str]]:
-    """The seeds whose last evaluation came before `steps`: (that step, why: its stop reason, or
-    still running)."""
-    return {t.seed: (reached, t.stop_reason or "still running")
+    """The seeds whose last evaluation came before `steps`: (that step, why: its stop reason, else
+    still running, or not started)."""
+    return {t.seed: (reached, t.stop_reason or ("still running" if t.history else "not started"))
             for t in trials if (reached := last_eval(t) or 0) < steps}
 
 
@@ -693,13 +699,16 @@ def _difference(what: str, a: Cell, b: Cell) -> Difference | None:
 
 def _fidelity(cell: Cell, bf16: list[TrialRecord]) -> GradientFidelity | None:
     """The cell's gradient cosine against bf16's, each seed over the steps its trial logged (up to
-    the cell's steps) on both sides; None when none of its trials logged a shadow step."""
-    upto = {t.seed: cell.steps if (last := stop_step(t)[0]) is None else min(cell.steps, last) for t in cell.trials}
-    logged = [shadow_cosines(t, upto[t.seed]) for t in cell.trials]
+    the cell's steps) on both sides, over the seeds its loss numbers use; None when none of its
+    trials logged a shadow step."""
+    trials = [t for t in cell.trials if t.seed not in cell.short]
+    upto = {t.seed: cell.steps if (last := stop_step(t)[0]) is None else min(cell.steps, last) for t in trials}
+    logged = [shadow_cosines(t, upto[t.seed]) for t in trials]
     if not any(logged):
         return None
-    values = {t.seed: gradient_cosine(t, upto[t.seed]) for t in cell.trials}
-    base = {t.seed: gradient_cosine(t, upto.get(t.seed, cell.steps)) for t in baseline_trials(bf16, cell.axes)}
+    values = {t.seed: gradient_cosine(t, upto[t.seed]) for t in trials}
+    base = {t.seed: gradient_cosine(t, upto.get(t.seed, cell.steps)) for t in baseline_trials(bf16, cell.axes)
+            if t.seed not in cell.short_baseline}
     diff = difference_interval(values, base, labels=(cell.name, BASELINE))
     return GradientFidelity(cell, mean_interval(values.values()), mean_interval(base.values()), diff,
                             nonfinite=sum(not math.isfinite(v) for vs in logged for v in vs),

@@ -32,7 +32,7 @@ PLOT_SECTIONS = (
      "Per format, the mean over seeds, with the band from the lowest to the highest seed; bf16 dashed "
      "black in every panel; an \"x\" on the top edge marks a step where a trial collapsed."),
     ("stability", "Stability signals over steps",
-     "Bit-stall rate (updates lost to rounding), forward overflow rate and cosine to the FP32 "
+     "Bit-stall rate (updates lost to rounding), overflow rate (both passes) and cosine to the FP32 "
      "shadow gradients, one line per trial; dotted lines are the warning thresholds."),
 )
 

@@ -142,7 +142,9 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
     starts, finite = [], []
     for ax, precision in zip(panels, findings.precisions, strict=True):
         groups = [(BASELINE, BASELINE, bf16)] if bf16 else []
-        groups += [(c.format, c.name, list(c.trials)) for c in sorted(findings.cells.values(), key=lambda c: format_key(c.format))
+        # a cell's seeds as its numbers take them: one cut short would end the band where it stopped
+        groups += [(c.format, c.name, [t for t in c.trials if t.seed not in c.short])
+                   for c in sorted(findings.cells.values(), key=lambda c: format_key(c.format))
                    if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)]
         for fmt, label, trials in groups:
             _mean_curve(ax, fmt, trials, label)
@@ -200,7 +202,8 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
 
 def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
     """× bf16 over format × precision, annotated `ratio ± half-width`. Only usable cells are
-    coloured: grey hatched = no trial, no finite loss (×), or a trial that broke (its stop reason)."""
+    coloured: grey hatched = no trial, no evaluation yet, no finite loss (×), or a trial that broke
+    (its stop reason)."""
     formats, precisions = findings.formats, findings.precisions
     cells = [[findings.cell(f, optimizer, p, axes) for p in precisions] for f in formats]
     ratio = np.array([[c.ratio.mean if c and not c.broke else np.nan for c in row] for row in cells], float)
@@ -219,7 +222,8 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
                 text = f"{ratio[i, j]:.{d}f}\n" + (f"± {hw:.{d}f}" if hw is not None else f"n = {cell.ratio.n}")
             else:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="grey", lw=0))
-                text = "no trial" if cell is None else "× " + (",".join(cell.stops) or "no finite loss")
+                text = ("no trial" if cell is None else "not evaluated yet" if not cell.steps
+                        else "× " + (",".join(cell.stops) or "no finite loss"))
             if formats[i] in findings.aliases and cell is not None:
                 text += f"\n≡ {findings.aliases[formats[i]]}"
             ax.text(j, i, text, ha="center", va="center", fontsize=7)

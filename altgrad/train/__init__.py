@@ -1,5 +1,5 @@
 """The training loop (no Ray imports): `Trainer(cfg, run_dir).fit(report=..., resume=...)`."""
 
-from altgrad.train.trainer import Trainer, build_model
+from altgrad.train.trainer import Trainer
 
-__all__ = ["Trainer", "build_model"]
+__all__ = ["Trainer"]

@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from altgrad.train.trainer import Trainer, check_layer_policy
+    from altgrad.run_model import check_layer_policy
+    from altgrad.train.trainer import Trainer
 
     run_dir = None
     claimed = False  # whether this run made run_dir: removed again if nothing was written to it
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
             if not (args.resume / CONFIG_FILE).is_file():
                 raise ConfigError(not_a_run_dir(args.resume))
             cfg = load_config(args.resume / CONFIG_FILE, args.overrides)
+            check_layer_policy(cfg)  # `--set` may name new rules
             run_dir = args.resume
         else:
             cfg = load_config(args.config, args.overrides)

@@ -47,13 +47,13 @@ from altgrad.metrics import (
     is_logged_step,
     is_shadow_step,
 )
-from altgrad.model import GPT, GPTConfig, batch_loss
+from altgrad.model import batch_loss
 from altgrad.optim import build_optimizer
-from altgrad.quant.convert import LayerPolicy, convert_to_quantized, linear_layers, quantized_layers
+from altgrad.quant.convert import quantized_layers
 from altgrad.quant.formats import get_format
 from altgrad.quant.kernels import StepGraph, compile_status
-from altgrad.quant.linear import LinearQuantPolicy
 from altgrad.quant.quantize import quantize
+from altgrad.run_model import build_model
 from altgrad.train.bit_tracking import BitPositionsFile, BitTracker
 from altgrad.train.checkpoint import (
     CheckpointError,
@@ -123,46 +123,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda, but this machine has no CUDA device (use cpu or auto)")
     return torch.device(name)
-
-
-def build_model(cfg: RunConfig) -> GPT:
-    """The GPT with the run's layer-precision policy applied (the baseline stays plain)."""
-    model = GPT(GPTConfig(**cfg.model.model_dump()))
-    if not cfg.quant.is_baseline:
-        convert_to_quantized(model, layer_policy(cfg))
-    return model
-
-
-def layer_policy(cfg: RunConfig) -> LayerPolicy:
-    """The run's layer-precision policy: its preset or rules, each quantized layer's roles,
-    formats, scaling and rounding."""
-    q = cfg.quant
-    precision = q.precision if isinstance(q.precision, str) else [(r.pattern, r.format) for r in q.precision]
-    grad_format = get_format(q.grad_format)
-    template = LinearQuantPolicy(
-        input=grad_format, weight=grad_format, grad_output=grad_format,  # input, weight: per rule
-        scaling=q.scaling.policy(),
-        grad_scaling=q.grad_scaling.policy(),
-        rounding=q.rounding,
-        clip_ste=q.clip_ste,
-        quantized=q.roles.enabled,
-    )
-    return LayerPolicy.build(precision, q.format, template)
-
-
-def check_layer_policy(cfg: RunConfig) -> None:
-    """ConfigError where a rule of `quant.precision` matches no linear layer of the run's model
-    (SPEC §3), found on the model built without storage (the meta device): before any data is
-    prepared, any directory written or any trial started. Layer names come from the model, so
-    the check cannot drift from what `build_model` swaps."""
-    if cfg.quant.is_baseline:
-        return
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**cfg.model.model_dump()))
-    try:
-        layer_policy(cfg).assign(linear_layers(model))
-    except ValueError as e:
-        raise ConfigError(f"quant.precision: {e}") from None
 
 
 def with_threads(cfg: RunConfig) -> RunConfig:
@@ -259,10 +219,13 @@ class Trainer:
                     report(metrics, ckpt)
                 if stop_reason:
                     break
-        except BaseException:
+        except (SystemExit, KeyboardInterrupt):
             # Ended from outside: Tune stops a trial inside `report` (its scheduler or stopper), or
-            # Ctrl-C. The summary keeps what ran (the collapse, the wall time) for the records.
-            self.files.write_summary(self._summary(trained, RunStatus.STOPPED, stop_reason))
+            # Ctrl-C. The summary keeps what ran (the collapse, the wall time) for the records; a
+            # stop the trainer itself decided at that step is its own (a crash writes nothing: the
+            # last checkpoint's summary stands, and the error is Ray's or the traceback's to say).
+            status = RunStatus.FINISHED if stop_reason else RunStatus.STOPPED
+            self.files.write_summary(self._summary(trained, status, stop_reason))
             raise
         summary = self._summary(trained, RunStatus.FINISHED, stop_reason or StopReason.COMPLETED)
         self.files.write_summary(summary)

@@ -20,7 +20,7 @@ from altgrad.config import ConfigError, RunConfig, deep_merge, nested
 from altgrad.experiment import axis_names, axis_value_text
 from altgrad.precision import BASELINE, policy_rules
 from altgrad.quant.equivalence import quantize_identically
-from altgrad.train.trainer import check_layer_policy
+from altgrad.run_model import check_layer_policy
 from altgrad.tune.asha import asha_milestones
 from altgrad.tune.config import (
     AxisValue,

@@ -5,11 +5,13 @@ own it does not search: TPE samples at random until 10 trials have finished (its
 `n_startup_trials`, more than a format's 5 grid points and 3 samples), trials running in parallel
 do not count as finished, and one seed gave every format the same random samples. Here:
 
-- the grid points are TPE's start-up trials (`n_startup_trials` is their number), so every sample
-  after them is TPE's, modelled on the grid's `sweep/stable_lr`;
 - a sample is asked for only once every grid point has finished (`suggest` answers None, "not yet",
   and Tune asks again after its next trial event): one asked while grid points still run would be
   drawn at random;
+- so the grid is all the start-up TPE needs: it models from its first finished trial on
+  (`n_startup_trials=1`). Optuna counts only completed trials there, so with the grid's size a
+  grid point that errored left every sample random; and an errored trial is told to it as one that
+  did not train stably;
 - without the constant liar (Optuna's default): the samples are asked for together once the grid
   has finished, and the liar would count those still running as failures, pushing the later ones
   away from the edge the first one found, out to rates the grid already judged;
@@ -38,9 +40,9 @@ from altgrad.metrics import STABLE_LR
 class GridThenTpe(OptunaSearch):
     """Learning rates: `grid` in order, then TPE's samples (maximizing `sweep/stable_lr`)."""
 
-    def __init__(self, grid: list[float], seed: int):
+    def __init__(self, grid: list[float], seed: int) -> None:
         super().__init__(metric=STABLE_LR, mode="max", points_to_evaluate=[{"lr": lr} for lr in grid],
-                         sampler=TPESampler(n_startup_trials=len(grid), seed=seed, constant_liar=False))
+                         sampler=TPESampler(n_startup_trials=1, seed=seed, constant_liar=False))
         self.grid_size = len(grid)
         self.asked = 0
         self.finished: set[str] = set()
@@ -55,5 +57,10 @@ class GridThenTpe(OptunaSearch):
         """Nothing: Optuna judges a trial by its final result (see the module's docstring)."""
 
     def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
+        """An errored trial is told to Optuna as one that did not train stably (`sweep/stable_lr`
+        0): as a failed trial TPE left it out of its model, and its samples strayed to rates below
+        the whole grid (1e-4 with the grid's 1e-3 errored)."""
         self.finished.add(trial_id)
+        if error:
+            result, error = {STABLE_LR: 0.0}, False
         super().on_trial_complete(trial_id, result, error)
