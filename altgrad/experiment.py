@@ -221,16 +221,20 @@ def axis_names(paths: list[str]) -> dict[str, str]:
 
 
 def axis_value_text(value: Any) -> str:
-    """An axis value as trial keys, columns and the report write it (`true`, `0.002`, `e5m2`). A
-    float is written short (`:g`) where that reads back as the same number, else in full: two
-    values of an axis that agree to `:g`'s 6 digits would share a trial key, and one would not run."""
+    """An axis value as trial keys, columns and the report write it (`true`, `0.002`, `e5m2`): a
+    float as `:g` writes it where that reads back as the same number, else with the digits it takes
+    (`exact_g`): two values of an axis that agree to 6 digits would share a trial key, and one
+    would not run."""
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, float):
-        text = short if float(short := f"{value:g}") == value else repr(value)
-    else:
-        text = str(value)
+    text = exact_g(value, 6) if isinstance(value, float) else str(value)
     return text.replace("/", "_")
+
+
+def exact_g(x: float, digits: int) -> str:
+    """`x` in `g` notation with at least `digits` significant digits, and as many more as it takes
+    to read back as `x` (names built from numbers must tell every two numbers apart)."""
+    return next(text for d in range(digits, 18) if float(text := f"{x:.{d}g}") == x)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

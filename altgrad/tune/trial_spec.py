@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from altgrad.config import RunConfig, deep_merge
+from altgrad.experiment import exact_g
 from altgrad.metrics import is_diagnostic_step, is_logged_step
 
 SEARCHED = ("lr",)  # hyper-parameters a searcher may sample on top of the grid point
@@ -54,8 +55,7 @@ def trial_key(config: dict[str, Any]) -> str:
     trial directory."""
     key = config["key"]
     if "lr" in config:
-        lr = config["lr"]
-        key += "-lr" + next(text for digits in range(3, 18) if float(text := f"{lr:.{digits}g}") == lr)
+        key += "-lr" + exact_g(config["lr"], 3)
     return key
 
 
