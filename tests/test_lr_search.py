@@ -109,3 +109,16 @@ def test_a_search_on_s3_ends_with_the_command_that_reads_it(capsys):
     out = capsys.readouterr().out
     assert f"python -m altgrad trials s3://bucket/p/{cfg.name}/<format> (formats: {', '.join(cfg.formats)})" in out
     assert "local disk" not in out
+
+
+def test_the_searcher_prints_no_optuna_info(capfd):
+    """Optuna's "A new study created in memory" interleaved with the sweep's own progress lines."""
+    import optuna
+    from ray import tune
+
+    from altgrad.tune.lr_searcher import GridThenTpe
+
+    optuna.logging.set_verbosity(optuna.logging.INFO)
+    search = GridThenTpe([0.01, 1.0], seed=0)
+    search.set_search_properties(None, None, {"lr": tune.loguniform(1e-4, 10.0)})
+    assert "A new study created" not in "".join(capfd.readouterr())

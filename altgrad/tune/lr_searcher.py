@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import optuna
 from optuna.samplers import TPESampler
 from ray.tune.search.optuna import OptunaSearch
 
@@ -41,6 +42,9 @@ class GridThenTpe(OptunaSearch):
     """Learning rates: `grid` in order, then TPE's samples (maximizing `sweep/stable_lr`)."""
 
     def __init__(self, grid: list[float], seed: int) -> None:
+        # Optuna's INFO lines ("A new study created in memory") interleave with the sweep's own
+        # progress lines, which say what each trial did; its warnings still show.
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
         super().__init__(metric=STABLE_LR, mode="max", points_to_evaluate=[{"lr": lr} for lr in grid],
                          sampler=TPESampler(n_startup_trials=1, seed=seed, constant_liar=False))
         self.grid_size = len(grid)
