@@ -26,8 +26,8 @@ from altgrad.report.plots import Plot
 PLOT_SECTIONS = (
     ("heatmap", "Best val loss relative to bf16",
      "Mean over seeds of the per-seed ratio to bf16, ± the half-width of its 95 % interval; lower is "
-     "better, 1.000 = bf16. Grey hatched: no trial, no finite loss, or a trial that broke (× and its "
-     "stop reason). A row marked ≡ repeats an equivalent format's measurement."),
+     "better, 1.000 = bf16. Grey hatched: no trial, not evaluated yet, no finite loss, or a trial that "
+     "broke (× and its stop reason). A row marked ≡ repeats an equivalent format's measurement."),
     ("loss", "Validation loss vs step",
      "Per format, the mean over seeds, with the band from the lowest to the highest seed; bf16 dashed "
      "black in every panel; an \"x\" on the top edge marks a step where a trial collapsed."),
