@@ -93,9 +93,11 @@ DEFINITIONS = f"""\
   trial is evaluated on the same fixed validation tokens, whatever its seed. A **cell** is one
   grid point (format × optimizer × layer precision × extra-axis values); its value is the mean
   over seeds with a 95 % Student-t interval (mean ± t(0.975, n−1)·s/√n); one seed: "n = 1, no
-  interval". **Steps**: the last evaluation any of its trials reached. A seed, of the cell or of
-  bf16, whose last evaluation came before that (stopped, or still running) had a smaller budget:
-  it is left out of the cell's numbers, and said.
+  interval". **Steps**: the last evaluation any of its trials reached. A seed of the cell still
+  running short of that is left out of the cell's numbers until it gets there, and said; one that
+  was stopped (NaN, bit-stall, ASHA) stays, the cell is marked broken, and if its seeds stopped at
+  different steps its × bf16 is not read ("not compared") nor counted in the Holm family. A bf16
+  seed whose last evaluation came before the cell's steps is no baseline of it, and is said.
 - **× bf16**: per seed, the cell's best val loss divided by bf16's (same optimizer, same seed, same
   values of the extra axes that apply to bf16) over the same budget (bf16's evaluations up to the
   cell's steps), then the mean of these per-seed ratios with its t interval ("paired"). When the
@@ -151,7 +153,8 @@ DEFINITIONS = f"""\
   tell.
 - **Verdict**: PASS when the upper end of the {VERDICT_FORMAT} cell's × bf16 interval is ≤
   {1 + VERDICT_TOLERANCE:.2f}: the cell {VERDICT_FORMAT} / {VERDICT_PRECISION} / {STANDARD} (the first
-  extra-axis values), else the {VERDICT_FORMAT} cell that ran the full budget, preferring precision
+  extra-axis values) wherever the grid has it, whatever became of it; only a grid without it is
+  judged on the {VERDICT_FORMAT} cell that ran the full budget, preferring precision
   `{VERDICT_PRECISION}`, then `{STANDARD}`. A cell that broke or was cut before the full budget, a
   missing bf16, or a single seed (no interval) → INVESTIGATE, with the reason.
 """
@@ -343,7 +346,7 @@ class Cell:
     best: Interval  # best val loss up to `steps`, over the seeds that evaluated there
     ratio: Comparison  # × bf16, paired by seed where possible
     also: tuple[str, ...] = ()  # equivalent formats this cell's trials measure too (one measurement)
-    short: tuple[int, ...] = ()  # seeds cut short of `steps` (ASHA, unfinished): left out of its numbers
+    short: tuple[int, ...] = ()  # unfinished seeds short of `steps`: left out of its numbers
     short_baseline: tuple[int, ...] = ()  # bf16 seeds evaluated short of `steps`: no baseline of it
     family_wise: FamilyWise | None = None  # of `ratio`, over every cell's × bf16
     NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
@@ -369,8 +372,22 @@ class Cell:
         return tuple(sorted({s for t in self.trials if (s := t.stop_reason) not in (None, StopReason.COMPLETED)}))
 
     @property
+    def mixed_budgets(self) -> bool:
+        """Whether the seeds its numbers use were evaluated up to different steps (one broke early):
+        their spread is then the budgets', not the seeds', and it is compared with nothing."""
+        return len({last_eval(t) or 0 for t in self.trials if t.seed not in self.short}) > 1
+
+    @property
+    def unevaluated(self) -> bool:
+        """No trial of it has evaluated yet, and none broke (an unreadable one did)."""
+        return not self.steps and not self.broke
+
+    @property
     def vs_bf16(self) -> str:
-        """"better" / "worse" when the × bf16 interval excludes 1, else "indistinguishable"."""
+        """"better" / "worse" when the × bf16 interval excludes 1, else "indistinguishable"; "not
+        compared" where its seeds broke at different steps."""
+        if self.mixed_budgets:
+            return "not compared (seeds stopped at different steps)"
         return reading(self.ratio, self.NULL, "better", "worse")
 
 
@@ -454,10 +471,11 @@ class Verdict:
     passed: bool
     cell: Cell | None
     reason: str
+    baseline: str = BASELINE  # what the ratio divides by, where bf16 was not bf16 ("bf16 run in fp32")
 
     @property
     def line(self) -> str:
-        ratio = (f"× {BASELINE} {self.cell.ratio.text(3)}" if self.cell and math.isfinite(self.cell.ratio.mean)
+        ratio = (f"× {self.baseline} {self.cell.ratio.text(3)}" if self.cell and math.isfinite(self.cell.ratio.mean)
                  else "ratio n/a")
         return (f"{VERDICT_FORMAT.upper()} within {100 * VERDICT_TOLERANCE:.0f} % of BF16: "
                 f"{'PASS' if self.passed else 'INVESTIGATE'} ({ratio}; {self.reason})")
@@ -594,11 +612,11 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
                bf16: list[TrialRecord], also: tuple[str, ...]) -> Cell:
     steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
     label = " ≡ ".join((key[0], *also))
-    # A seed of the cell evaluated short of its steps because its budget was cut (ASHA stopped it,
-    # or it has not finished) measured a smaller budget: its best loss is not the cell's measure,
-    # and is left out. One that broke (NaN, bit-stall, an error) stays: its loss is the cell's
-    # result, and the cell is marked broken. Any bf16 seed short of the steps is no baseline.
-    short = _short_seeds([t for t in trials if t.stop_reason in (None, StopReason.ASHA)], steps)
+    # A seed of the cell that has not finished, evaluated short of its steps, has not yet measured
+    # the cell's budget: it is left out until it has. One that was stopped (NaN, bit-stall, or
+    # ASHA, which stops only a trial that trails bf16 beyond the tolerance) stays: its loss is the
+    # cell's result, and the cell is marked broken. Any bf16 seed short of the steps is no baseline.
+    short = _short_seeds([t for t in trials if t.stop_reason is None], steps)
     baseline = baseline_trials(bf16, key[3])
     short_bf16 = _short_seeds(baseline, steps)
     values = seed_values([t for t in trials if t.seed not in short], steps)
@@ -654,16 +672,21 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
         return Verdict(False, None, f"no {BASELINE} baseline with a finite loss")
     if not candidates:
         return Verdict(False, None, f"no {VERDICT_FORMAT} trial")
-    full = [c for c in candidates if c.full_budget and not c.broke]
-    pool = full or candidates
+    named = [c for c in candidates if (c.precision, c.optimizer) == (VERDICT_PRECISION, STANDARD)]
+    pool = named or [c for c in candidates if c.full_budget and not c.broke] or candidates
     cell = min(pool, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD,
                                     axes_order.get(c.axes, 0)))
     where = " / ".join(x for x in (cell.name, cell.precision, cell.optimizer, axes_text(cell.axes)) if x)
     if cell.broke:
         return Verdict(False, cell, f"{where} stopped: {', '.join(cell.stops)}")
+    if cell.running:
+        behind = {t.seed: last_eval(t) or 0 for t in cell.trials if t.status in UNFINISHED}
+        return Verdict(False, cell, f"{where} still running (seed{'s' if len(behind) > 1 else ''} "
+                                    f"{seeds_text(behind)} evaluated up to step {min(behind.values())}): "
+                                    "no verdict on a partial budget")
     if not cell.full_budget:
-        state = "still running" if cell.running else "cut before the full budget"
-        return Verdict(False, cell, f"{where} {state} (step {cell.steps}): no verdict on a partial budget")
+        return Verdict(False, cell, f"{where} cut before the full budget (step {cell.steps}): no verdict on "
+                                    "a partial budget")
     if not math.isfinite(cell.ratio.mean):
         return Verdict(False, cell, f"{where} has no finite val loss")
     if cell.ratio.half_width is None:
@@ -729,15 +752,18 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     axes_order = {ax: i for i, ax in enumerate(axes)}
     notes: list[str] = []
     bf16 = _baselines(measured, optimizers, notes)
-    notes += _baseline_compute([t for trials in bf16.values() for t in trials])
+    baseline_trials_all = [t for trials in bf16.values() for t in trials]
+    notes += _baseline_compute(baseline_trials_all)
+    in_fp32 = bool(baseline_trials_all) and all(t.autocast is False for t in baseline_trials_all)
 
     cells: dict[tuple[str, str, str, AxesKey], Cell] = {}
     for key in sorted({(r.format, r.optimizer, r.precision, axes_key(r)) for r in quantized}):
         trials = tuple(r for r in quantized if (r.format, r.optimizer, r.precision, axes_key(r)) == key)
         also = tuple(sorted((a for a, m in aliases.items() if m == key[0]), key=format_key))
         cells[key] = _make_cell(key, trials, bf16.get(key[1], []), also)
-    adjusted = family_wise([(c.ratio, c.NULL) for c in cells.values()])
-    cells = {k: replace(c, family_wise=fw) for (k, c), fw in zip(cells.items(), adjusted, strict=True)}
+    compared = [k for k, c in cells.items() if not c.mixed_budgets]  # the × bf16 family
+    adjusted = dict(zip(compared, family_wise([(cells[k].ratio, Cell.NULL) for k in compared]), strict=True))
+    cells = {k: replace(c, family_wise=adjusted.get(k)) for k, c in cells.items()}
 
     spots = []
     for p in precisions:
@@ -772,7 +798,8 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     fidelity = [g for c in cells.values() if (g := _fidelity(c, bf16.get(c.optimizer, []))) is not None]
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
                     _with_family_wise(deltas), _with_family_wise(_axis_effects(cells, axes)),
-                    _verdict(cells, bool(bf16), axes_order),
+                    replace(_verdict(cells, bool(bf16), axes_order),
+                            baseline=f"{BASELINE} (run in fp32)" if in_fp32 else BASELINE),
                     _missing(records, missing or []), notes, _with_family_wise(fidelity))
 
 

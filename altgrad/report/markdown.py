@@ -134,9 +134,9 @@ def _seeds(c: Cell) -> str:
 
 def _cells(f: Findings) -> str:
     rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—", _seeds(c),
-             c.best.text() if c.steps else "not evaluated yet", c.steps,
-             c.ratio.text(3) if c.steps else "—", c.vs_bf16 if c.steps else "—", _family_wise(c.family_wise),
-             _stops(c)]
+             "not evaluated yet" if c.unevaluated else c.best.text(), c.steps,
+             "—" if c.unevaluated else c.ratio.text(3), "—" if c.unevaluated else c.vs_bf16,
+             _family_wise(c.family_wise), _stops(c)]
             for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision, c.axes, format_key(c.format)))]
     return _table(["format", "optimizer", "precision", "extra axes", "seeds", "best val loss (95 %)", "steps",
                    "× bf16 (95 %)", "vs bf16", "family-wise (Holm)", "stops"], rows)

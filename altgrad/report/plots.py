@@ -222,7 +222,7 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
                 text = f"{ratio[i, j]:.{d}f}\n" + (f"± {hw:.{d}f}" if hw is not None else f"n = {cell.ratio.n}")
             else:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="grey", lw=0))
-                text = ("no trial" if cell is None else "not evaluated yet" if not cell.steps
+                text = ("no trial" if cell is None else "not evaluated yet" if cell.unevaluated
                         else "× " + (",".join(cell.stops) or "no finite loss"))
             if formats[i] in findings.aliases and cell is not None:
                 text += f"\n≡ {findings.aliases[formats[i]]}"
