@@ -836,6 +836,11 @@ def test_a_bad_threshold_in_a_runs_config_makes_that_trial_unreadable(tmp_path):
     row = next(line for line in text.split("## Failures and early stops")[1].splitlines() if "e4m3" in line)
     assert "| error | — | unknown | its files could not be read: " in row and "overflow_warn" in row
     assert "None" not in row and "no metrics recorded" not in row
+    # its cell is broken, not "not evaluated yet", in the table and on the heatmap
+    cells = text.split("## All cells")[1].split("\n## ")[0]
+    assert "not evaluated yet" not in cells and "| e4m3 | adamw | all |" in cells
+    heat = plot_heatmap(compute_findings(records), "adamw", (), tmp_path / "heat.png")
+    assert "× error" in heat.texts["Best val loss / bf16 — optimizer adamw"]
 
 
 def test_cli_partial_experiment_says_what_is_missing(tmp_path):
