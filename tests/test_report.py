@@ -410,7 +410,8 @@ def test_gradient_cosine_ranks_healthy_full_budgets_and_pairs_each_seed_over_its
                                     f"e7m0 {fid['e7m0'].cosine.text(3)}; loss not separated from bf16's for e7m0"]
     text = write_report(records, tmp_path).read_text()
     assert "| e5m2 | adamw | all | — | 60 | 0 of 18 |" in text and "| nan |" in text
-    assert fid["e6m1"].cosine.n == 2 and fid["e6m1"].baseline.n == 3  # its running seed: left out, as from its loss
+    # its running seed: left out, as from its loss, and bf16's column is over the seeds paired with it
+    assert fid["e6m1"].cosine.n == 2 and fid["e6m1"].baseline.n == 2 and fid["e6m1"].diff.n == 2
     assert "| e0m7 | adamw | all | — | 60 | 21 of 21 | no finite value (n = 0) |" in text
     # the group's label names its extra-axis values (bf16 carries none of the quant axes)
     stochastic = [r if r.format == "bf16" else replace(r, axes={"quant.rounding": "stochastic"}) for r in records]

@@ -733,6 +733,8 @@ def _fidelity(cell: Cell, bf16: list[TrialRecord]) -> GradientFidelity | None:
     base = {t.seed: gradient_cosine(t, upto.get(t.seed, cell.steps)) for t in baseline_trials(bf16, cell.axes)
             if t.seed not in cell.short_baseline}
     diff = difference_interval(values, base, labels=(cell.name, BASELINE))
+    if diff.paired:  # bf16's column over the seeds the difference pairs it on
+        base = {s: v for s, v in base.items() if math.isfinite(v) and math.isfinite(values.get(s, math.nan))}
     return GradientFidelity(cell, mean_interval(values.values()), mean_interval(base.values()), diff,
                             nonfinite=sum(not math.isfinite(v) for vs in logged for v in vs),
                             shadow_steps=sum(map(len, logged)))
