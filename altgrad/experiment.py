@@ -385,8 +385,9 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
         history = _by_step(read_jsonl(run / METRICS_FILE))
         events = read_jsonl(run / EVENTS_FILE)
         summary = read_json(run / SUMMARY_FILE) or {}
-        stability = run_stability(run)
-        autocast = summary.get("autocast", run_autocast(run))
+        config = read_yaml(run / CONFIG_FILE) if (run / CONFIG_FILE).is_file() else {}  # none: not started
+        stability = run_stability(config)
+        autocast = summary["autocast"] if "autocast" in summary else run_autocast(config)
     except ValueError as e:  # one corrupt trial must not hide the others
         return _record(entry, trial_id=trial_id, status=TrialStatus.ERROR, stop_reason=StopReason.ERROR,
                        trial_dir=trial_dir, unreadable=str(e))
@@ -406,20 +407,19 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
     return cut
 
 
-def run_stability(run_dir: Path) -> StabilityConfig:
-    """The `stability` settings a run was started with; defaults for a run that has not started.
-    Fields this version does not know (a run written by another) are ignored, bad values raise."""
-    path = run_dir / CONFIG_FILE
-    section = (read_yaml(path).get("stability") or {}) if path.is_file() else {}
+def run_stability(config: dict[str, Any]) -> StabilityConfig:
+    """The `stability` settings a run was started with (its config.yaml, read); defaults for a run
+    that has not started. Fields this version does not know (a run written by another) are
+    ignored, bad values raise."""
+    section = config.get("stability") or {}
     return StabilityConfig.model_validate({k: v for k, v in section.items() if k in StabilityConfig.model_fields})
 
 
-def run_autocast(run_dir: Path) -> bool | None:
-    """Whether a run computed its unquantized ops in bf16 autocast, from its config.yaml, for a run
-    whose summary does not say (written before summaries did, or not started): not on the CPU or
-    with autocast off; unknown where the device was chosen at run time."""
-    path = run_dir / CONFIG_FILE
-    train = (read_yaml(path).get("train") or {}) if path.is_file() else {}
+def run_autocast(config: dict[str, Any]) -> bool | None:
+    """Whether a run computed its unquantized ops in bf16 autocast, from its config.yaml (read), for
+    a run whose summary does not say (written before summaries did, or not started): not on the
+    CPU or with autocast off; unknown where the device was chosen at run time."""
+    train = config.get("train") or {}
     if train.get("autocast") is False or train.get("device") == "cpu":
         return False
     return True if train.get("device") == "cuda" else None

@@ -283,17 +283,22 @@ def test_resume_is_bit_identical_for_drawn_configs(make_config, tmp_path, seed):
         assert same_values(p, q), name
 
 
+def nan_gradients_from(trainer: Trainer, backward: int) -> None:
+    """From the `backward`-th backward on, every gradient of h.0's first MLP weight is NaN."""
+    calls = 0
+
+    def poison(grad):
+        nonlocal calls
+        calls += 1
+        return grad * math.nan if calls >= backward else grad
+
+    trainer.model.transformer.h[0].mlp.c_fc.weight.register_hook(poison)
+
+
 def test_nan_gradients_are_skipped_then_stop_the_run(make_config, tmp_path):
     cfg = make_config("quant.format=e4m3", "train.max_steps=30", "stability.nan_patience=3")
     trainer = Trainer(cfg, tmp_path)
-    backward_calls = 0
-
-    def poison(grad):  # from the 5th backward on, every gradient of the head is NaN
-        nonlocal backward_calls
-        backward_calls += 1
-        return grad * math.nan if backward_calls >= 5 else grad
-
-    trainer.model.transformer.h[0].mlp.c_fc.weight.register_hook(poison)
+    nan_gradients_from(trainer, 5)
     weights = {}
 
     def snapshot(metrics, ckpt):
@@ -364,14 +369,7 @@ def test_a_run_stopped_from_outside_keeps_its_summary(make_config, tmp_path, sto
     cfg = make_config("quant.format=e4m3", "train.max_steps=30", "stability.nan_patience=3",
                       "train.checkpoint_interval=100")
     trainer = Trainer(cfg, tmp_path)
-    backward_calls = 0
-
-    def poison(grad):  # from the 5th backward on, every gradient of one layer is NaN
-        nonlocal backward_calls
-        backward_calls += 1
-        return grad * math.nan if backward_calls >= 5 else grad
-
-    trainer.model.transformer.h[0].mlp.c_fc.weight.register_hook(poison)
+    nan_gradients_from(trainer, 5)
 
     def tune_stops(metrics, ckpt):
         if metrics["step"] == stopped_at:

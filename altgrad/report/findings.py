@@ -585,18 +585,19 @@ def _baselines(records: list[TrialRecord], optimizers: tuple[str, ...],
     return {opt: own.get(opt) or own[lender] for opt in optimizers if opt in own or lender is not None}
 
 
-def _baseline_compute(bf16: list[TrialRecord]) -> list[str]:
-    """What "bf16" computed in, where it was not bf16 (SPEC §2: autocast bf16 where supported; the
-    trainer autocasts on CUDA only)."""
+def _baseline_compute(bf16: list[TrialRecord]) -> tuple[str, list[str]]:
+    """The baseline as the verdict's ratio names it, and the notes on what "bf16" computed in where
+    it was not bf16 (SPEC §2: autocast bf16 where supported; the trainer autocasts on CUDA only)."""
     autocast = {t.autocast for t in bf16}
     if False not in autocast:
-        return []
+        return BASELINE, []
     if True in autocast:
-        return [f"Some {BASELINE} trials computed in bf16 autocast (CUDA) and some in fp32 (no autocast on "
-                f"the CPU): their × {BASELINE} ratios do not share one baseline."]
-    return [f"**{BASELINE} here is the model in fp32**: bf16 autocast runs on CUDA only, so on this device the "
-            f"baseline, and what every run leaves unquantized (attention, norms, softmax, loss), computed in fp32. "
-            f"Every × {BASELINE} compares a format with fp32 compute."]
+        return BASELINE, [f"Some {BASELINE} trials computed in bf16 autocast (CUDA) and some in fp32 (no "
+                          f"autocast on the CPU): their × {BASELINE} ratios do not share one baseline."]
+    return f"{BASELINE} (run in fp32)", [
+        f"**{BASELINE} here is the model in fp32**: bf16 autocast runs on CUDA only, so on this device the "
+        f"baseline, and what every run leaves unquantized (attention, norms, softmax, loss), computed in fp32. "
+        f"Every × {BASELINE} compares a format with fp32 compute."]
 
 
 def _same_losses(a: list[TrialRecord], b: list[TrialRecord]) -> bool:
@@ -754,9 +755,8 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     axes_order = {ax: i for i, ax in enumerate(axes)}
     notes: list[str] = []
     bf16 = _baselines(measured, optimizers, notes)
-    baseline_trials_all = [t for trials in bf16.values() for t in trials]
-    notes += _baseline_compute(baseline_trials_all)
-    in_fp32 = bool(baseline_trials_all) and all(t.autocast is False for t in baseline_trials_all)
+    baseline_name, compute_notes = _baseline_compute([t for trials in bf16.values() for t in trials])
+    notes += compute_notes
 
     cells: dict[tuple[str, str, str, AxesKey], Cell] = {}
     for key in sorted({(r.format, r.optimizer, r.precision, axes_key(r)) for r in quantized}):
@@ -800,8 +800,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     fidelity = [g for c in cells.values() if (g := _fidelity(c, bf16.get(c.optimizer, []))) is not None]
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
                     _with_family_wise(deltas), _with_family_wise(_axis_effects(cells, axes)),
-                    replace(_verdict(cells, bool(bf16), axes_order),
-                            baseline=f"{BASELINE} (run in fp32)" if in_fp32 else BASELINE),
+                    replace(_verdict(cells, bool(bf16), axes_order), baseline=baseline_name),
                     _missing(records, missing or []), notes, _with_family_wise(fidelity))
 
 

@@ -218,19 +218,19 @@ class Diagnostics:
         on = self._roles_on  # mean over the roles each layer quantizes
         used = (codes / finite_code_counts(formats, codes.device).view(codes.shape) * on).sum(1) / on.sum(1)
         rates = counts[:, :2] / counts[:, 2:].clamp_min(1)
-        totals = counts.sum(0)
-        by_role = counted[:, :, :3].sum(0).float()  # role -> overflow, underflow, elements
+        # model-wide, in integers until the one division: both passes, the forward's roles (input,
+        # weight), the backward's (grad_output)
+        by_role = counted[:, :, :3].sum(0)  # role -> overflow, underflow, elements
         backward = by_role[ROLES.index("grad_output")]
-        forward = by_role.sum(0) - backward
+        totals = by_role.sum(0)
+        passes = torch.stack([totals, totals - backward, backward]).float()
+        wide = passes[:, :2] / passes[:, 2:].clamp_min(1)
         return {layer_metric_names(OVERFLOW_RATE, names): rates[:, 0],
                 layer_metric_names(UNDERFLOW_RATE, names): rates[:, 1],
                 layer_metric_names(CODES_USED, names): used,
-                OVERFLOW_RATE: totals[0] / totals[2].clamp_min(1),
-                UNDERFLOW_RATE: totals[1] / totals[2].clamp_min(1),
-                FORWARD_OVERFLOW_RATE: forward[0] / forward[2].clamp_min(1),
-                FORWARD_UNDERFLOW_RATE: forward[1] / forward[2].clamp_min(1),
-                BACKWARD_OVERFLOW_RATE: backward[0] / backward[2].clamp_min(1),
-                BACKWARD_UNDERFLOW_RATE: backward[1] / backward[2].clamp_min(1),
+                OVERFLOW_RATE: wide[0, 0], UNDERFLOW_RATE: wide[0, 1],
+                FORWARD_OVERFLOW_RATE: wide[1, 0], FORWARD_UNDERFLOW_RATE: wide[1, 1],
+                BACKWARD_OVERFLOW_RATE: wide[2, 0], BACKWARD_UNDERFLOW_RATE: wide[2, 1],
                 CODES_USED: used.mean()}
 
     # -- optimizer: bit-stall on the weights each quantized layer stores ---------------------
