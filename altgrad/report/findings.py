@@ -11,7 +11,7 @@ of its kind (`FamilyWise`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any, ClassVar, TypeVar
@@ -410,10 +410,7 @@ class SweetSpot:
         if not self.group:
             return "none (no eligible cell)"
         if len(self.group) > 1:
-            overlap = len(self.group) - len(self.no_interval) > 1
-            why = [*(["intervals overlap"] if overlap else []),
-                   *([f"no interval for {', '.join(self.no_interval)}"] if self.no_interval else [])]
-            return f"tie: {' ≈ '.join(self.group)} ({'; '.join(why)})"
+            return f"tie: {' ≈ '.join(self.group)} ({tie_reason(self.group, self.no_interval)})"
         if self.leader is None:
             caveat = f"; not family-wise for {', '.join(self.not_family_wise)}" if self.not_family_wise else ""
             return f"{BASELINE} (every format is worse{caveat})"
@@ -540,6 +537,8 @@ class Findings:
                              key=lambda g: -g.cosine.mean)
             parts = [f"closest to FP32: {closest[0]} {group[closest[0]].cosine.text(3)}"
                      + "".join(f" ≈ {n}" for n in closest[1:])]
+            if len(closest) > 1:
+                parts[0] += f" ({tie_reason(closest, [n for n in closest if group[n].cosine.half_width is None])})"
             if further:
                 parts.append("further: " + ", ".join(
                     f"{g.cell.name} {g.cosine.text(3)}"
@@ -553,6 +552,15 @@ class Findings:
     def baseline_best(self, optimizer: str, axes: AxesKey = ()) -> Interval:
         """bf16's best val loss over its whole run, as compared with `optimizer`'s trials."""
         return mean_interval(seed_values(baseline_trials(self.baselines.get(optimizer, []), axes)).values())
+
+
+def tie_reason(names: Sequence[str], no_interval: Sequence[str]) -> str:
+    """Why the names of a tie are one group ("intervals overlap", "no interval for e4m3"): a tie
+    says only that nothing separates them, which with two seeds (t(0.975, 1) = 12.7) or one is
+    little, and "≈" alone reads as "equal"."""
+    why = [*(["intervals overlap"] if len(names) - len(no_interval) > 1 else []),
+           *([f"no interval for {', '.join(no_interval)}"] if no_interval else [])]
+    return "; ".join(why)
 
 
 def baseline_trials(bf16: list[TrialRecord], axes: AxesKey) -> list[TrialRecord]:
