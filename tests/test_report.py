@@ -129,11 +129,11 @@ def test_one_seed_ties_for_want_of_intervals_not_because_they_overlap():
     """With one seed nothing has an interval, so everything ties with the leader; the report must
     not claim that intervals overlap. A cell with an interval beside one without says both."""
     one = compute_findings([trial("bf16"), trial("e4m3", scale=0.98), trial("e5m2", scale=1.01)])
-    assert spot(one, "all").text == "tie: e4m3 ≈ bf16 ≈ e5m2 (no interval for e4m3, e5m2)"
+    assert spot(one, "all").text == "tie: e4m3 ≈ bf16 ≈ e5m2 (not tested for e4m3, e5m2: one seed, no interval)"
     mixed = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e4m3", [0.98, 0.99, 1.0]),
                               *seeded("e3m4", [0.99, 1.0, 1.01]), trial("e5m2", seed=0, scale=0.97)])
     assert spot(mixed, "all").text == \
-        "tie: e5m2 ≈ e4m3 ≈ e3m4 ≈ bf16 (intervals overlap; no interval for e5m2)"
+        "tie: e5m2 ≈ e4m3 ≈ e3m4 ≈ bf16 (intervals overlap; not tested for e5m2: one seed, no interval)"
 
 
 def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
@@ -620,10 +620,14 @@ def test_stability_and_heatmap_data_match_input(tmp_path):
     f = compute_findings(records)
     plot = plot_stability(f, "adamw", (), tmp_path / "stability.png")
     r = next(r for r in records if (r.format, r.precision, r.seed) == ("e6m1", "mlp", 1))
-    for metric in ("quant/bit_stall_rate", "quant/overflow_rate", "shadow/cos_mean"):
-        x, y = plot.lines[f"mlp: {metric}", "e6m1 s1"]
+    # these trials logged no rate by pass (as runs before them): the overflow row draws both passes'
+    for panel, label, metric in (("quant/bit_stall_rate", "e6m1 s1", "quant/bit_stall_rate"),
+                                 ("quant/overflow_rate by pass", "e6m1 s1 both passes", "quant/overflow_rate"),
+                                 ("shadow/cos_mean", "e6m1 s1", "shadow/cos_mean")):
+        x, y = plot.lines[f"mlp: {panel}", label]
         np.testing.assert_array_equal(x, r.series(metric)[0])
         np.testing.assert_array_equal(y, r.series(metric)[1])
+    assert not [label for panel, label in plot.lines if panel == "mlp: quant/underflow_rate by pass"]
     assert not any(label.startswith("bf16") for _, label in plot.lines)
 
     heat = plot_heatmap(f, "adamw", (), tmp_path / "heat.png")
@@ -687,12 +691,13 @@ def test_the_stability_legend_covers_no_panel(tmp_path, monkeypatch):
     renderer = FigureCanvasAgg(fig).get_renderer()
     fig.draw(renderer)
     (legend,) = fig.legends
-    assert [t.get_text() for t in legend.get_texts()] == ["e2m5", "e3m4", "e4m3", "e5m2", "e7m0"]
+    # and each line style once: these runs logged no rate by pass, only the rate over both
+    assert [t.get_text() for t in legend.get_texts()] == ["e2m5", "e3m4", "e4m3", "e5m2", "e7m0", "both passes"]
     box = legend.get_window_extent(renderer)
     for ax in fig.axes:
         assert not box.overlaps(ax.get_tightbbox(renderer)), ax.get_title()
-    assert [ax.get_ylabel() for ax in fig.axes[::len(fig.axes) // 3]] == [
-        "bit-stall rate", "overflow rate (both passes)", "cosine to FP32 gradients"]
+    assert [ax.get_ylabel() for ax in fig.axes[::len(fig.axes) // 4]] == [
+        "bit-stall rate", "overflow rate", "underflow rate", "cosine to FP32 gradients"]
 
 
 def test_partial_experiment_lists_what_is_missing():
@@ -821,8 +826,47 @@ def test_failure_sites_and_guides_use_each_runs_own_thresholds(tmp_path):
     assert sites[0] == ("forward overflow", "quant/forward_overflow_rate = 0.05 > 0.01")
     assert sites[1] == ("—", "no signal above threshold")
     plot = plot_stability(f, "adamw", (), tmp_path / "stability.png")
-    assert plot.thresholds["all: quant/overflow_rate"] == [0.01, 0.1]
+    assert plot.thresholds["all: quant/overflow_rate by pass"] == [0.01, 0.1]
     assert plot.thresholds["all: quant/bit_stall_rate"] == [0.5]
+
+
+def test_the_stability_figure_draws_the_pass_a_failure_names(tmp_path):
+    """A trial stopped with its gradients underflowing: the failure table says "backward underflow",
+    and the figure draws that rate (backward, dashed) above its threshold, beside the forward's;
+    the rate over both passes, which hides which pass it was, is not drawn for a run that has both."""
+    rates = {"quant/overflow_rate": 0.002, "quant/underflow_rate": 0.2, "quant/forward_overflow_rate": 0.003,
+             "quant/backward_overflow_rate": 0.001, "quant/forward_underflow_rate": 0.01,
+             "quant/backward_underflow_rate": 0.6}
+    stalled = replace(trial("e2m5", seed=0, **rates), stop_reason="asha")
+    f = compute_findings([trial("bf16"), stalled])
+    (failure,) = f.failures
+    assert failure.where == "backward underflow"
+    plot = plot_stability(f, "adamw", (), tmp_path / "stability.png")
+    panel = "all: quant/underflow_rate by pass"
+    drawn = {label: y for (p, label), (_, y) in plot.lines.items() if p == panel}
+    assert set(drawn) == {"e2m5 s0 forward", "e2m5 s0 backward"}
+    np.testing.assert_array_equal(drawn["e2m5 s0 backward"], stalled.series("quant/backward_underflow_rate")[1])
+    assert (drawn["e2m5 s0 backward"] > max(plot.thresholds[panel])).all()
+    assert {label for (p, label) in plot.lines if p == "all: quant/overflow_rate by pass"} == {
+        "e2m5 s0 forward", "e2m5 s0 backward"}
+
+
+def test_a_stopped_seed_does_not_end_its_cells_loss_curve(tmp_path):
+    """A seed stopped at step 30 of 60 stays in its cell (its loss is the cell's result), so the
+    seeds' band ends there; the seeds that went on are drawn on, each alone, to their last step."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.0, 1.01]),
+               trial("e5m2", seed=2, scale=1.02, nan_from=31)]
+    plot = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png")
+    x, _ = plot.lines["precision: all", "e5m2"]
+    assert x[-1] < 31
+    alone = {label: xy for (panel, label), xy in plot.lines.items() if label.startswith("e5m2 s")}
+    assert set(alone) == {"e5m2 s0 alone", "e5m2 s1 alone"}
+    for seed in (0, 1):
+        steps, values = records[3 + seed].val_series()
+        ax, ay = alone[f"e5m2 s{seed} alone"]
+        assert ax[0] == x[-1] and ax[-1] == STEPS
+        np.testing.assert_array_equal(ay, [v for s, v in zip(steps, values) if s >= x[-1]])
+    assert not [label for _, label in plot.lines if label.startswith("bf16 s")]  # all of bf16 in its band
 
 
 def test_a_bad_threshold_in_a_runs_config_makes_that_trial_unreadable(tmp_path):

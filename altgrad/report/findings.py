@@ -555,11 +555,11 @@ class Findings:
 
 
 def tie_reason(names: Sequence[str], no_interval: Sequence[str]) -> str:
-    """Why the names of a tie are one group ("intervals overlap", "no interval for e4m3"): a tie
-    says only that nothing separates them, which with two seeds (t(0.975, 1) = 12.7) or one is
-    little, and "≈" alone reads as "equal"."""
+    """Why the names of a tie are one group ("intervals overlap", "not tested for e4m3: one seed, no
+    interval"): a tie says only that nothing separates them, which with two seeds (t(0.975, 1) =
+    12.7) is little and with one is nothing at all (see `reading`), and "≈" alone reads as "equal"."""
     why = [*(["intervals overlap"] if len(names) - len(no_interval) > 1 else []),
-           *([f"no interval for {', '.join(no_interval)}"] if no_interval else [])]
+           *([f"not tested for {', '.join(no_interval)}: one seed, no interval"] if no_interval else [])]
     return "; ".join(why)
 
 

@@ -29,11 +29,13 @@ PLOT_SECTIONS = (
      "better, 1.000 = bf16. Grey hatched: no trial, not evaluated yet, no finite loss, or a trial that "
      "broke (× and its stop reason). A row marked ≡ repeats an equivalent format's measurement."),
     ("loss", "Validation loss vs step",
-     "Per format, the mean over seeds, with the band from the lowest to the highest seed; bf16 dashed "
-     "black in every panel; an \"x\" on the top edge marks a step where a trial collapsed."),
+     "Per format, the mean over seeds, with the band from the lowest to the highest seed, up to the last "
+     "step every seed evaluated; past it, each seed that went further alone (dotted, `s<seed> alone`); "
+     "bf16 dashed black in every panel; an \"x\" on the top edge marks a step where a trial collapsed."),
     ("stability", "Stability signals over steps",
-     "Bit-stall rate (updates lost to rounding), overflow rate (both passes) and cosine to the FP32 "
-     "shadow gradients, one line per trial; dotted lines are the warning thresholds."),
+     "Bit-stall rate (updates lost to rounding), overflow and underflow rates by pass (forward solid, "
+     "backward dashed; dash-dotted: both passes, a run logged before the rates by pass) and cosine to "
+     "the FP32 shadow gradients, one line per trial; dotted lines are the warning thresholds."),
 )
 
 

@@ -19,7 +19,16 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
 from altgrad.experiment import TrialRecord
-from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN
+from altgrad.metrics import (
+    BACKWARD_OVERFLOW_RATE,
+    BACKWARD_UNDERFLOW_RATE,
+    BIT_STALL_RATE,
+    FORWARD_OVERFLOW_RATE,
+    FORWARD_UNDERFLOW_RATE,
+    OVERFLOW_RATE,
+    SHADOW_COS_MEAN,
+    UNDERFLOW_RATE,
+)
 from altgrad.precision import BASELINE
 from altgrad.report.findings import (
     AxesKey,
@@ -32,11 +41,32 @@ from altgrad.report.findings import (
 )
 from altgrad.report.stats import decimals_to_show
 
-STABILITY_METRICS = {  # metric -> its axis label
-    BIT_STALL_RATE: "bit-stall rate",
-    OVERFLOW_RATE: "overflow rate (both passes)",
-    SHADOW_COS_MEAN: "cosine to FP32 gradients",
-}
+
+
+@dataclass(frozen=True)
+class StabilityRow:
+    """One row of the stability figure. Overflow and underflow are drawn by pass, as the failure
+    table names them ("backward underflow"), so a failure's evidence can be found on a plot."""
+
+    title: str  # the panels' title after the layer precision
+    label: str  # the y axis's
+    metrics: dict[str, str]  # pass ("" for a single metric) -> the metric drawn with that pass's line style
+    symlog: bool = False  # rare events matter: 0, 1e-4 and 0.5 alike readable
+
+
+# Rates by pass replace the rate over both passes, which only runs recorded before the rates by pass
+# have; such a run draws that rate instead (dash-dotted: dotted lines are the thresholds).
+STABILITY_ROWS = (
+    StabilityRow(BIT_STALL_RATE, "bit-stall rate", {"": BIT_STALL_RATE}),
+    StabilityRow(f"{OVERFLOW_RATE} by pass", "overflow rate", {
+        "forward": FORWARD_OVERFLOW_RATE, "backward": BACKWARD_OVERFLOW_RATE, "both passes": OVERFLOW_RATE},
+        symlog=True),
+    StabilityRow(f"{UNDERFLOW_RATE} by pass", "underflow rate", {
+        "forward": FORWARD_UNDERFLOW_RATE, "backward": BACKWARD_UNDERFLOW_RATE, "both passes": UNDERFLOW_RATE},
+        symlog=True),
+    StabilityRow(SHADOW_COS_MEAN, "cosine to FP32 gradients", {"": SHADOW_COS_MEAN}),
+)
+PASS_STYLES = {"": "-", "forward": "-", "backward": "--", "both passes": "-."}
 LEGEND_WIDTH = 1.0  # inches right of the panels for a figure's legend, so it covers no data
 THRESHOLD_LABEL = "_threshold"  # "_": matplotlib keeps it out of the legend
 
@@ -96,12 +126,21 @@ def _collapse_mark(ax: Axes, r: TrialRecord) -> None:
                    color=color(r.format), zorder=3, clip_on=False)
 
 
-def _curve(ax: Axes, r: TrialRecord, steps: list[int], values: list[float]) -> None:
-    """One trial's series (non-finite points are gaps), labelled `<format> s<seed>`."""
+def _curve(ax: Axes, r: TrialRecord, steps: list[int], values: list[float], what: str = "") -> None:
+    """One trial's series (non-finite points are gaps), labelled `<format> s<seed>` and `what` (a
+    pass: its line style)."""
     y = np.array(values, float)
     y[~np.isfinite(y)] = np.nan
-    ax.plot(steps, y, color=color(r.format), label=f"{r.format} s{r.seed}", lw=1.0)
+    ax.plot(steps, y, color=color(r.format), label=" ".join(x for x in (r.format, f"s{r.seed}", what) if x),
+            ls=PASS_STYLES[what], lw=1.0)
     _collapse_mark(ax, r)
+
+
+def _drawn_passes(r: TrialRecord, row: StabilityRow) -> dict[str, tuple[list[int], list[float]]]:
+    """pass -> the series a trial draws in a row: the passes it logged, else the rate over both."""
+    logged = {what: series for what, metric in row.metrics.items() if (series := r.series(metric))[0]}
+    by_pass = {what: series for what, series in logged.items() if what not in ("", "both passes")}
+    return by_pass or logged
 
 
 def seed_band(trials: list[TrialRecord]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -115,12 +154,20 @@ def seed_band(trials: list[TrialRecord]) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 def _mean_curve(ax: Axes, fmt: str, trials: list[TrialRecord], label: str) -> None:
+    """The seeds' mean and band where all of them evaluated, then each seed that went further on
+    its own, thin and dotted from the band's last step: a seed that stopped early (NaN, bit-stall,
+    ASHA) stays in its cell, and its end is not the others'."""
     steps, mean, lo, hi = seed_band(trials)
     baseline = fmt == BASELINE
     ax.plot(steps, mean, color=color(fmt), label=label, ls="--" if baseline else "-", lw=1.6 if baseline else 1.2)
     if len(trials) > 1 and len(steps):
         ax.fill_between(steps, lo, hi, color=color(fmt), alpha=0.15, lw=0, label=f"{label} seeds")
+    end = steps[-1] if len(steps) else -math.inf
     for t in trials:
+        beyond = [(s, v) for s, v in zip(*t.val_series(), strict=True) if s >= end and math.isfinite(v)]
+        if len(trials) > 1 and any(s > end for s, _ in beyond):
+            x, y = zip(*beyond, strict=True)
+            ax.plot(x, y, color=color(fmt), label=f"{label} s{t.seed} alone", ls=":", lw=0.9)
         _collapse_mark(ax, t)
 
 
@@ -164,36 +211,42 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
 
 
 def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
-    """Bit-stall, overflow and FP32-shadow cosine over steps: rows = metric, columns = precision."""
+    """Bit-stall, overflow and underflow by pass, and FP32-shadow cosine over steps: rows = signal,
+    columns = precision."""
     precisions = findings.precisions
     # fixed margins (inches): a layout engine doubles the time
-    width, height = max(4.5 * len(precisions), 5.0) + LEGEND_WIDTH, 8.0
+    width, height = max(4.5 * len(precisions), 5.0) + LEGEND_WIDTH, 2.0 + 2.0 * len(STABILITY_ROWS)
     fig = Figure(figsize=(width, height))
-    grid = fig.subplots(len(STABILITY_METRICS), len(precisions), squeeze=False, sharex=True, gridspec_kw=dict(
+    grid = fig.subplots(len(STABILITY_ROWS), len(precisions), squeeze=False, sharex=True, gridspec_kw=dict(
         left=0.75 / width, right=1 - (0.2 + LEGEND_WIDTH) / width, bottom=0.6 / height, top=1 - 0.65 / height,
         hspace=0.3, wspace=0.25))
     plotted: set[str] = set()
-    for row, metric in zip(grid, STABILITY_METRICS, strict=True):
-        for ax, precision in zip(row, precisions, strict=True):
+    passes: set[str] = set()
+    for panels, row in zip(grid, STABILITY_ROWS, strict=True):
+        for ax, precision in zip(panels, precisions, strict=True):
             cells = sorted((c for c in findings.cells.values()
                             if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)),
                            key=lambda c: format_key(c.format))
             trials = [t for c in cells for t in sorted(c.trials, key=lambda t: t.seed)]
             for r in trials:
-                steps, values = r.series(metric)
-                if steps:
-                    _curve(ax, r, steps, values)
+                for what, (steps, values) in _drawn_passes(r, row).items():
+                    _curve(ax, r, steps, values, what)
                     plotted.add(r.format)
-            if metric == OVERFLOW_RATE:  # rare events matter: show 0, 1e-4 and 0.5 alike
+                    passes.add(what)
+            if row.symlog:
                 ax.set_yscale("symlog", linthresh=1e-4)
-            for threshold in sorted({t for r in trials for key, t, _ in signals(r.stability) if key == metric}):
+            metrics = set(row.metrics.values())
+            for threshold in sorted({t for r in trials for key, t, _ in signals(r.stability) if key in metrics}):
                 ax.axhline(threshold, color="grey", ls=":", lw=1, label=THRESHOLD_LABEL)  # each run's own
-            ax.set_title(f"{precision}: {metric}", fontsize=9)
+            ax.set_title(f"{precision}: {row.title}", fontsize=9)
             ax.grid(alpha=0.3)
-        row[0].set_ylabel(STABILITY_METRICS[metric], fontsize=8)
-    if plotted:  # one entry per format (its seeds share its colour), beside the panels
-        fig.legend(handles=[Line2D([], [], color=color(f), lw=1.0, label=f) for f in sorted(plotted, key=format_key)],
-                   loc="center right", fontsize=7, title="format", title_fontsize=7, frameon=False)
+        panels[0].set_ylabel(row.label, fontsize=8)
+    if plotted:  # one entry per format (its seeds share its colour) and per pass style, beside the panels
+        handles = [Line2D([], [], color=color(f), lw=1.0, label=f) for f in sorted(plotted, key=format_key)]
+        handles += [Line2D([], [], color="grey", lw=1.0, ls=PASS_STYLES[what], label=what)
+                    for what in PASS_STYLES if what in passes and what]
+        fig.legend(handles=handles, loc="center right", fontsize=7, title="format", title_fontsize=7,
+                   frameon=False)
     for ax in grid[-1]:
         ax.set_xlabel("step")
     fig.suptitle(f"Stability signals — optimizer {optimizer}{_suffix(axes)}")
