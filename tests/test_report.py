@@ -865,7 +865,7 @@ def test_a_stopped_seed_does_not_end_its_cells_loss_curve(tmp_path):
         steps, values = records[3 + seed].val_series()
         ax, ay = alone[f"e5m2 s{seed} alone"]
         assert ax[0] == x[-1] and ax[-1] == STEPS
-        np.testing.assert_array_equal(ay, [v for s, v in zip(steps, values) if s >= x[-1]])
+        np.testing.assert_array_equal(ay, [v for s, v in zip(steps, values, strict=True) if s >= x[-1]])
     assert not [label for _, label in plot.lines if label.startswith("bf16 s")]  # all of bf16 in its band
 
 

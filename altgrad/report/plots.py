@@ -42,7 +42,6 @@ from altgrad.report.findings import (
 from altgrad.report.stats import decimals_to_show
 
 
-
 @dataclass(frozen=True)
 class StabilityRow:
     """One row of the stability figure. Overflow and underflow are drawn by pass, as the failure
