@@ -1,6 +1,6 @@
 """What the sweep tests share: the sweep entry points on the shipped configs (`ablation`,
-`dry_run`), a tiny three-trial sweep's overrides, and drivers run as subprocesses (joining a Ray
-cluster, or on a Ray of their own as if on another machine)."""
+`dry_run`), the overrides of a tiny three-trial sweep and of a tiny lr search, and drivers run as
+subprocesses (joining a Ray cluster, or on a Ray of their own as if on another machine)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,21 @@ def tiny_sweep(eurlex_dir: Path, data_root: Path) -> list[str]:
         "wandb.enabled=false", "dashboard.enabled=false",
     ]
     return [arg for s in sets for arg in ("--set", s)]
+
+
+def tiny_lr_search(eurlex_dir: Path, data_root: Path, *sets: str) -> list[str]:
+    """An lr search of e4m3 on a tiny model: the grid 0.01 (learns) and 1000 (diverges), then one
+    Optuna sample in [0.001, 1000]; 10 steps with a checkpoint every 5; W&B and the dashboard off;
+    `sets` on top."""
+    base = [
+        "preset=cpu", "formats=[e4m3]", "lr={grid: [0.01, 1000.0], low: 0.001, high: 1000.0, samples: 1}",
+        f"base.data.source=jsonl:{eurlex_dir}", f"base.data.data_root={data_root}", "base.data.max_docs=40",
+        "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
+        "base.train.max_steps=10", "base.train.warmup_steps=2", "base.train.eval_interval=5",
+        "base.train.checkpoint_interval=5", "base.train.eval_iters=2", "base.train.diag_every=5",
+        "base.stability.nan_patience=3", "wandb.enabled=false", "dashboard.enabled=false",
+    ]
+    return [arg for s in (*base, *sets) for arg in ("--set", s)]
 
 
 def start_driver(args: list[str], ray_address: str | None, machine: Path | None = None) -> subprocess.Popen:

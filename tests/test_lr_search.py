@@ -84,7 +84,7 @@ def test_samples_after_the_grid_are_tpes_and_differ_by_format(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             for trial_id, lr in grid.items():
-                if trial_id == errored:  # Optuna counts it failed, not among TPE's start-up trials
+                if trial_id == errored:  # not told to Optuna; TPE models it as unstable
                     search.on_trial_complete(trial_id, None, error=True)
                     continue
                 result = {STABLE_LR: lr if lr <= 0.1 else 0.0, "training_iteration": 1}
@@ -122,3 +122,51 @@ def test_the_searcher_prints_no_optuna_info(capfd):
     search = GridThenTpe([0.01, 1.0], seed=0)
     search.set_search_properties(None, None, {"lr": tune.loguniform(1e-4, 10.0)})
     assert "A new study created" not in "".join(capfd.readouterr())
+
+
+def test_an_errored_grid_point_rerun_on_resume_reaches_optuna_as_a_first_run(tmp_path):
+    """Interrupted with a grid point errored and another running, the sweep resumes (Tune's own
+    save and restore of the searcher behind `max_concurrent_trials`, `resume_errored`): the errored
+    point runs again under its trial id, no sample is asked while it runs, its result reaches
+    Optuna, and the sample is the one a sweep where it never errored draws (near 1.0, which learns;
+    modelled as errored, 1.0 sent the samples down to 1e-3)."""
+    import pickle
+
+    from ray import tune
+    from ray.tune.search import ConcurrencyLimiter, SearchGenerator
+
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.lr_searcher import GridThenTpe
+
+    grid, stable = [0.01, 1.0, 100.0], {0.01: 0.01, 1.0: 1.0, 100.0: 0.0}
+    built = pickle.dumps(GridThenTpe(grid, seed=0))  # what tuner.pkl keeps, read back by Tuner.restore
+
+    def tuned() -> SearchGenerator:  # the searcher as `tune.run` wraps it for max_concurrent_trials=2
+        search = SearchGenerator(ConcurrencyLimiter(pickle.loads(built), max_concurrent=2))
+        search.set_search_properties(None, None, {"lr": tune.loguniform(1e-3, 1e3)})
+        return search
+
+    def done(search: SearchGenerator, trial_id: str, lr: float) -> None:
+        search.on_trial_complete(trial_id, {STABLE_LR: stable[lr]})
+
+    first = tuned()
+    assert [first.searcher.suggest(t)["lr"] for t in ("g0", "g1")] == grid[:2]
+    assert first.searcher.suggest("g2") is None  # two at a time
+    first.on_trial_complete("g1", error=True)
+    assert first.searcher.suggest("g2")["lr"] == grid[2]
+    done(first, "g0", 0.01)
+    first.save_to_dir(str(tmp_path), "interrupted")  # g2 still running
+
+    resumed = tuned()
+    resumed.restore_from_dir(str(tmp_path))
+    done(resumed, "g2", 100.0)
+    assert resumed.searcher.suggest("s0") is None  # g1 runs again: the grid has not finished
+    done(resumed, "g1", 1.0)
+    sample = resumed.searcher.suggest("s0")["lr"]
+    assert {t.params["lr"]: t.value for t in resumed.searcher.searcher.modelled_trials()} == stable
+
+    never_errored = tuned()
+    for trial_id, lr in zip(("g0", "g1", "g2"), grid, strict=True):
+        assert never_errored.searcher.suggest(trial_id)["lr"] == lr
+        done(never_errored, trial_id, lr)
+    assert never_errored.searcher.suggest("s0")["lr"] == sample and 0.1 < sample < 10.0

@@ -31,6 +31,7 @@ from sweep_helpers import (
     kill_processes_mentioning,
     last_step,
     start_driver,
+    tiny_lr_search,
     wait_for,
 )
 from wandb_reading import history_steps, offline_runs
@@ -238,15 +239,8 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
     from altgrad.experiment import LR_SEARCH_FILE
     from altgrad.tune.lr_search import LrSearch
 
-    sets = [
-        "preset=cpu", "formats=[e4m3]", "lr={grid: [0.01, 1000.0], low: 0.001, high: 1000.0, samples: 1}",
-        f"base.data.source=jsonl:{eurlex_dir}", f"base.data.data_root={data_root}", "base.data.max_docs=40",
-        "base.model={n_layer: 1, n_head: 2, n_embd: 32, block_size: 16}", "base.train.batch_size=2",
-        "base.train.max_steps=10", "base.train.warmup_steps=2", "base.train.eval_interval=5",
-        "base.train.checkpoint_interval=5", "base.train.eval_iters=2", "base.train.diag_every=5",
-        "base.stability.nan_patience=3", "wandb={enabled: true, mode: offline}", "dashboard.enabled=false",
-    ]
-    args = [a for s in sets for a in ("--set", s)] + ["--name", "lr", "--storage-path", str(tmp_path)]
+    args = [*tiny_lr_search(eurlex_dir, data_root, "wandb={enabled: true, mode: offline}"),
+            "--name", "lr", "--storage-path", str(tmp_path)]
     assert sweep_main(LrSearch, LR_SEARCH, "test", args) == 0
     out = capsys.readouterr().out
     (row,) = json.loads((tmp_path / "lr" / LR_SEARCH_FILE).read_text())
@@ -268,6 +262,43 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
             assert logged == reported
         else:  # Ray kills a stopped trial's process: W&B may not have written its last rows
             assert logged == reported[:len(logged)]
+
+
+def test_lr_search_resume_tells_optuna_an_errored_grid_points_rerun(ray_address, eurlex_dir, data_root, tmp_path):
+    """The grid point 0.01 errors (its worker killed, no retries): the search ends with exit 1,
+    Optuna having modelled its samples on 0.01 as unstable. `--resume` runs it again, and its
+    result reaches Optuna as a first run's would, through Tune's `ConcurrencyLimiter`
+    (`max_concurrent_trials`): stable at 0.01; the table has it as the largest stable rate."""
+    from altgrad.experiment import LR_SEARCH_FILE
+    from altgrad.tune.lr_search import LrSearch
+    from altgrad.tune.lr_searcher import GridThenTpe
+
+    args = [*tiny_lr_search(eurlex_dir, data_root, "failure.max_failures=0", "max_concurrent_trials=1"),
+            "--name", "rerun", "--storage-path", str(tmp_path)]
+    exp = tmp_path / "rerun" / "e4m3"
+    killed: list[int] = []
+
+    def kill_the_first_grid_point() -> None:
+        worker = exp / TRIALS_DIR / "e4m3-adamw-all-s42-lr0.01" / "worker.json"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not worker.exists():
+            time.sleep(0.05)
+        killed.append(json.loads(worker.read_text())["pid"])
+        os.kill(killed[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_first_grid_point, daemon=True)
+    killer.start()
+    assert sweep_main(LrSearch, LR_SEARCH, "test", args) == 1
+    killer.join()
+    assert killed
+    assert sweep_main(LrSearch, LR_SEARCH, "test", [*args, "--resume"]) == 0
+    search = GridThenTpe([0.01, 1000.0], seed=0)
+    search.restore_from_dir(str(exp))  # the searcher's state as Tune saved it at the end
+    modelled = {t.params["lr"]: t.value for t in search.modelled_trials()}
+    assert (modelled[0.01], modelled[1000.0], len(modelled)) == (0.01, 0.0, 3)
+    (row,) = json.loads((tmp_path / "rerun" / LR_SEARCH_FILE).read_text())
+    assert (row["trials"], row["unfinished"]) == (3, 0)
+    assert row["largest_stable_lr"] == max(lr for lr, stable_lr in modelled.items() if stable_lr > 0)
 
 
 def test_bucket_sweep_survives_losing_its_machine(reference, sweep_args, s3_bucket, tmp_path, capsys, request):

@@ -10,8 +10,8 @@ do not count as finished, and one seed gave every format the same random samples
   drawn at random;
 - so the grid is all the start-up TPE needs: it models from its first finished trial on
   (`n_startup_trials=1`). Optuna counts only completed trials there, so with the grid's size a
-  grid point that errored left every sample random; and an errored trial is told to it as one that
-  did not train stably;
+  grid point that errored left every sample random; and an errored trial stands in for one that
+  did not train stably in what TPE models (`modelled_trials`);
 - without the constant liar (Optuna's default): the samples are asked for together once the grid
   has finished, and the liar would count those still running as failures, pushing the later ones
   away from the edge the first one found, out to rates the grid already judged;
@@ -21,9 +21,14 @@ do not count as finished, and one seed gave every format the same random samples
   runs Optuna without one (a stability verdict needs the whole run). A resumed trial reports steps
   Optuna already has: its checkpoint's row again (`TuneReporter`, for ASHA), and from Tune's
   `training_iteration` 1 again where no Tune checkpoint carried the count (local storage), which
-  Optuna ignores with a warning.
+  Optuna ignores with a warning;
+- a resumed sweep runs its errored trials again under their trial ids (`resume_errored`,
+  `altgrad.tune.runner`), and each rerun's result reaches Optuna as a first run's would: the
+  errored run was never told to Optuna (a told trial cannot be told again), and `restore` takes it
+  back among the running trials, so samples wait for a grid point's rerun as for its first run.
+  For the same reason `max_concurrent_trials` is kept here (`set_max_concurrency`).
 
-The counters below are part of the searcher's state, which Tune saves with the experiment's and
+The trial lists below are part of the searcher's state, which Tune saves with the experiment's and
 restores on resume.
 """
 
@@ -33,6 +38,7 @@ from typing import Any
 
 import optuna
 from optuna.samplers import TPESampler
+from optuna.trial import FrozenTrial, TrialState, create_trial
 from ray.tune.search.optuna import OptunaSearch
 
 from altgrad.metrics import STABLE_LR
@@ -45,26 +51,64 @@ class GridThenTpe(OptunaSearch):
         # Optuna's INFO lines ("A new study created in memory") interleave with the sweep's own
         # progress lines, which say what each trial did; its warnings still show.
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.tpe = TPESampler(n_startup_trials=1, seed=seed, constant_liar=False)
         super().__init__(metric=STABLE_LR, mode="max", points_to_evaluate=[{"lr": lr} for lr in grid],
-                         sampler=TPESampler(n_startup_trials=1, seed=seed, constant_liar=False))
+                         sampler=self.tpe)
         self.grid_size = len(grid)
-        self.asked = 0
+        self.max_concurrent = 0  # no limit of its own unless Tune passes `max_concurrent_trials`
+        self.asked: list[str] = []  # trial ids in the order they got their learning rate, the grid's first
         self.finished: set[str] = set()
+        self.errored: set[str] = set()  # finished, by an error, in this run of the sweep
 
     def suggest(self, trial_id: str) -> dict[str, Any] | None:
-        if self.asked >= self.grid_size and len(self.finished) < self.grid_size:
+        grid = self.asked[:self.grid_size]
+        if self.max_concurrent and len(self.asked) - len(self.finished) >= self.max_concurrent:
             return None
-        self.asked += 1
+        if len(grid) == self.grid_size:
+            if not self.finished.issuperset(grid):
+                return None
+            self._ot_study.enqueue_trial(self.sample())
+        self.asked.append(trial_id)
         return super().suggest(trial_id)
+
+    def sample(self) -> dict[str, Any]:
+        """TPE's next learning rate, drawn in a study of `modelled_trials` (Optuna's own study
+        keeps an errored trial open for its rerun); Optuna's study gets it as an enqueued point."""
+        view = optuna.create_study(direction="maximize", sampler=self.tpe)
+        view.add_trials(self.modelled_trials())
+        return view.ask(self._space).params
+
+    def modelled_trials(self) -> list[FrozenTrial]:
+        """What TPE's samples model: the trials Optuna was told of, then each errored one as a trial
+        that did not train stably (`sweep/stable_lr` 0): as a failed trial TPE left it out of its
+        model, and its samples strayed to rates below the whole grid (1e-4 with the grid's 1e-3
+        errored)."""
+        told = self._ot_study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        errored = [self._ot_trials[t] for t in self.asked if t in self.errored]
+        return [*told, *(create_trial(params=t.params, distributions=t.distributions, value=0.0) for t in errored)]
 
     def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
         """Nothing: Optuna judges a trial by its final result (see the module's docstring)."""
 
     def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
-        """An errored trial is told to Optuna as one that did not train stably (`sweep/stable_lr`
-        0): as a failed trial TPE left it out of its model, and its samples strayed to rates below
-        the whole grid (1e-4 with the grid's 1e-3 errored)."""
+        """An errored trial is not told to Optuna: it counts as unstable in `modelled_trials` until
+        a resumed sweep runs it again (`restore`)."""
         self.finished.add(trial_id)
         if error:
-            result, error = {STABLE_LR: 0.0}, False
-        super().on_trial_complete(trial_id, result, error)
+            self.errored.add(trial_id)
+        else:
+            super().on_trial_complete(trial_id, result)
+
+    def restore(self, checkpoint_path: str) -> None:
+        """Tune restores a searcher to resume its sweep, which runs every errored trial again
+        (`resume_errored`): each is running again, as before it errored."""
+        super().restore(checkpoint_path)
+        self.finished -= self.errored
+        self.errored = set()
+
+    def set_max_concurrency(self, max_concurrent: int) -> bool:
+        """Tune's `ConcurrencyLimiter` (`max_concurrent_trials`) leaves the limit to this searcher:
+        the limiter passes on only the completions of trials it holds as running, and an errored
+        trial left them, so it dropped its rerun's result."""
+        self.max_concurrent = max_concurrent
+        return True
