@@ -170,3 +170,35 @@ def test_an_errored_grid_point_rerun_on_resume_reaches_optuna_as_a_first_run(tmp
         assert never_errored.searcher.suggest(trial_id)["lr"] == lr
         done(never_errored, trial_id, lr)
     assert never_errored.searcher.suggest("s0")["lr"] == sample and 0.1 < sample < 10.0
+
+
+def test_a_searcher_saved_by_the_previous_version_resumes(tmp_path):
+    """A sweep started before the searcher kept its trial ids (it counted them) resumes: the ids
+    are read back from Optuna's trials, and the samples still wait for the grid."""
+    import pickle
+
+    from ray import tune
+
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.lr_searcher import GridThenTpe
+
+    def searcher() -> GridThenTpe:
+        s = GridThenTpe([0.01, 1.0], seed=0)
+        s.set_search_properties(None, None, {"lr": tune.loguniform(1e-3, 1e3)})
+        return s
+
+    old = searcher()
+    assert [old.suggest(t)["lr"] for t in ("g0", "g1")] == [0.01, 1.0]
+    old.on_trial_complete("g0", {STABLE_LR: 0.01})
+    old.save(str(tmp_path / "searcher.pkl"))
+    state = pickle.loads((tmp_path / "searcher.pkl").read_bytes())
+    state["asked"] = 2  # what the previous version saved: a count, and none of the new fields
+    for new in ("errored", "max_concurrent", "tpe"):
+        del state[new]
+    (tmp_path / "searcher.pkl").write_bytes(pickle.dumps(state))
+
+    resumed = searcher()
+    resumed.restore(str(tmp_path / "searcher.pkl"))
+    assert resumed.asked == ["g0", "g1"] and resumed.suggest("s0") is None  # g1 still running
+    resumed.on_trial_complete("g1", {STABLE_LR: 1.0})
+    assert 1e-3 <= resumed.suggest("s0")["lr"] <= 1e3

@@ -103,6 +103,8 @@ class GridThenTpe(OptunaSearch):
         """Tune restores a searcher to resume its sweep, which runs every errored trial again
         (`resume_errored`): each is running again, as before it errored."""
         super().restore(checkpoint_path)
+        if isinstance(self.asked, int):  # saved before the trial ids were kept (2026-12-02): Optuna
+            self.asked = list(self._ot_trials)  # holds them, in the order they were asked
         self.finished -= self.errored
         self.errored = set()
 
