@@ -4,7 +4,6 @@ format, from trial records alone."""
 from __future__ import annotations
 
 import pytest
-
 from sweep_helpers import LR_SEARCH
 
 from altgrad.experiment import TrialRecord

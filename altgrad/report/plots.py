@@ -38,6 +38,7 @@ from altgrad.report.findings import (
     format_key,
     signals,
     stop_step,
+    unfinished_short,
 )
 from altgrad.report.stats import decimals_to_show
 
@@ -66,6 +67,7 @@ STABILITY_ROWS = (
     StabilityRow(SHADOW_COS_MEAN, "cosine to FP32 gradients", {"": SHADOW_COS_MEAN}),
 )
 PASS_STYLES = {"": "-", "forward": "-", "backward": "--", "both passes": "-."}
+ALONE = " alone"  # a seed's loss curve past the steps every seed of its group evaluated
 LEGEND_WIDTH = 1.0  # inches right of the panels for a figure's legend, so it covers no data
 THRESHOLD_LABEL = "_threshold"  # "_": matplotlib keeps it out of the legend
 
@@ -128,11 +130,15 @@ def _collapse_mark(ax: Axes, r: TrialRecord) -> None:
 def _curve(ax: Axes, r: TrialRecord, steps: list[int], values: list[float], what: str = "") -> None:
     """One trial's series (non-finite points are gaps), labelled `<format> s<seed>` and `what` (a
     pass: its line style)."""
+    ax.plot(steps, _gaps(values), color=color(r.format), label=" ".join(x for x in (r.format, f"s{r.seed}", what) if x),
+            ls=PASS_STYLES[what], lw=1.0)
+
+
+def _gaps(values: list[float]) -> np.ndarray:
+    """`values` with every non-finite one NaN: matplotlib leaves a gap there (an inf it would draw)."""
     y = np.array(values, float)
     y[~np.isfinite(y)] = np.nan
-    ax.plot(steps, y, color=color(r.format), label=" ".join(x for x in (r.format, f"s{r.seed}", what) if x),
-            ls=PASS_STYLES[what], lw=1.0)
-    _collapse_mark(ax, r)
+    return y
 
 
 def _drawn_passes(r: TrialRecord, row: StabilityRow) -> dict[str, tuple[list[int], list[float]]]:
@@ -163,10 +169,10 @@ def _mean_curve(ax: Axes, fmt: str, trials: list[TrialRecord], label: str) -> No
         ax.fill_between(steps, lo, hi, color=color(fmt), alpha=0.15, lw=0, label=f"{label} seeds")
     end = steps[-1] if len(steps) else -math.inf
     for t in trials:
-        beyond = [(s, v) for s, v in zip(*t.val_series(), strict=True) if s >= end and math.isfinite(v)]
-        if len(trials) > 1 and any(s > end for s, _ in beyond):
+        beyond = [(s, v) for s, v in zip(*t.val_series(), strict=True) if s >= end]
+        if len(trials) > 1 and any(s > end and math.isfinite(v) for s, v in beyond):
             x, y = zip(*beyond, strict=True)
-            ax.plot(x, y, color=color(fmt), label=f"{label} s{t.seed} alone", ls=":", lw=0.9)
+            ax.plot(x, _gaps(y), color=color(fmt), label=f"{label} s{t.seed}{ALONE}", ls=":", lw=0.9)
         _collapse_mark(ax, t)
 
 
@@ -185,6 +191,8 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
     fig = Figure(figsize=(4.5 * len(findings.precisions), 3.6), layout="constrained")
     panels = fig.subplots(1, len(findings.precisions), squeeze=False, sharey=True)[0]
     bf16 = baseline_trials(findings.baselines.get(optimizer, []), axes)
+    behind = unfinished_short(bf16)  # as a cell's: still running short of the others, left out
+    bf16 = [t for t in bf16 if t.seed not in behind]
     starts, finite = [], []
     for ax, precision in zip(panels, findings.precisions, strict=True):
         groups = [(BASELINE, BASELINE, bf16)] if bf16 else []
@@ -200,7 +208,11 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
                 finite += [v for v in values if math.isfinite(v)]
         ax.set(title=f"precision: {precision}", xlabel="step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        # each seed drawn alone is named in the figure's data, once in the legend ("a seed alone")
+        handles = [h for h in ax.get_legend_handles_labels()[0] if not h.get_label().endswith(ALONE)]
+        if len(handles) < len(ax.get_legend_handles_labels()[0]):
+            handles.append(Line2D([], [], color="grey", ls=":", lw=0.9, label=f"a seed{ALONE}"))
+        ax.legend(handles=handles, fontsize=7)
     panels[0].set_ylabel("validation loss")
     if starts:  # diverging trials leave through the top (the initial loss): the useful range stays readable
         low, high = min(finite), max(max(starts), min(finite) + 1e-6)
@@ -228,10 +240,13 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
                            key=lambda c: format_key(c.format))
             trials = [t for c in cells for t in sorted(c.trials, key=lambda t: t.seed)]
             for r in trials:
-                for what, (steps, values) in _drawn_passes(r, row).items():
+                drawn = _drawn_passes(r, row)
+                for what, (steps, values) in drawn.items():
                     _curve(ax, r, steps, values, what)
-                    plotted.add(r.format)
                     passes.add(what)
+                if drawn:
+                    _collapse_mark(ax, r)
+                    plotted.add(r.format)
             if row.symlog:
                 ax.set_yscale("symlog", linthresh=1e-4)
             metrics = set(row.metrics.values())
@@ -244,8 +259,8 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
         handles = [Line2D([], [], color=color(f), lw=1.0, label=f) for f in sorted(plotted, key=format_key)]
         handles += [Line2D([], [], color="grey", lw=1.0, ls=PASS_STYLES[what], label=what)
                     for what in PASS_STYLES if what in passes and what]
-        fig.legend(handles=handles, loc="center right", fontsize=7, title="format", title_fontsize=7,
-                   frameon=False)
+        fig.legend(handles=handles, loc="center right", fontsize=7,
+                   title="format, pass" if passes - {""} else "format", title_fontsize=7, frameon=False)
     for ax in grid[-1]:
         ax.set_xlabel("step")
     fig.suptitle(f"Stability signals — optimizer {optimizer}{_suffix(axes)}")
