@@ -600,7 +600,8 @@ def test_loss_plot_draws_the_seed_mean_and_band(tmp_path):
     records = study()
     f = compute_findings(records)
     plot = plot_loss(f, "adamw", (), tmp_path / "loss.png")
-    assert {panel for panel, _ in plot.lines} == {"precision: all", "precision: mlp"}
+    assert {panel for panel, _ in plot.lines} == {"precision: all", "precision: mlp", "precision: all, steps 30-60",
+                                                  "precision: mlp, steps 30-60"}
     e2m5 = [r for r in records if r.format == "e2m5"]
     steps = e2m5[0].val_series()[0]
     per_seed = np.array([r.val_series()[1] for r in e2m5])
@@ -612,6 +613,12 @@ def test_loss_plot_draws_the_seed_mean_and_band(tmp_path):
     np.testing.assert_allclose(lo, per_seed.min(0))
     np.testing.assert_allclose(hi, per_seed.max(0))
     assert ("precision: all", "bf16") in plot.lines  # bf16 dashed in every panel
+    # below, the second half on the scale of its own losses: e6m1 1.30x bf16 and e3m4 0.90x stay in view
+    (x0, x1), (y0, y1) = plot.limits["precision: mlp, steps 30-60"]
+    late = [v for r in records if r.precision == "mlp" or r.format == "bf16"
+            for s, v in zip(*r.val_series(), strict=True) if s >= 30]
+    assert (x0, x1) == (30, 60) and y0 < min(late) and max(late) < y1
+    assert y1 - y0 < 0.3 * (plot.limits["precision: mlp"][1][1] - plot.limits["precision: mlp"][1][0])
     assert plot.path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
