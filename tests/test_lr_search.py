@@ -3,6 +3,7 @@ format, from trial records alone."""
 
 from __future__ import annotations
 
+import pytest
 from sweep_helpers import LR_SEARCH
 
 from altgrad.experiment import TrialRecord
@@ -172,33 +173,44 @@ def test_an_errored_grid_point_rerun_on_resume_reaches_optuna_as_a_first_run(tmp
     assert never_errored.searcher.suggest("s0")["lr"] == sample and 0.1 < sample < 10.0
 
 
-def test_a_searcher_saved_by_the_previous_version_resumes(tmp_path):
-    """A sweep started before the searcher kept its trial ids (it counted them) resumes: the ids
-    are read back from Optuna's trials, and the samples still wait for the grid."""
+@pytest.mark.parametrize("limited", [False, True])
+def test_a_searcher_saved_by_the_previous_version_resumes(tmp_path, limited):
+    """A sweep started before the searcher kept its trial ids (it counted them) resumes: Tune
+    unpickles the searcher the previous version built (tuner.pkl: none of the fields added since)
+    and restores the state that version saved; the ids are read back from Optuna's trials, and the
+    samples still wait for the grid. With and without `max_concurrent_trials` (Tune's limiter)."""
     import pickle
 
     from ray import tune
+    from ray.tune.search import ConcurrencyLimiter, SearchGenerator
 
     from altgrad.metrics import STABLE_LR
     from altgrad.tune.lr_searcher import GridThenTpe
 
-    def searcher() -> GridThenTpe:
-        s = GridThenTpe([0.01, 1.0], seed=0)
-        s.set_search_properties(None, None, {"lr": tune.loguniform(1e-3, 1e3)})
-        return s
+    def as_built_before(searcher: GridThenTpe) -> GridThenTpe:
+        for added in ("errored", "max_concurrent"):
+            vars(searcher).pop(added, None)
+        searcher.asked = len(searcher.asked)
+        return searcher
 
-    old = searcher()
-    assert [old.suggest(t)["lr"] for t in ("g0", "g1")] == [0.01, 1.0]
+    def tuned(searcher: GridThenTpe) -> SearchGenerator:
+        search = SearchGenerator(ConcurrencyLimiter(searcher, max_concurrent=2) if limited else searcher)
+        search.set_search_properties(None, None, {"lr": tune.loguniform(1e-3, 1e3)})
+        return search
+
+    built = pickle.dumps(as_built_before(GridThenTpe([0.01, 1.0], seed=0)))  # its tuner.pkl
+    old = tuned(GridThenTpe([0.01, 1.0], seed=0))  # its run, to the state it saved
+    assert [old.searcher.suggest(t)["lr"] for t in ("g0", "g1")] == [0.01, 1.0]
     old.on_trial_complete("g0", {STABLE_LR: 0.01})
-    old.save(str(tmp_path / "searcher.pkl"))
-    state = pickle.loads((tmp_path / "searcher.pkl").read_bytes())
-    state["asked"] = 2  # what the previous version saved: a count, and none of the new fields
-    for new in ("errored", "max_concurrent", "tpe"):
-        del state[new]
-    (tmp_path / "searcher.pkl").write_bytes(pickle.dumps(state))
+    inner = old.searcher.searcher if limited else old.searcher
+    as_built_before(inner)  # what the previous version's running searcher held when it saved
+    if limited:  # and its limiter: the searcher did not keep the limit, so the limiter did
+        old.searcher._limit_concurrency, old.searcher.live_trials = True, {"g1"}
+    old.save_to_dir(str(tmp_path), "interrupted")
 
-    resumed = searcher()
-    resumed.restore(str(tmp_path / "searcher.pkl"))
-    assert resumed.asked == ["g0", "g1"] and resumed.suggest("s0") is None  # g1 still running
+    resumed = tuned(pickle.loads(built))
+    resumed.restore_from_dir(str(tmp_path))
+    inner = resumed.searcher.searcher if limited else resumed.searcher
+    assert inner.asked == ["g0", "g1"] and resumed.searcher.suggest("s0") is None  # g1 still running
     resumed.on_trial_complete("g1", {STABLE_LR: 1.0})
-    assert 1e-3 <= resumed.suggest("s0")["lr"] <= 1e3
+    assert 1e-3 <= resumed.searcher.suggest("s0")["lr"] <= 1e3

@@ -129,11 +129,11 @@ def test_one_seed_ties_for_want_of_intervals_not_because_they_overlap():
     """With one seed nothing has an interval, so everything ties with the leader; the report must
     not claim that intervals overlap. A cell with an interval beside one without says both."""
     one = compute_findings([trial("bf16"), trial("e4m3", scale=0.98), trial("e5m2", scale=1.01)])
-    assert spot(one, "all").text == "tie: e4m3 ≈ bf16 ≈ e5m2 (not tested for e4m3, e5m2: one seed, no interval)"
+    assert spot(one, "all").text == "tie: e4m3 ≈ bf16 ≈ e5m2 (not tested for e4m3, e5m2 (no interval))"
     mixed = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e4m3", [0.98, 0.99, 1.0]),
                               *seeded("e3m4", [0.99, 1.0, 1.01]), trial("e5m2", seed=0, scale=0.97)])
     assert spot(mixed, "all").text == \
-        "tie: e5m2 ≈ e4m3 ≈ e3m4 ≈ bf16 (intervals overlap; not tested for e5m2: one seed, no interval)"
+        "tie: e5m2 ≈ e4m3 ≈ e3m4 ≈ bf16 (intervals overlap; not tested for e5m2 (no interval))"
 
 
 def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
@@ -600,7 +600,8 @@ def test_loss_plot_draws_the_seed_mean_and_band(tmp_path):
     records = study()
     f = compute_findings(records)
     plot = plot_loss(f, "adamw", (), tmp_path / "loss.png")
-    assert {panel for panel, _ in plot.lines} == {"precision: all", "precision: mlp"}
+    assert {panel for panel, _ in plot.lines} == {"precision: all", "precision: mlp", "precision: all, steps 30-60",
+                                                  "precision: mlp, steps 30-60"}
     e2m5 = [r for r in records if r.format == "e2m5"]
     steps = e2m5[0].val_series()[0]
     per_seed = np.array([r.val_series()[1] for r in e2m5])
@@ -612,6 +613,12 @@ def test_loss_plot_draws_the_seed_mean_and_band(tmp_path):
     np.testing.assert_allclose(lo, per_seed.min(0))
     np.testing.assert_allclose(hi, per_seed.max(0))
     assert ("precision: all", "bf16") in plot.lines  # bf16 dashed in every panel
+    # below, the second half on the scale of its own losses: e6m1 1.30x bf16 and e3m4 0.90x stay in view
+    (x0, x1), (y0, y1) = plot.limits["precision: mlp, steps 30-60"]
+    late = [v for r in records if r.precision == "mlp" or r.format == "bf16"
+            for s, v in zip(*r.val_series(), strict=True) if s >= 30]
+    assert (x0, x1) == (30, 60) and y0 < min(late) and max(late) < y1
+    assert y1 - y0 < 0.3 * (plot.limits["precision: mlp"][1][1] - plot.limits["precision: mlp"][1][0])
     assert plot.path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -854,8 +861,9 @@ def test_the_stability_figure_draws_the_pass_a_failure_names(tmp_path):
 def test_a_stopped_seed_does_not_end_its_cells_loss_curve(tmp_path):
     """A seed stopped at step 30 of 60 stays in its cell (its loss is the cell's result), so the
     seeds' band ends there; the seeds that went on are drawn on, each alone, to their last step."""
+    by_pass = {"quant/forward_overflow_rate": 0.001, "quant/backward_overflow_rate": 0.002}
     records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.0, 1.01]),
-               trial("e5m2", seed=2, scale=1.02, nan_from=31)]
+               trial("e5m2", seed=2, scale=1.02, nan_from=31, **by_pass)]
     plot = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png")
     x, _ = plot.lines["precision: all", "e5m2"]
     assert x[-1] < 31
@@ -867,6 +875,22 @@ def test_a_stopped_seed_does_not_end_its_cells_loss_curve(tmp_path):
         assert ax[0] == x[-1] and ax[-1] == STEPS
         np.testing.assert_array_equal(ay, [v for s, v in zip(steps, values, strict=True) if s >= x[-1]])
     assert not [label for _, label in plot.lines if label.startswith("bf16 s")]  # all of bf16 in its band
+    # the stopped seed's collapse is marked once in each panel of the stability figure (two passes, one mark)
+    stability = plot_stability(compute_findings(records), "adamw", (), tmp_path / "stability.png")
+    assert stability.collapses and all(marks == [31] for marks in stability.collapses.values())
+
+
+def test_a_running_bf16_seed_behind_the_others_does_not_cut_the_reference_curve(tmp_path):
+    """bf16's seed still running at step 30 of 60 is left out of its curve, as out of the tables
+    (no baseline of a cell at 60 steps): the dashed reference runs to 60 over the seeds that got
+    there, and nothing is drawn alone."""
+    records = [*seeded("bf16", [1.0, 1.0]), trial("bf16", seed=2, status="RUNNING", steps=30),
+               *seeded("e4m3", [1.01, 1.02, 1.03])]
+    plot = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png")
+    x, y = plot.lines["precision: all", "bf16"]
+    assert x[-1] == STEPS
+    np.testing.assert_allclose(y, [curve(int(step), 1.0) for step in x])
+    assert not [label for _, label in plot.lines if label.endswith("alone")]
 
 
 def test_a_bad_threshold_in_a_runs_config_makes_that_trial_unreadable(tmp_path):

@@ -555,11 +555,12 @@ class Findings:
 
 
 def tie_reason(names: Sequence[str], no_interval: Sequence[str]) -> str:
-    """Why the names of a tie are one group ("intervals overlap", "not tested for e4m3: one seed, no
-    interval"): a tie says only that nothing separates them, which with two seeds (t(0.975, 1) =
-    12.7) is little and with one is nothing at all (see `reading`), and "≈" alone reads as "equal"."""
+    """Why the names of a tie are one group ("intervals overlap", "not tested for e4m3 (no
+    interval)"): a tie says only that nothing separates them, which with two seeds (t(0.975, 1) =
+    12.7) is little and without an interval (one seed, or one pair with bf16) is nothing at all (see
+    `reading`), and "≈" alone reads as "equal"."""
     why = [*(["intervals overlap"] if len(names) - len(no_interval) > 1 else []),
-           *([f"not tested for {', '.join(no_interval)}: one seed, no interval"] if no_interval else [])]
+           *([f"not tested for {', '.join(no_interval)} (no interval)"] if no_interval else [])]
     return "; ".join(why)
 
 
@@ -625,7 +626,7 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     # the cell's budget: it is left out until it has. One that was stopped (NaN, bit-stall, or
     # ASHA, which stops only a trial that trails bf16 beyond the tolerance) stays: its loss is the
     # cell's result, and the cell is marked broken. Any bf16 seed short of the steps is no baseline.
-    short = _short_seeds([t for t in trials if t.stop_reason is None], steps)
+    short = unfinished_short(trials, steps)
     baseline = baseline_trials(bf16, key[3])
     short_bf16 = _short_seeds(baseline, steps)
     values = seed_values([t for t in trials if t.seed not in short], steps)
@@ -639,6 +640,15 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
             ratio = replace(ratio, note="; ".join(n for n in (*why, ratio.note) if n))
     return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also,
                 short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)))
+
+
+def unfinished_short(trials: Sequence[TrialRecord], steps: int | None = None) -> dict[int, tuple[int, str]]:
+    """The seeds not stopped (still running, or not started) whose last evaluation came before
+    `steps` (default: the furthest any of `trials` reached): they have not yet measured that budget
+    and are left out of the numbers and the curves until they have (`_short_seeds` says why)."""
+    if steps is None:
+        steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
+    return _short_seeds([t for t in trials if t.stop_reason is None], steps)
 
 
 def _short_seeds(trials: Iterable[TrialRecord], steps: int) -> dict[int, tuple[int, str]]:

@@ -7,16 +7,18 @@ drawing, so tests check what was actually plotted rather than what was meant to 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.patches import Rectangle
+from matplotlib.patches import Patch, Rectangle
 
 from altgrad.experiment import TrialRecord
 from altgrad.metrics import (
@@ -35,9 +37,11 @@ from altgrad.report.findings import (
     Findings,
     axes_text,
     baseline_trials,
+    broke,
     format_key,
     signals,
     stop_step,
+    unfinished_short,
 )
 from altgrad.report.stats import decimals_to_show
 
@@ -66,6 +70,8 @@ STABILITY_ROWS = (
     StabilityRow(SHADOW_COS_MEAN, "cosine to FP32 gradients", {"": SHADOW_COS_MEAN}),
 )
 PASS_STYLES = {"": "-", "forward": "-", "backward": "--", "both passes": "-."}
+ALONE = " alone"  # a seed's loss curve past the steps every seed of its group evaluated
+BAND = " seeds"  # a format's band from its lowest to its highest seed
 LEGEND_WIDTH = 1.0  # inches right of the panels for a figure's legend, so it covers no data
 THRESHOLD_LABEL = "_threshold"  # "_": matplotlib keeps it out of the legend
 
@@ -80,6 +86,7 @@ class Plot:
     bands: dict[tuple[str, str], tuple[np.ndarray, np.ndarray, np.ndarray]]  # (panel, label) -> x, lo, hi
     texts: dict[str, list[str]]  # panel -> the annotations written on it, in drawing order
     thresholds: dict[str, list[float]]  # panel -> the levels of its threshold guides
+    limits: dict[str, tuple[tuple[float, float], tuple[float, float]]]  # panel -> (x range, y range) shown
 
 
 def color(fmt: str) -> str | tuple[float, ...]:
@@ -91,9 +98,10 @@ def _save(fig: Figure, path: Path) -> Plot:
     """Draw, save, and read every plotted array back from the figure's artists."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    lines, images, collapses, bands, texts, thresholds = {}, {}, {}, {}, {}, {}
+    lines, images, collapses, bands, texts, thresholds, limits = {}, {}, {}, {}, {}, {}, {}
     for ax in fig.axes:
         panel = ax.get_title()
+        limits[panel] = (ax.get_xlim(), ax.get_ylim())
         for marks in ax.collections:
             if isinstance(marks, PathCollection):
                 collapses.setdefault(panel, []).extend(marks.get_offsets()[:, 0].tolist())
@@ -114,7 +122,7 @@ def _save(fig: Figure, path: Path) -> Plot:
         if ax.texts:
             texts[panel] = [t.get_text() for t in ax.texts]
     return Plot(path, fig.get_suptitle() or fig.axes[0].get_title(), lines, images, collapses, bands, texts,
-                thresholds)
+                thresholds, limits)
 
 
 def _collapse_mark(ax: Axes, r: TrialRecord) -> None:
@@ -128,11 +136,15 @@ def _collapse_mark(ax: Axes, r: TrialRecord) -> None:
 def _curve(ax: Axes, r: TrialRecord, steps: list[int], values: list[float], what: str = "") -> None:
     """One trial's series (non-finite points are gaps), labelled `<format> s<seed>` and `what` (a
     pass: its line style)."""
+    ax.plot(steps, _gaps(values), color=color(r.format), label=" ".join(x for x in (r.format, f"s{r.seed}", what) if x),
+            ls=PASS_STYLES[what], lw=1.0)
+
+
+def _gaps(values: list[float]) -> np.ndarray:
+    """`values` with every non-finite one NaN: matplotlib leaves a gap there (an inf it would draw)."""
     y = np.array(values, float)
     y[~np.isfinite(y)] = np.nan
-    ax.plot(steps, y, color=color(r.format), label=" ".join(x for x in (r.format, f"s{r.seed}", what) if x),
-            ls=PASS_STYLES[what], lw=1.0)
-    _collapse_mark(ax, r)
+    return y
 
 
 def _drawn_passes(r: TrialRecord, row: StabilityRow) -> dict[str, tuple[list[int], list[float]]]:
@@ -160,13 +172,13 @@ def _mean_curve(ax: Axes, fmt: str, trials: list[TrialRecord], label: str) -> No
     baseline = fmt == BASELINE
     ax.plot(steps, mean, color=color(fmt), label=label, ls="--" if baseline else "-", lw=1.6 if baseline else 1.2)
     if len(trials) > 1 and len(steps):
-        ax.fill_between(steps, lo, hi, color=color(fmt), alpha=0.15, lw=0, label=f"{label} seeds")
+        ax.fill_between(steps, lo, hi, color=color(fmt), alpha=0.15, lw=0, label=f"{label}{BAND}")
     end = steps[-1] if len(steps) else -math.inf
     for t in trials:
-        beyond = [(s, v) for s, v in zip(*t.val_series(), strict=True) if s >= end and math.isfinite(v)]
-        if len(trials) > 1 and any(s > end for s, _ in beyond):
+        beyond = [(s, v) for s, v in zip(*t.val_series(), strict=True) if s >= end]
+        if len(trials) > 1 and any(s > end and math.isfinite(v) for s, v in beyond):
             x, y = zip(*beyond, strict=True)
-            ax.plot(x, y, color=color(fmt), label=f"{label} s{t.seed} alone", ls=":", lw=0.9)
+            ax.plot(x, _gaps(y), color=color(fmt), label=f"{label} s{t.seed}{ALONE}", ls=":", lw=0.9)
         _collapse_mark(ax, t)
 
 
@@ -181,32 +193,69 @@ def _suffix(axes: AxesKey) -> str:
 
 def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
     """Validation loss vs step per format (mean over seeds, band = lowest to highest seed), one
-    panel per layer precision, bf16 dashed black in each."""
-    fig = Figure(figsize=(4.5 * len(findings.precisions), 3.6), layout="constrained")
-    panels = fig.subplots(1, len(findings.precisions), squeeze=False, sharey=True)[0]
+    column per layer precision, bf16 dashed black in each: the whole run on top, and below it the
+    second half, zoomed to the losses of the trials that did not break. On the whole run's scale,
+    set by the initial loss, formats a percent apart draw one line (the CPU study's nine did)."""
+    precisions = findings.precisions
+    fig = Figure(figsize=(4.5 * len(precisions) + LEGEND_WIDTH + 0.6, 6.8), layout="constrained")
+    grid = fig.subplots(2, len(precisions), squeeze=False)
     bf16 = baseline_trials(findings.baselines.get(optimizer, []), axes)
+    behind = unfinished_short(bf16)  # as a cell's: still running short of the others, left out
+    bf16 = [t for t in bf16 if t.seed not in behind]
     starts, finite = [], []
-    for ax, precision in zip(panels, findings.precisions, strict=True):
+    for (whole, zoom), precision in zip(grid.T, precisions, strict=True):
         groups = [(BASELINE, BASELINE, bf16)] if bf16 else []
         # a cell's seeds as its numbers take them: one cut short would end the band where it stopped
         groups += [(c.format, c.name, [t for t in c.trials if t.seed not in c.short])
                    for c in sorted(findings.cells.values(), key=lambda c: format_key(c.format))
                    if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)]
+        last = max((s for _, _, trials in groups for t in trials for s in t.val_series()[0]), default=0)
+        half, late = last // 2, []
         for fmt, label, trials in groups:
-            _mean_curve(ax, fmt, trials, label)
+            for ax in (whole, zoom):
+                _mean_curve(ax, fmt, trials, label)
             for t in trials:
-                values = t.val_series()[1]
+                steps, values = t.val_series()
                 starts += [v for v in values[:1] if math.isfinite(v)]
                 finite += [v for v in values if math.isfinite(v)]
-        ax.set(title=f"precision: {precision}", xlabel="step")
+                if not broke(t):
+                    late += [v for s, v in zip(steps, values, strict=True) if s >= half and math.isfinite(v)]
+        whole.set(title=f"precision: {precision}", xlabel="step")
+        zoom.set(title=f"precision: {precision}, steps {half}-{last}", xlabel="step")
+        if late and last > half:
+            zoom.set_xlim(half, last)
+            zoom.set_ylim(*_padded(min(late), max(late)))
+    for ax in grid.flat:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    panels[0].set_ylabel("validation loss")
+    grid[0, 0].set_ylabel("validation loss")
+    grid[1, 0].set_ylabel("validation loss, second half")
     if starts:  # diverging trials leave through the top (the initial loss): the useful range stays readable
-        low, high = min(finite), max(max(starts), min(finite) + 1e-6)
-        panels[0].set_ylim(low - 0.03 * (high - low), high + 0.03 * (high - low))
+        for ax in grid[0]:
+            ax.set_ylim(*_padded(min(finite), max(max(starts), min(finite) + 1e-6)))
+    fig.legend(handles=_loss_legend(grid[0]), loc="outside right center", fontsize=7, frameon=False)
     fig.suptitle(f"Validation loss vs {BASELINE} — optimizer {optimizer}{_suffix(axes)}")
     return _save(fig, path)
+
+
+def _padded(low: float, high: float) -> tuple[float, float]:
+    """(low, high) widened by 3 % of their span each way (a flat span: of its value)."""
+    pad = 0.03 * ((high - low) or abs(high) or 1.0)
+    return low - pad, high + pad
+
+
+def _loss_legend(panels: Iterable[Axes]) -> list[Artist]:
+    """One entry per curve label over the panels, then one for every seed band and one for every
+    seed drawn alone (per format they would double the legend)."""
+    handles: dict[str, Artist] = {}
+    for ax in panels:
+        for h in ax.get_legend_handles_labels()[0]:
+            handles.setdefault(h.get_label(), h)
+    curves = [h for label, h in handles.items() if not label.endswith((BAND, ALONE))]
+    if any(label.endswith(BAND) for label in handles):
+        curves.append(Patch(color="grey", alpha=0.3, lw=0, label="lowest to highest seed"))
+    if any(label.endswith(ALONE) for label in handles):
+        curves.append(Line2D([], [], color="grey", ls=":", lw=0.9, label=f"a seed{ALONE}"))
+    return curves
 
 
 def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
@@ -228,10 +277,13 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
                            key=lambda c: format_key(c.format))
             trials = [t for c in cells for t in sorted(c.trials, key=lambda t: t.seed)]
             for r in trials:
-                for what, (steps, values) in _drawn_passes(r, row).items():
+                drawn = _drawn_passes(r, row)
+                for what, (steps, values) in drawn.items():
                     _curve(ax, r, steps, values, what)
-                    plotted.add(r.format)
                     passes.add(what)
+                if drawn:
+                    _collapse_mark(ax, r)
+                    plotted.add(r.format)
             if row.symlog:
                 ax.set_yscale("symlog", linthresh=1e-4)
             metrics = set(row.metrics.values())
@@ -242,10 +294,10 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
         panels[0].set_ylabel(row.label, fontsize=8)
     if plotted:  # one entry per format (its seeds share its colour) and per pass style, beside the panels
         handles = [Line2D([], [], color=color(f), lw=1.0, label=f) for f in sorted(plotted, key=format_key)]
-        handles += [Line2D([], [], color="grey", lw=1.0, ls=PASS_STYLES[what], label=what)
+        handles += [Line2D([], [], color="black", lw=1.0, ls=PASS_STYLES[what], label=what)  # grey is e7m0
                     for what in PASS_STYLES if what in passes and what]
-        fig.legend(handles=handles, loc="center right", fontsize=7, title="format", title_fontsize=7,
-                   frameon=False)
+        fig.legend(handles=handles, loc="center right", fontsize=7,
+                   title="format, pass" if passes - {""} else "format", title_fontsize=7, frameon=False)
     for ax in grid[-1]:
         ax.set_xlabel("step")
     fig.suptitle(f"Stability signals — optimizer {optimizer}{_suffix(axes)}")

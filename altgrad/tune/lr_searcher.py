@@ -47,15 +47,17 @@ from altgrad.metrics import STABLE_LR
 class GridThenTpe(OptunaSearch):
     """Learning rates: `grid` in order, then TPE's samples (maximizing `sweep/stable_lr`)."""
 
+    # no limit of its own unless Tune passes `max_concurrent_trials` (`set_max_concurrency`); a class
+    # default, as a searcher pickled before it had one (a sweep resumed across versions) has none
+    max_concurrent = 0
+
     def __init__(self, grid: list[float], seed: int) -> None:
         # Optuna's INFO lines ("A new study created in memory") interleave with the sweep's own
         # progress lines, which say what each trial did; its warnings still show.
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.tpe = TPESampler(n_startup_trials=1, seed=seed, constant_liar=False)
         super().__init__(metric=STABLE_LR, mode="max", points_to_evaluate=[{"lr": lr} for lr in grid],
-                         sampler=self.tpe)
+                         sampler=TPESampler(n_startup_trials=1, seed=seed, constant_liar=False))
         self.grid_size = len(grid)
-        self.max_concurrent = 0  # no limit of its own unless Tune passes `max_concurrent_trials`
         self.asked: list[str] = []  # trial ids in the order they got their learning rate, the grid's first
         self.finished: set[str] = set()
         self.errored: set[str] = set()  # finished, by an error, in this run of the sweep
@@ -74,7 +76,7 @@ class GridThenTpe(OptunaSearch):
     def sample(self) -> dict[str, Any]:
         """TPE's next learning rate, drawn in a study of `modelled_trials` (Optuna's own study
         keeps an errored trial open for its rerun); Optuna's study gets it as an enqueued point."""
-        view = optuna.create_study(direction="maximize", sampler=self.tpe)
+        view = optuna.create_study(direction="maximize", sampler=self._sampler)  # Optuna's study's
         view.add_trials(self.modelled_trials())
         return view.ask(self._space).params
 
@@ -104,8 +106,9 @@ class GridThenTpe(OptunaSearch):
         (`resume_errored`): each is running again, as before it errored."""
         super().restore(checkpoint_path)
         if isinstance(self.asked, int):  # saved before the trial ids were kept (2026-12-02): Optuna
-            self.asked = list(self._ot_trials)  # holds them, in the order they were asked
-        self.finished -= self.errored
+            self.asked = list(self._ot_trials)  # holds them, in the order they were asked; its
+            # errored trials were told to Optuna as unstable, and their reruns' results are dropped
+        self.finished -= getattr(self, "errored", set())
         self.errored = set()
 
     def set_max_concurrency(self, max_concurrent: int) -> bool:
