@@ -309,7 +309,8 @@ def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
     (`trials`, `report`). ExperimentError, its message naming the path, when it is not an
     experiment, a sweep file is corrupt, or its storage cannot be read; a corrupt trial file only
     marks that trial `unreadable`."""
-    from altgrad.remote import readable  # `altgrad.remote` reads the file names defined here
+    # `altgrad.remote` reads the file names defined here
+    from altgrad.remote import cannot_read, readable, storage_errors
 
     try:
         with readable(experiment) as exp_dir:
@@ -319,8 +320,8 @@ def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
         raise
     except ValueError as e:  # a corrupt sweep or trial-index file
         raise ExperimentError(f"{experiment}: cannot read the experiment: {e}") from None
-    except OSError as e:  # remote storage unreachable, or no permission
-        raise ExperimentError(f"cannot read {experiment}: {e}") from None
+    except storage_errors() as e:  # remote storage unreachable, or no permission
+        raise ExperimentError(cannot_read(experiment, e)) from None
 
 
 def _alias(record: TrialRecord, labels: dict[str, Any]) -> TrialRecord:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from experiment_files import KEYS
@@ -60,6 +61,19 @@ def test_a_sweep_on_s3_ends_with_its_trial_table(experiment, s3_bucket, capsys):
     assert FormatAblation.summarize(cfg, []) == 0
     out = capsys.readouterr().out
     assert all(key in out for key in KEYS) and "local disk" not in out
+
+
+@pytest.mark.parametrize("uri", ["gs://altgrad-unreachable/exp", "hdfs://altgrad-unreachable:1/exp",
+                                 "abfs://sweeps@altgradunreachable.dfs.core.windows.net/exp"])
+def test_storage_that_cannot_be_reached_is_one_line_within_seconds(uri):
+    """Without network or credentials (the tests have neither) every pyarrow scheme fails as S3 does:
+    GCS retried for 15 minutes, HDFS's reason ran on for dozens of lines of libjvm paths, and
+    Azure's bare ArrowException was a traceback."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "altgrad", "trials", uri], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - start < 30
+    assert proc.stderr.splitlines()[-1].startswith(f"error: cannot read {uri}: ") and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("command", ["trials", "report"])

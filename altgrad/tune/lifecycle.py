@@ -15,7 +15,7 @@ from typing import Any
 
 from altgrad.config import ConfigError
 from altgrad.experiment import STATE_DIR, SWEEP_FILE
-from altgrad.remote import is_remote
+from altgrad.remote import cannot_read, is_remote, storage_errors
 from altgrad.tune.config import MOVED_STOPPER_KEYS, absolute_data_paths
 from altgrad.tune.store import StateStore
 
@@ -28,8 +28,8 @@ def stored_sweep(experiment_path: str) -> dict[str, Any] | None:
     setting moved has it where it is now (`upgraded_config`), so an older sweep still resumes."""
     try:
         doc = StateStore(experiment_path).read(SWEEP_FILE)
-    except OSError as e:  # remote storage unreachable, or no permission
-        raise ConfigError(f"cannot read {experiment_path}: {e}") from None
+    except storage_errors() as e:  # remote storage unreachable, or no permission
+        raise ConfigError(cannot_read(experiment_path, e)) from None
     except ValueError as e:  # not JSON: nothing says whether it runs, or with what config
         raise ConfigError(f"{experiment_path}: its {STATE_DIR}/{SWEEP_FILE} is corrupt ({e}); move the "
                           "experiment aside by hand, or choose another --name") from None
