@@ -48,6 +48,25 @@ def test_an_s3_prefix_that_is_no_experiment_is_named_as_given(s3_bucket, capsys)
     assert err.startswith(f"error: {uri} is not an AltGrad experiment") and "altgrad-fetch-" not in err
 
 
+def test_a_corrupt_trial_on_s3_names_its_file_in_the_bucket(experiment, s3_bucket, capsys):
+    """Not the temp copy it was read from, which is gone by the time the user reads the message."""
+    from altgrad.remote import upload_dir
+
+    (experiment / TRIALS_DIR / KEYS[0] / RUN_DIR / "summary.json").write_text("{broken")
+    metrics = experiment / TRIALS_DIR / KEYS[1] / RUN_DIR / "metrics.jsonl"
+    metrics.write_text("{broken\n" + metrics.read_text())
+    uri = f"{s3_bucket}/corrupt/exp"
+    upload_dir(experiment, uri)
+    assert main(["trials", uri, "--json"]) == 2
+    errors = {r["trial"]: r["error"] for r in json.loads(capsys.readouterr().out)}
+    assert errors[KEYS[0]].startswith(f"unreadable: {uri}/{TRIALS_DIR}/{KEYS[0]}/{RUN_DIR}/summary.json: not valid JSON")
+    assert errors[KEYS[1]] == f"unreadable: {uri}/{TRIALS_DIR}/{KEYS[1]}/{RUN_DIR}/metrics.jsonl: line 1 is not valid JSON"
+    (experiment / STATE_DIR / TRIALS_FILE).write_text("{not json")
+    upload_dir(experiment, uri)
+    assert main(["trials", uri]) == 2
+    assert f"{uri}/{STATE_DIR}/{TRIALS_FILE}: not valid JSON" in capsys.readouterr().err
+
+
 def test_a_sweep_on_s3_ends_with_its_trial_table(experiment, s3_bucket, capsys):
     """Read from the bucket as `trials` reads it, not a request to copy it to local disk first."""
     from sweep_helpers import ABLATION
