@@ -484,16 +484,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def utf8_text(path: Path) -> str:
+    """A text file's content. Every file AltGrad reads is UTF-8 (it writes them so; a user's own
+    are read as such, whatever the locale): one that is not is a ConfigError naming the file and
+    the line, where Python's error names neither."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line} is not UTF-8 text ({e.reason}); save the file as UTF-8") from None
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, turning file and syntax problems into ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as e:
-        line = e.object[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}: line {line} is not UTF-8 text ({e.reason}); save the file as UTF-8") from None
+        data = yaml.safe_load(utf8_text(path)) or {}
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:

@@ -53,7 +53,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from altgrad.config import StabilityConfig, read_yaml
+from altgrad.config import StabilityConfig, read_yaml, utf8_text
 from altgrad.metrics import STEP, VAL_LOSS, VAL_STEP
 from altgrad.precision import BASELINE
 
@@ -242,7 +242,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     rows = []
-    lines = _text(path).splitlines()
+    lines = utf8_text(path).splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -261,17 +261,9 @@ def read_json(path: Path) -> Any:
     if not path.is_file():
         return None
     try:
-        return json.loads(_text(path))
+        return json.loads(utf8_text(path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
-def _text(path: Path) -> str:
-    """A file's text; ValueError naming the file when it is not UTF-8."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
 
 
 def _as_named(message: str, exp_dir: Path, shown: str | Path | None) -> str:
