@@ -547,19 +547,25 @@ def load_sweep_config(
     return model.validated(layered(preset))
 
 
-def absolute_data_paths(run: dict[str, Any]) -> dict[str, Any]:
+def absolute_data_paths(run: dict[str, Any], base: Path | None = None) -> dict[str, Any]:
     """`run` (a run config, or a sweep's `base`: part of one) with its data paths absolute, those it
-    leaves at their defaults included. Trials run in their own working directory, and a sweep's
-    stored config (its `base`, resolved where the sweep was created) must name the same data when
-    it is resumed from another one. What is not a path (`hf`, a wrong type) is left to validation."""
+    leaves at their defaults included; relative ones are resolved against `base` (default: the
+    current directory, where a config is loaded). Trials run in their own working directory, and a
+    sweep's stored config (its `base`, resolved where the sweep was created) must name the same data
+    when it is resumed from another one. What is not a path (`hf`, a wrong type) is left to
+    validation."""
     data = run.get("data", {})
     if not isinstance(data, dict):
         return run
     defaults = DataConfig()
     data = {"source": defaults.source, "data_root": defaults.data_root, **data}
     source, root = data["source"], data["data_root"]
+
+    def absolute(path: str) -> str:
+        return str(((base or Path.cwd()) / Path(path).expanduser()).resolve())
+
     if isinstance(source, str) and source.startswith("jsonl:") and (folder := source.removeprefix("jsonl:")):
-        data["source"] = "jsonl:" + str(Path(folder).expanduser().resolve())
+        data["source"] = "jsonl:" + absolute(folder)
     if isinstance(root, str):
-        data["data_root"] = str(Path(root).expanduser().resolve())
+        data["data_root"] = absolute(root)
     return {**run, "data": data}
