@@ -8,14 +8,17 @@ up front, so a typo fails before any data is prepared or any directory is writte
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -72,6 +75,21 @@ def precision_name(name: str) -> str:
         raise ValueError(f"unknown precision {name!r}; use one of {list(PRECISION_PRESETS)} or a list of "
                          "{pattern, format} rules")
     return canonical
+
+
+ONE_OF_MEMBER = "member-"  # how `one_of` tags its members; `describe_validation_error` omits them
+
+
+def one_of(expected: str, *members: tuple[Any, Callable[[Any], bool]]) -> Any:
+    """A union type validated as its first `(type, test)` member whose test the value passes: a
+    wrong value is one error (`expected`, or the chosen member's own), where pydantic's union
+    reports one per member (`quant.precision=5` read 'not a valid string' and 'not a valid list')."""
+    def member(value: Any) -> str | None:
+        return next((f"{ONE_OF_MEMBER}{i}" for i, (_, test) in enumerate(members) if test(value)), None)
+
+    tagged = tuple(Annotated[kind, Tag(f"{ONE_OF_MEMBER}{i}")] for i, (kind, _) in enumerate(members))
+    return Annotated[Union[tagged], Discriminator(member, custom_error_type="one_of",  # noqa: UP007
+                                                  custom_error_message=expected)]
 
 
 class ModelConfig(StrictModel):
@@ -163,9 +181,15 @@ class RolesConfig(StrictModel):
         return tuple(role for role in type(self).model_fields if getattr(self, role))
 
 
+# A built-in layer precision's name, or custom rules.
+Precision = one_of(f"not a layer precision: give one of {list(PRECISION_PRESETS)} or a list of "
+                   "{pattern, format} rules",
+                   (str, lambda v: isinstance(v, str)), (list[LayerRule], lambda v: isinstance(v, list)))
+
+
 class QuantConfig(StrictModel):
     format: str = "e4m3"
-    precision: str | list[LayerRule] = "all"
+    precision: Precision = "all"
     grad_format: str = GRAD_FORMAT
     roles: RolesConfig = Field(default_factory=RolesConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
@@ -187,8 +211,8 @@ class QuantConfig(StrictModel):
     @field_validator("precision", mode="before")
     @classmethod
     def _known_precision(cls, v: Any) -> Any:
-        """A name is checked before the union is tried: an unknown one is one error, not one per
-        member (pydantic would add that it is not a list of rules either)."""
+        """A name is made canonical (and an unknown one refused) before the value is validated
+        as a name or as rules (`Precision`)."""
         return precision_name(v) if isinstance(v, str) else v
 
     @field_validator("grad_format")
@@ -460,16 +484,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def utf8_text(path: Path) -> str:
+    """A text file's content. Every file AltGrad reads is UTF-8 (it writes them so; a user's own
+    are read as such, whatever the locale): one that is not is a ConfigError naming the file and
+    the line, where Python's error names neither."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line} is not UTF-8 text ({e.reason}); save the file as UTF-8") from None
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, turning file and syntax problems into ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as e:
-        line = e.object[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}: line {line} is not UTF-8 text ({e.reason}); save the file as UTF-8") from None
+        data = yaml.safe_load(utf8_text(path)) or {}
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
@@ -483,7 +515,7 @@ def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
     """One line per problem, each naming the dotted field path, e.g. `optim.lr: must be > 0`."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-after", ONE_OF_MEMBER)))
         loc = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "config")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":

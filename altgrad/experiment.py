@@ -53,7 +53,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from altgrad.config import StabilityConfig, read_yaml
+from altgrad.config import StabilityConfig, read_yaml, utf8_text
 from altgrad.metrics import STEP, VAL_LOSS, VAL_STEP
 from altgrad.precision import BASELINE
 
@@ -242,7 +242,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     rows = []
-    lines = path.read_text().splitlines()
+    lines = utf8_text(path).splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -256,8 +256,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def read_json(path: Path) -> Any:
-    """A JSON file's content, or None when it does not exist (yet)."""
-    return json.loads(path.read_text()) if path.is_file() else None
+    """A JSON file's content, or None when it does not exist (yet). ValueError naming the file
+    when it is not JSON: json's own message says only where in it."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(utf8_text(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _as_named(message: str, exp_dir: Path, shown: str | Path | None) -> str:
+    """`message` with the paths under `exp_dir`, a fetched copy of a remote experiment, written as
+    the user named the experiment (`s3://bucket/exp/...`): the temp dir is gone when they read it."""
+    if shown is None or Path(shown) == exp_dir:
+        return message
+    return message.replace(str(exp_dir), str(shown).rstrip("/"))
 
 
 def load_experiment(exp_dir: str | Path, shown: str | Path | None = None) -> list[TrialRecord]:
@@ -266,9 +280,19 @@ def load_experiment(exp_dir: str | Path, shown: str | Path | None = None) -> lis
     A trial that the sweep stopped (ASHA or the stability stopper) ends at the step of that
     decision: its history and summary are cut there, so the record does not depend on how far the
     trainer ran before the stop reached it (nor on a kill and resume in between). `shown` is the
-    experiment as the user named it, for the error when `exp_dir` is a fetched copy of a remote one.
+    experiment as the user named it, for the errors (and the files unreadable trials name) when
+    `exp_dir` is a fetched copy of a remote one.
     """
     exp_dir = Path(exp_dir)
+    try:
+        return _load_experiment(exp_dir, shown)
+    except ExperimentError:
+        raise
+    except ValueError as e:  # a corrupt state file
+        raise ValueError(_as_named(str(e), exp_dir, shown)) from None
+
+
+def _load_experiment(exp_dir: Path, shown: str | Path | None) -> list[TrialRecord]:
     state = exp_dir / STATE_DIR
     sweep = read_json(state / SWEEP_FILE)
     if sweep is None:
@@ -288,10 +312,10 @@ def load_experiment(exp_dir: str | Path, shown: str | Path | None = None) -> lis
             continue
         tid = by_key.pop(point["key"], None)
         measured[point["key"]] = (_record(point, trial_id="", status=TrialStatus.PENDING) if tid is None else
-                                  _trial_record(exp_dir, tid, {**point, **trials[tid]}, stops.get(tid)))
+                                  _trial_record(exp_dir, tid, {**point, **trials[tid]}, stops.get(tid), shown))
     records = [measured[p["key"]] if not p.get("same_as") else _alias(measured[p["same_as"]], p)
                for p in sweep["points"]]
-    records += [_trial_record(exp_dir, tid, trials[tid], stops.get(tid)) for tid in by_key.values()]
+    records += [_trial_record(exp_dir, tid, trials[tid], stops.get(tid), shown) for tid in by_key.values()]
     return records
 
 
@@ -309,7 +333,8 @@ def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
     (`trials`, `report`). ExperimentError, its message naming the path, when it is not an
     experiment, a sweep file is corrupt, or its storage cannot be read; a corrupt trial file only
     marks that trial `unreadable`."""
-    from altgrad.remote import readable  # `altgrad.remote` reads the file names defined here
+    # `altgrad.remote` reads the file names defined here
+    from altgrad.remote import cannot_read, readable, storage_errors
 
     try:
         with readable(experiment) as exp_dir:
@@ -319,8 +344,8 @@ def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
         raise
     except ValueError as e:  # a corrupt sweep or trial-index file
         raise ExperimentError(f"{experiment}: cannot read the experiment: {e}") from None
-    except OSError as e:  # remote storage unreachable, or no permission
-        raise ExperimentError(f"cannot read {experiment}: {e}") from None
+    except storage_errors() as e:  # remote storage unreachable, or no permission
+        raise ExperimentError(cannot_read(experiment, e)) from None
 
 
 def _alias(record: TrialRecord, labels: dict[str, Any]) -> TrialRecord:
@@ -375,8 +400,8 @@ def _record(labels: dict[str, Any], **kw: Any) -> TrialRecord:
     )
 
 
-def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
-                  stop: dict[str, Any] | None) -> TrialRecord:
+def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any], stop: dict[str, Any] | None,
+                  shown: str | Path | None) -> TrialRecord:
     trial_dir = exp_dir / TRIALS_DIR / entry["key"]
     if not trial_dir.is_dir():  # remote storage: the trial's files were synced into Ray's dir
         trial_dir = exp_dir / entry["dir"]
@@ -390,7 +415,7 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any],
         autocast = summary["autocast"] if "autocast" in summary else run_autocast(config)
     except ValueError as e:  # one corrupt trial must not hide the others
         return _record(entry, trial_id=trial_id, status=TrialStatus.ERROR, stop_reason=StopReason.ERROR,
-                       trial_dir=trial_dir, unreadable=str(e))
+                       trial_dir=trial_dir, unreadable=_as_named(str(e), exp_dir, shown))
     if stop is None:
         return _record(entry, trial_id=trial_id, status=entry["status"], history=history, events=events,
                        summary=summary, trial_dir=trial_dir, error=entry.get("error"), stability=stability,

@@ -26,6 +26,11 @@ from altgrad.experiment import (
 
 READ_FILES = (METRICS_FILE, EVENTS_FILE, SUMMARY_FILE, CONFIG_FILE)  # of a run directory
 
+# How long a GCS request retries before it fails. pyarrow's default is 15 minutes, so a reader
+# without network (or a typo in a bucket it may not see) hung instead of saying why; S3's default
+# strategy gives up within about a second. A few seconds still ride out a transient 503.
+GCS_RETRY_S = 3
+
 
 def is_remote(path: str | Path) -> bool:
     """Whether `path` names object storage (a URI such as `s3://bucket/prefix`), not a local path."""
@@ -33,10 +38,29 @@ def is_remote(path: str | Path) -> bool:
 
 
 def filesystem(uri: str):
-    """(pyarrow filesystem, path inside it) of a URI."""
+    """(pyarrow filesystem, path inside it) of a URI. On GCS its retries are bounded
+    (`GCS_RETRY_S`) unless the URI sets `retry_limit_seconds` itself."""
     from pyarrow.fs import FileSystem
 
+    scheme = uri.split("://", 1)[0]
+    if scheme in ("gs", "gcs") and "retry_limit_seconds=" not in uri:
+        uri = f"{uri}{'&' if '?' in uri else '?'}retry_limit_seconds={GCS_RETRY_S}"
     return FileSystem.from_uri(uri)
+
+
+def storage_errors() -> tuple[type[Exception], ...]:
+    """What a pyarrow filesystem raises when its storage cannot be reached or read: OSError, and
+    the bare ArrowException some raise (Azure's, when it finds no credentials)."""
+    from pyarrow import ArrowException
+
+    return OSError, ArrowException
+
+
+def cannot_read(path: str | Path, error: Exception) -> str:
+    """`cannot read <path>: <why>`, on one line: pyarrow's reasons can run to dozens of lines
+    (HDFS lists every libjvm it looked for)."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return f"cannot read {path}: {lines[0]}"
 
 
 def _read(relative: str) -> bool:

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 from statistics import fmean, stdev
 
+from altgrad.config import ConfigError, utf8_text
 from altgrad.experiment import (
     REPORT_DIR,
     REPORT_FILE,
@@ -121,7 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --readme {args.readme}: no such file", file=sys.stderr)
         return 2
     # Both checked before the report and the images are written: a failure leaves nothing half-published.
-    text = args.readme.read_text()
+    try:
+        text = utf8_text(args.readme)
+    except ConfigError as e:  # not UTF-8: rewritten, the rest of it would be mangled
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # no permission
+        print(f"error: --readme {args.readme}: {e.strerror}", file=sys.stderr)
+        return 2
     if BEGIN not in text or END not in text.split(BEGIN, 1)[1]:
         print(f"error: {args.readme} has no {BEGIN} ... {END} section (in that order)", file=sys.stderr)
         return 2
@@ -132,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     body = section(args.experiment, experiment, args.readme.parent)
     head, rest = text.split(BEGIN, 1)
-    args.readme.write_text(f"{head}{BEGIN}\n{body}\n{END}{rest.split(END, 1)[1]}")
+    args.readme.write_text(f"{head}{BEGIN}\n{body}\n{END}{rest.split(END, 1)[1]}", encoding="utf-8")
     print(f"published {args.experiment} in {args.readme}")
     return 0
 

@@ -119,6 +119,19 @@ def test_precision_names_are_case_insensitive_and_an_unknown_one_is_one_error():
                               "['all', 'mlp', 'attn', 'no_head'] or a list of {pattern, format} rules")
 
 
+@pytest.mark.parametrize("value", ["5", "true", "null", "{all: 1}"])
+def test_a_precision_of_the_wrong_kind_is_one_error(value):
+    """Neither a name nor a list of rules: one line saying what is expected, not one per member of
+    the union ('not a valid string', 'not a valid list'); a bad rule is that rule's error alone."""
+    with pytest.raises(ConfigError) as err:
+        build_run_config({"preset": "cpu"}, [f"quant.precision={value}"])
+    assert str(err.value) == ("invalid configuration:\n  quant.precision: not a layer precision: give one of "
+                              "['all', 'mlp', 'attn', 'no_head'] or a list of {pattern, format} rules")
+    with pytest.raises(ConfigError) as err:
+        build_run_config({"preset": "cpu"}, ["quant.precision=[{pattern: '*'}]"])
+    assert str(err.value) == "invalid configuration:\n  quant.precision.0.format: Field required"
+
+
 def test_model_config_builds_the_models_own_config():
     """The run config validates exactly the architecture's fields: one added to GPTConfig but not
     to ModelConfig (or the reverse) fails here, as does a default that drifts between them."""

@@ -82,23 +82,8 @@ def test_a_sweep_resumes_from_any_working_directory(tmp_path, monkeypatch):
     holds it resolved where the sweep was created, so `--resume` from another directory trains on
     the same data; a re-run from where it started still matches the stored config, and so does
     one of a sweep stored with the relative path (before paths were stored absolute)."""
-    import altgrad.data
-    from altgrad.experiment import SweepStatus
-    from altgrad.tune import cli
-
-    started, elsewhere = tmp_path / "work" / "main", tmp_path / "home" / "me" / "other"
-    data = tmp_path / "work" / "shared" / "data" / "eurlex"
-    for folder in (started, elsewhere, data):
-        folder.mkdir(parents=True)
-    trained: list[set[str]] = []
-
-    def run_experiment(exp, restore: bool, resume_command: str):
-        trained.append({point.run["data"]["source"] for point in exp.points.values()})
-        return SweepStatus.INTERRUPTED, signal.SIGINT
-
-    monkeypatch.setattr(altgrad.data, "prepare_dataset", lambda data: None)
-    monkeypatch.setattr(cli, "start_ray", lambda dashboard: None)
-    monkeypatch.setattr(cli, "run_experiment", run_experiment)
+    started, elsewhere, data = work_dirs(tmp_path)
+    trained = train_nothing(monkeypatch)
     monkeypatch.chdir(started)
     exp = existing(tmp_path, "interrupted")
     monkeypatch.chdir(elsewhere)
@@ -110,7 +95,57 @@ def test_a_sweep_resumes_from_any_working_directory(tmp_path, monkeypatch):
     doc["config"]["base"]["data"] = {"source": "jsonl:../shared/data/eurlex"}  # as stored before
     path.write_text(json.dumps(doc))
     assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu") == 128 + signal.SIGINT
-    assert trained == [{f"jsonl:{data}"}] * 3
+    assert trained == [{(f"jsonl:{data}", str(started / "data"))}] * 3
+
+
+def test_relative_data_paths_an_older_version_stored_are_where_the_sweep_started(tmp_path, monkeypatch,
+                                                                                  capsys):
+    """An older sweep.json holds `base.data` as given, relative. Meant where the sweep was started
+    (the parent of its default `experiments` folder, which was stored resolved there), not wherever
+    `--resume` is typed; where nothing says where it started, a resume from elsewhere fails naming
+    the data folder it looked for."""
+    started, elsewhere, data = work_dirs(tmp_path)
+    monkeypatch.chdir(started)
+    for storage in (started / "experiments", tmp_path / "store"):
+        path = existing(storage, "interrupted") / STATE_DIR / SWEEP_FILE
+        doc = json.loads(path.read_text())
+        doc["config"]["base"]["data"] = {"source": "jsonl:../shared/data/eurlex", "data_root": "data"}
+        path.write_text(json.dumps(doc))
+    monkeypatch.chdir(elsewhere)
+    assert ablation("--storage-path", str(tmp_path / "store"), "--resume") == 2
+    assert f"jsonl folder {tmp_path}/home/me/shared/data/eurlex does not exist" in capsys.readouterr().err
+    trained = train_nothing(monkeypatch)
+    assert ablation("--storage-path", str(started / "experiments"), "--resume") == 128 + signal.SIGINT
+    assert trained == [{(f"jsonl:{data}", str(started / "data"))}]
+
+
+def work_dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """Where a sweep is started, another working directory, and the data the shipped config names
+    relative to the first (`../shared/data/eurlex`)."""
+    started, elsewhere = tmp_path / "work" / "main", tmp_path / "home" / "me" / "other"
+    data = tmp_path / "work" / "shared" / "data" / "eurlex"
+    for folder in (started, elsewhere, data):
+        folder.mkdir(parents=True)
+    return started, elsewhere, data
+
+
+def train_nothing(monkeypatch) -> list[set[tuple[str, str]]]:
+    """The sweep entry point without data preparation, Ray or trials: each experiment it runs adds
+    the data (source, data_root) its trials would train on, and is interrupted."""
+    import altgrad.data
+    from altgrad.experiment import SweepStatus
+    from altgrad.tune import cli
+
+    trained: list[set[tuple[str, str]]] = []
+
+    def run_experiment(exp, restore: bool, resume_command: str):
+        trained.append({(p.run["data"]["source"], p.run["data"]["data_root"]) for p in exp.points.values()})
+        return SweepStatus.INTERRUPTED, signal.SIGINT
+
+    monkeypatch.setattr(altgrad.data, "prepare_dataset", lambda data: None)
+    monkeypatch.setattr(cli, "start_ray", lambda dashboard: None)
+    monkeypatch.setattr(cli, "run_experiment", run_experiment)
+    return trained
 
 
 def test_fresh_checks_everything_before_it_moves_the_old_experiment(tmp_path, capsys):

@@ -1045,6 +1045,19 @@ def test_the_published_study_names_the_code_its_trials_ran(tmp_path):
     assert not (tmp_path / "NOPE.md").exists()
 
 
+def test_a_readme_that_is_not_utf8_is_refused_untouched(tmp_path, capsys):
+    """Rewritten, a Latin-1 README would be mangled: exit 2 naming the file and line, not
+    UnicodeDecodeError's traceback, before the experiment is read or anything is written."""
+    publish = publish_study()
+    readme = tmp_path / "README.md"
+    latin1 = "# x\n<!-- study:begin -->\ncafé\n<!-- study:end -->\n".encode("latin-1")
+    readme.write_bytes(latin1)
+    assert publish.main([str(tmp_path / "exp"), "--readme", str(readme)]) == 2
+    assert capsys.readouterr().err == f"error: {readme}: line 3 is not UTF-8 text (invalid continuation byte); " \
+                                      "save the file as UTF-8\n"
+    assert readme.read_bytes() == latin1 and not (tmp_path / publish.IMAGES).exists()
+
+
 def test_publishing_checks_the_readme_and_the_experiment_before_writing_anything(tmp_path, capsys):
     """README markers out of order, or a sweep file that is not JSON: exit 2 with a message, and
     neither the README nor the report nor the README's images are touched."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from experiment_files import KEYS
@@ -47,6 +48,25 @@ def test_an_s3_prefix_that_is_no_experiment_is_named_as_given(s3_bucket, capsys)
     assert err.startswith(f"error: {uri} is not an AltGrad experiment") and "altgrad-fetch-" not in err
 
 
+def test_a_corrupt_trial_on_s3_names_its_file_in_the_bucket(experiment, s3_bucket, capsys):
+    """Not the temp copy it was read from, which is gone by the time the user reads the message."""
+    from altgrad.remote import upload_dir
+
+    (experiment / TRIALS_DIR / KEYS[0] / RUN_DIR / "summary.json").write_text("{broken")
+    metrics = experiment / TRIALS_DIR / KEYS[1] / RUN_DIR / "metrics.jsonl"
+    metrics.write_text("{broken\n" + metrics.read_text())
+    uri = f"{s3_bucket}/corrupt/exp"
+    upload_dir(experiment, uri)
+    assert main(["trials", uri, "--json"]) == 2
+    errors = {r["trial"]: r["error"] for r in json.loads(capsys.readouterr().out)}
+    assert errors[KEYS[0]].startswith(f"unreadable: {uri}/{TRIALS_DIR}/{KEYS[0]}/{RUN_DIR}/summary.json: not valid JSON")
+    assert errors[KEYS[1]] == f"unreadable: {uri}/{TRIALS_DIR}/{KEYS[1]}/{RUN_DIR}/metrics.jsonl: line 1 is not valid JSON"
+    (experiment / STATE_DIR / TRIALS_FILE).write_text("{not json")
+    upload_dir(experiment, uri)
+    assert main(["trials", uri]) == 2
+    assert f"{uri}/{STATE_DIR}/{TRIALS_FILE}: not valid JSON" in capsys.readouterr().err
+
+
 def test_a_sweep_on_s3_ends_with_its_trial_table(experiment, s3_bucket, capsys):
     """Read from the bucket as `trials` reads it, not a request to copy it to local disk first."""
     from sweep_helpers import ABLATION
@@ -60,6 +80,19 @@ def test_a_sweep_on_s3_ends_with_its_trial_table(experiment, s3_bucket, capsys):
     assert FormatAblation.summarize(cfg, []) == 0
     out = capsys.readouterr().out
     assert all(key in out for key in KEYS) and "local disk" not in out
+
+
+@pytest.mark.parametrize("uri", ["gs://altgrad-unreachable/exp", "hdfs://altgrad-unreachable:1/exp",
+                                 "abfs://sweeps@altgradunreachable.dfs.core.windows.net/exp"])
+def test_storage_that_cannot_be_reached_is_one_line_within_seconds(uri):
+    """Without network or credentials (the tests have neither) every pyarrow scheme fails as S3 does:
+    GCS retried for 15 minutes, HDFS's reason ran on for dozens of lines of libjvm paths, and
+    Azure's bare ArrowException was a traceback."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "altgrad", "trials", uri], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - start < 30
+    assert proc.stderr.splitlines()[-1].startswith(f"error: cannot read {uri}: ") and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("command", ["trials", "report"])

@@ -59,6 +59,21 @@ def test_malformed_config_exits_2_naming_the_field(overrides, field, tmp_path, c
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("override, line", [
+    ("base.quant.precision=5", "base.quant.precision: not a layer precision: give one of "),
+    ("grid.optimizers=adamw", "grid.optimizers: give 'all' or a list of optimizer names"),
+    ("grid.axes={quant.rounding: [[nearest]]}",
+     "grid.axes.quant.rounding.0: not a scalar: give a string, a number or true/false"),
+])
+def test_a_value_of_the_wrong_kind_for_a_union_is_one_error(override, line):
+    """A setting that takes one of several kinds reports a value of none of them once, not once per
+    kind it is not."""
+    with pytest.raises(ConfigError) as err:
+        load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", override])
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2 and lines[1].startswith(f"  {line}")
+
+
 def test_malformed_yaml_files(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ngrid: [unclosed\n")

@@ -36,6 +36,7 @@ from altgrad.config import (
     format_name,
     leaf_field,
     nested,
+    one_of,
     precision_name,
     read_yaml,
     resolve_preset,
@@ -53,6 +54,9 @@ FIXED_AXES = {"quant.format": "grid.formats", "optim.name": "grid.optimizers",
               "quant.precision": "grid.precisions", "train.seed": "grid.seeds",
               "preset": "the sweep's top-level preset", **TRIAL_FIELDS}
 AxisValue = str | bool | int | float  # one value of an extra grid axis: a scalar, part of the trial key
+# An axis value as the grid validates it: one error for a value that is no scalar, not one per type.
+AxisScalar = one_of("not a scalar: give a string, a number or true/false",
+                    *((kind, lambda v, kind=kind: isinstance(v, kind)) for kind in (bool, int, float, str)))
 
 # Resources per trial by preset: a GPU is shared by 4 trials; on CPU each trial gets one core.
 SWEEP_PRESETS: dict[str, dict[str, float]] = {
@@ -74,6 +78,10 @@ def _unique(values: list[Item], what: str) -> list[Item]:
 # The formats of a grid or a search: known names (lower-cased), at least one, no repeats.
 Formats = Annotated[list[str], Field(min_length=1),
                     AfterValidator(lambda v: _unique([format_name(f) for f in v], "format"))]
+
+# `all`, or names: one error for anything else, not one per member of the union.
+Optimizers = one_of("give 'all' or a list of optimizer names", (Literal["all"], lambda v: v == "all"),
+                    (list[str], lambda v: isinstance(v, list)))
 
 
 def _builtin_precision(name: str) -> str | None:
@@ -266,7 +274,7 @@ class SweepSettings(StrictModel):
 
 class GridSettings(StrictModel):
     formats: Formats
-    optimizers: list[str] | Literal["all"] = Field(
+    optimizers: Optimizers = Field(
         "all", description="optimizer names, or 'all' = every registered optimizer"
     )
     precisions: list[str] = Field(default_factory=lambda: ["all"], min_length=1)
@@ -277,7 +285,7 @@ class GridSettings(StrictModel):
     format_overrides: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per format, RunConfig fields on top of base (e.g. its lr)"
     )
-    axes: dict[str, list[AxisValue]] = Field(
+    axes: dict[str, list[AxisScalar]] = Field(
         default_factory=dict,
         description="extra grid axes: dotted RunConfig setting -> values, e.g. quant.rounding: "
                     "[nearest, stochastic]; each value is one more trial per cell",
@@ -539,19 +547,25 @@ def load_sweep_config(
     return model.validated(layered(preset))
 
 
-def absolute_data_paths(run: dict[str, Any]) -> dict[str, Any]:
+def absolute_data_paths(run: dict[str, Any], base: Path | None = None) -> dict[str, Any]:
     """`run` (a run config, or a sweep's `base`: part of one) with its data paths absolute, those it
-    leaves at their defaults included. Trials run in their own working directory, and a sweep's
-    stored config (its `base`, resolved where the sweep was created) must name the same data when
-    it is resumed from another one. What is not a path (`hf`, a wrong type) is left to validation."""
+    leaves at their defaults included; relative ones are resolved against `base` (default: the
+    current directory, where a config is loaded). Trials run in their own working directory, and a
+    sweep's stored config (its `base`, resolved where the sweep was created) must name the same data
+    when it is resumed from another one. What is not a path (`hf`, a wrong type) is left to
+    validation."""
     data = run.get("data", {})
     if not isinstance(data, dict):
         return run
     defaults = DataConfig()
     data = {"source": defaults.source, "data_root": defaults.data_root, **data}
     source, root = data["source"], data["data_root"]
+
+    def absolute(path: str) -> str:
+        return str(((base or Path.cwd()) / Path(path).expanduser()).resolve())
+
     if isinstance(source, str) and source.startswith("jsonl:") and (folder := source.removeprefix("jsonl:")):
-        data["source"] = "jsonl:" + str(Path(folder).expanduser().resolve())
+        data["source"] = "jsonl:" + absolute(folder)
     if isinstance(root, str):
-        data["data_root"] = str(Path(root).expanduser().resolve())
+        data["data_root"] = absolute(root)
     return {**run, "data": data}

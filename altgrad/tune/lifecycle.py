@@ -15,8 +15,8 @@ from typing import Any
 
 from altgrad.config import ConfigError
 from altgrad.experiment import STATE_DIR, SWEEP_FILE
-from altgrad.remote import is_remote
-from altgrad.tune.config import MOVED_STOPPER_KEYS, absolute_data_paths
+from altgrad.remote import cannot_read, is_remote, storage_errors
+from altgrad.tune.config import MOVED_STOPPER_KEYS, SweepSettings, absolute_data_paths
 from altgrad.tune.store import StateStore
 
 # Settings that may change between a run and its resume: where it is and how it is watched.
@@ -28,8 +28,8 @@ def stored_sweep(experiment_path: str) -> dict[str, Any] | None:
     setting moved has it where it is now (`upgraded_config`), so an older sweep still resumes."""
     try:
         doc = StateStore(experiment_path).read(SWEEP_FILE)
-    except OSError as e:  # remote storage unreachable, or no permission
-        raise ConfigError(f"cannot read {experiment_path}: {e}") from None
+    except storage_errors() as e:  # remote storage unreachable, or no permission
+        raise ConfigError(cannot_read(experiment_path, e)) from None
     except ValueError as e:  # not JSON: nothing says whether it runs, or with what config
         raise ConfigError(f"{experiment_path}: its {STATE_DIR}/{SWEEP_FILE} is corrupt ({e}); move the "
                           "experiment aside by hand, or choose another --name") from None
@@ -41,15 +41,15 @@ def stored_sweep(experiment_path: str) -> dict[str, Any] | None:
 def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
     """A stored sweep config in the form a config is loaded in now.
 
-    - Its `base` data paths absolute (`absolute_data_paths`, as `load_sweep_config` makes them): a
-      sweep stored with relative ones could only be resumed from where it started, and resolved
-      here they match the config loaded there again.
+    - Its `base` data paths absolute (`absolute_data_paths`, as `load_sweep_config` makes them),
+      relative ones resolved where the sweep was started (`started_in`): there they match the
+      config loaded again, and a `--resume` from elsewhere trains on the same data.
     - The stopper's thresholds moved to the run settings that replaced them (`MOVED_STOPPER_KEYS`).
       A threshold the stopper set was the one that ended its trials, so it wins over the run's own;
       unset (None), the run's stays. A config file given by the user is not upgraded: it is refused
       with the new place named."""
     if isinstance(config.get("base"), dict):
-        config = {**config, "base": absolute_data_paths(config["base"])}
+        config = {**config, "base": absolute_data_paths(config["base"], started_in(config))}
     stopper = config.get("stopper")
     if not isinstance(stopper, dict) or not set(stopper) & set(MOVED_STOPPER_KEYS):
         return config
@@ -59,6 +59,19 @@ def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
         if key in stopper and stopper[key] is not None:
             stability[moved_to.rsplit(".", 1)[1]] = stopper[key]
     return {**config, "base": base, "stopper": {k: v for k, v in stopper.items() if k not in MOVED_STOPPER_KEYS}}
+
+
+def started_in(config: dict[str, Any]) -> Path:
+    """The directory a stored sweep was started from, against which the relative data paths an
+    older version stored were meant. Its `storage_path` was stored resolved there: when that is the
+    default folder (`experiments`), its parent is that directory. Otherwise nothing recorded says,
+    and the current directory is taken (a resume from elsewhere then fails naming the data folder
+    it looked for: `prepare_dataset`)."""
+    storage, default = config.get("storage_path"), SweepSettings.model_fields["storage_path"].default
+    if isinstance(storage, str) and not is_remote(storage) and Path(storage).is_absolute() \
+            and Path(storage).name == default:
+        return Path(storage).parent
+    return Path.cwd()
 
 
 def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:

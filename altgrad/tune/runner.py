@@ -23,7 +23,7 @@ from typing import Any
 
 from altgrad.experiment import SWEEP_FILE, TERMINAL_STATUSES, TRIALS_FILE, SweepStatus, TrialStatus
 from altgrad.provenance import process_commit
-from altgrad.remote import is_remote
+from altgrad.remote import filesystem, is_remote
 from altgrad.tune.config import DashboardSettings, SweepSettings
 from altgrad.tune.grid import GridPoint
 from altgrad.tune.store import StateStore
@@ -196,9 +196,9 @@ def _without_ray_resume_hint() -> Iterator[None]:
 
 def _restorable(path: str) -> bool:
     """Ray can restore only once it wrote its first experiment snapshot (not just tuner.pkl)."""
-    from pyarrow.fs import FileSelector, FileSystem
+    from pyarrow.fs import FileSelector
 
-    fs, root = FileSystem.from_uri(path if is_remote(path) else str(Path(path).resolve()))
+    fs, root = filesystem(path if is_remote(path) else str(Path(path).resolve()))
     names = [f.base_name for f in fs.get_file_info(FileSelector(root, allow_not_found=True))]
     return "tuner.pkl" in names and any(n.startswith("experiment_state-") for n in names)
 
