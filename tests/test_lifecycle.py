@@ -119,6 +119,22 @@ def test_relative_data_paths_an_older_version_stored_are_where_the_sweep_started
     assert trained == [{(f"jsonl:{data}", str(started / "data"))}]
 
 
+def test_an_older_sweep_stored_in_a_folder_named_experiments_elsewhere_resumes_where_it_started(
+        tmp_path, monkeypatch):
+    """`--storage-path /scratch/experiments` with the sweep started in the checkout: the folder's
+    name alone does not say where it started, and resumed from where it did, its relative data
+    paths still name the data there (a guess from the name alone read them from /scratch: helper-24)."""
+    started, _, data = work_dirs(tmp_path)
+    monkeypatch.chdir(started)
+    path = existing(tmp_path / "scratch" / "experiments", "interrupted") / STATE_DIR / SWEEP_FILE
+    doc = json.loads(path.read_text())
+    doc["config"]["base"]["data"] = {"source": "jsonl:../shared/data/eurlex", "data_root": "data"}
+    path.write_text(json.dumps(doc))
+    trained = train_nothing(monkeypatch)
+    assert ablation("--storage-path", str(tmp_path / "scratch" / "experiments"), "--resume") == 128 + signal.SIGINT
+    assert trained == [{(f"jsonl:{data}", str(started / "data"))}]
+
+
 def work_dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
     """Where a sweep is started, another working directory, and the data the shipped config names
     relative to the first (`../shared/data/eurlex`)."""

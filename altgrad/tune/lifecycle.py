@@ -42,14 +42,13 @@ def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
     """A stored sweep config in the form a config is loaded in now.
 
     - Its `base` data paths absolute (`absolute_data_paths`, as `load_sweep_config` makes them),
-      relative ones resolved where the sweep was started (`started_in`): there they match the
-      config loaded again, and a `--resume` from elsewhere trains on the same data.
+      relative ones (stored by an older version) resolved where they name data (`data_base`).
     - The stopper's thresholds moved to the run settings that replaced them (`MOVED_STOPPER_KEYS`).
       A threshold the stopper set was the one that ended its trials, so it wins over the run's own;
       unset (None), the run's stays. A config file given by the user is not upgraded: it is refused
       with the new place named."""
     if isinstance(config.get("base"), dict):
-        config = {**config, "base": absolute_data_paths(config["base"], started_in(config))}
+        config = {**config, "base": absolute_data_paths(config["base"], data_base(config))}
     stopper = config.get("stopper")
     if not isinstance(stopper, dict) or not set(stopper) & set(MOVED_STOPPER_KEYS):
         return config
@@ -61,17 +60,39 @@ def upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "base": base, "stopper": {k: v for k, v in stopper.items() if k not in MOVED_STOPPER_KEYS}}
 
 
+def data_base(config: dict[str, Any]) -> Path:
+    """The directory the relative data paths of a stored sweep's `base` (an older version's) are
+    read from: the current one, as they always were, where its data is; else, where it is not, the
+    directory the sweep was likely started in (`started_in`), if the data is there. A resume from
+    elsewhere then trains on the data the sweep started with, where it had failed on a path that
+    meant nothing or, with data of that name there, trained on another directory's. Data in
+    neither fails naming the folder looked for here (`prepare_dataset`)."""
+    here, started = Path.cwd(), started_in(config)
+    if started != here and not _has_data(config["base"], here) and _has_data(config["base"], started):
+        return started
+    return here
+
+
 def started_in(config: dict[str, Any]) -> Path:
-    """The directory a stored sweep was started from, against which the relative data paths an
-    older version stored were meant. Its `storage_path` was stored resolved there: when that is the
-    default folder (`experiments`), its parent is that directory. Otherwise nothing recorded says,
-    and the current directory is taken (a resume from elsewhere then fails naming the data folder
-    it looked for: `prepare_dataset`)."""
+    """Where a stored sweep was likely started: its `storage_path` was stored resolved there, so
+    when that is the default folder (`experiments`), its parent; else the current directory. A
+    guess (`--storage-path /x/experiments` names a folder of that name anywhere), so `data_base`
+    takes it only where the data is."""
     storage, default = config.get("storage_path"), SweepSettings.model_fields["storage_path"].default
     if isinstance(storage, str) and not is_remote(storage) and Path(storage).is_absolute() \
             and Path(storage).name == default:
         return Path(storage).parent
     return Path.cwd()
+
+
+def _has_data(base: dict[str, Any], directory: Path) -> bool:
+    """Whether a sweep's `base` read from `directory` names data that is there: its jsonl folder,
+    or for another source the prepared data's root."""
+    data = absolute_data_paths(base, directory)["data"]
+    source = data.get("source")
+    if isinstance(source, str) and source.startswith("jsonl:"):
+        return Path(source.removeprefix("jsonl:")).is_dir()
+    return isinstance(data.get("data_root"), str) and Path(data["data_root"]).is_dir()
 
 
 def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
