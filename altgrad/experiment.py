@@ -334,7 +334,7 @@ def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
     experiment, a sweep file is corrupt, or its storage cannot be read; a corrupt trial file only
     marks that trial `unreadable`."""
     # `altgrad.remote` reads the file names defined here
-    from altgrad.remote import cannot_read, readable, storage_errors
+    from altgrad.remote import cannot, readable, storage_errors
 
     try:
         with readable(experiment) as exp_dir:
@@ -345,7 +345,7 @@ def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
     except ValueError as e:  # a corrupt sweep or trial-index file
         raise ExperimentError(f"{experiment}: cannot read the experiment: {e}") from None
     except storage_errors() as e:  # remote storage unreachable, or no permission
-        raise ExperimentError(cannot_read(experiment, e)) from None
+        raise ExperimentError(cannot(f"read {experiment}", e)) from None
 
 
 def _alias(record: TrialRecord, labels: dict[str, Any]) -> TrialRecord:

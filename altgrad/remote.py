@@ -37,13 +37,15 @@ def is_remote(path: str | Path) -> bool:
     return "://" in str(path)
 
 
-def filesystem(uri: str):
+def filesystem(uri: str, patient: bool = False):
     """(pyarrow filesystem, path inside it) of a URI. On GCS its retries are bounded
-    (`GCS_RETRY_S`) unless the URI sets `retry_limit_seconds` itself."""
+    (`GCS_RETRY_S`) unless the URI sets `retry_limit_seconds` itself, or the caller is `patient`:
+    a running sweep's own state (`StateStore`), which rides out an outage with pyarrow's retries
+    rather than ending a sweep of hours on a blip of seconds."""
     from pyarrow.fs import FileSystem
 
     scheme = uri.split("://", 1)[0]
-    if scheme in ("gs", "gcs") and "retry_limit_seconds=" not in uri:
+    if scheme in ("gs", "gcs") and not patient and "retry_limit_seconds=" not in uri:
         uri = f"{uri}{'&' if '?' in uri else '?'}retry_limit_seconds={GCS_RETRY_S}"
     return FileSystem.from_uri(uri)
 
@@ -56,11 +58,11 @@ def storage_errors() -> tuple[type[Exception], ...]:
     return OSError, ArrowException
 
 
-def cannot_read(path: str | Path, error: Exception) -> str:
-    """`cannot read <path>: <why>`, on one line: pyarrow's reasons can run to dozens of lines
-    (HDFS lists every libjvm it looked for)."""
+def cannot(what: str, error: Exception) -> str:
+    """`cannot <what>: <why>`, on one line: pyarrow's reasons can run to dozens of lines (HDFS lists
+    every libjvm it looked for)."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
-    return f"cannot read {path}: {lines[0]}"
+    return f"cannot {what}: {lines[0]}"
 
 
 def _read(relative: str) -> bool:

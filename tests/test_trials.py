@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from experiment_files import KEYS
@@ -93,6 +94,43 @@ def test_storage_that_cannot_be_reached_is_one_line_within_seconds(uri):
                           timeout=60)
     assert proc.returncode == 2 and time.monotonic() - start < 30
     assert proc.stderr.splitlines()[-1].startswith(f"error: cannot read {uri}: ") and "Traceback" not in proc.stderr
+
+
+def test_a_running_sweeps_state_on_gcs_keeps_pyarrows_retries():
+    """Readers give up on GCS within seconds; a running sweep's own state files (`StateStore`) keep
+    pyarrow's retries, so a blip of a few seconds does not end a sweep of hours."""
+    from altgrad.remote import GCS_RETRY_S, filesystem
+    from altgrad.tune.store import StateStore
+
+    def retry_limit(fs) -> float | None:
+        limit = fs.__reduce__()[1][0]["retry_time_limit"]
+        return None if limit is None else limit.total_seconds()
+
+    assert retry_limit(filesystem("gs://bucket/exp")[0]) == GCS_RETRY_S
+    assert retry_limit(filesystem("gs://bucket/exp", patient=True)[0]) is None
+    assert retry_limit(filesystem("gs://bucket/exp?retry_limit_seconds=60")[0]) == 60
+    seen = []
+    import altgrad.tune.store as store
+
+    real = store.filesystem
+    try:
+        store.filesystem = lambda uri, patient=False: (seen.append(patient), real(uri, patient))[1]
+        for patient in (True, False):
+            with pytest.raises(OSError):  # no network: what matters is how it was asked
+                StateStore("gs://altgrad-unreachable/exp?retry_limit_seconds=1", patient=patient).read("sweep.json")
+    finally:
+        store.filesystem = real
+    assert seen == [True, False] and StateStore("gs://b/exp").patient
+
+
+def test_a_report_that_cannot_be_written_to_its_storage_is_one_line(experiment, capsys):
+    """`report --out` to storage that cannot be reached: one line, exit 2 (Azure's bare
+    ArrowException was a traceback, HDFS's reason dozens of lines)."""
+    for out in ("hdfs://altgrad-unreachable:1/report", "abfs://sweeps@altgradunreachable.dfs.core.windows.net/r"):
+        assert main(["report", str(experiment), "--out", out]) == 2
+        (err,) = capsys.readouterr().err.strip().splitlines()
+        assert err.startswith(f"error: cannot write the report to {out}: ")
+    assert not list(Path.cwd().glob("*:"))  # nor a local folder named "hdfs:" (--out read as a Path)
 
 
 @pytest.mark.parametrize("command", ["trials", "report"])

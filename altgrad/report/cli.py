@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from altgrad.experiment import REPORT_DIR
-from altgrad.remote import is_remote, upload_dir
+from altgrad.remote import cannot, is_remote, storage_errors, upload_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Plots and report.md of a sweep: the sweet-spot format per layer precision, how "
                     "formats fail, manifold vs adamw, and the verdict 'E5M2 within 10 % of BF16'.")
     p.add_argument("experiment", help="the experiment directory (or s3://…) a sweep printed")
-    p.add_argument("--out", type=Path, metavar="DIR", help="output folder (default: <experiment>/report)")
+    # a string: Path("s3://bucket/r") is "s3:/bucket/r", a local folder named "s3:"
+    p.add_argument("--out", metavar="DIR", help="output folder, or s3://… (default: <experiment>/report)")
     p.set_defaults(func=run)
 
 
@@ -42,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or f"{str(args.experiment).rstrip('/')}/{REPORT_DIR}"
     try:
         path = _write(records, out, experiment.name)
-    except OSError as e:
-        return _fail(f"cannot write the report to {out}: {e}")
+    except storage_errors() as e:  # a folder that cannot be made, storage that cannot be reached
+        return _fail(cannot(f"write the report to {out}", e))
     print(f"report written: {path}")
     unreadable = [r for r in records if r.unreadable]
     for r in unreadable:

@@ -15,7 +15,7 @@ from typing import Any
 
 from altgrad.config import ConfigError
 from altgrad.experiment import STATE_DIR, SWEEP_FILE
-from altgrad.remote import cannot_read, is_remote, storage_errors
+from altgrad.remote import cannot, is_remote, storage_errors
 from altgrad.tune.config import MOVED_STOPPER_KEYS, SweepSettings, absolute_data_paths
 from altgrad.tune.store import StateStore
 
@@ -27,9 +27,9 @@ def stored_sweep(experiment_path: str) -> dict[str, Any] | None:
     """The `sweep.json` of an experiment, or None when there is none; a config stored before a
     setting moved has it where it is now (`upgraded_config`), so an older sweep still resumes."""
     try:
-        doc = StateStore(experiment_path).read(SWEEP_FILE)
+        doc = StateStore(experiment_path, patient=False).read(SWEEP_FILE)
     except storage_errors() as e:  # remote storage unreachable, or no permission
-        raise ConfigError(cannot_read(experiment_path, e)) from None
+        raise ConfigError(cannot(f"read {experiment_path}", e)) from None
     except ValueError as e:  # not JSON: nothing says whether it runs, or with what config
         raise ConfigError(f"{experiment_path}: its {STATE_DIR}/{SWEEP_FILE} is corrupt ({e}); move the "
                           "experiment aside by hand, or choose another --name") from None

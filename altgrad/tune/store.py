@@ -12,15 +12,19 @@ import os
 from pathlib import Path
 from typing import Any
 
+from altgrad.config import utf8_text
 from altgrad.experiment import STATE_DIR
 from altgrad.remote import filesystem, is_remote
 
 
 class StateStore:
-    """JSON documents under `<experiment_path>/sweep_state/` (picklable: Ray pickles its holders)."""
+    """JSON documents under `<experiment_path>/sweep_state/` (picklable: Ray pickles its holders).
+    `patient` (a running sweep's): remote storage retries as long as pyarrow does; not patient (a
+    look before the sweep starts), it fails within seconds (`remote.filesystem`)."""
 
-    def __init__(self, experiment_path: str):
+    def __init__(self, experiment_path: str, patient: bool = True):
         self.experiment_path = experiment_path
+        self.patient = patient
 
     def _path(self, name: str) -> str:
         return f"{self.experiment_path.rstrip('/')}/{STATE_DIR}/{name}"
@@ -29,8 +33,8 @@ class StateStore:
         """The document, or None if it was never written."""
         if not is_remote(self.experiment_path):
             path = Path(self._path(name))
-            return json.loads(path.read_text()) if path.is_file() else None
-        fs, path = filesystem(self._path(name))
+            return json.loads(utf8_text(path)) if path.is_file() else None
+        fs, path = filesystem(self._path(name), self.patient)
         from pyarrow.fs import FileType
 
         if fs.get_file_info(path).type == FileType.NotFound:
@@ -41,7 +45,7 @@ class StateStore:
     def write(self, name: str, document: Any) -> None:
         text = json.dumps(document, indent=1, sort_keys=False)
         if is_remote(self.experiment_path):
-            fs, path = filesystem(self._path(name))
+            fs, path = filesystem(self._path(name), self.patient)
             fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
             with fs.open_output_stream(path) as f:
                 f.write(text.encode())
