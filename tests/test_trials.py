@@ -68,6 +68,21 @@ def test_a_corrupt_trial_on_s3_names_its_file_in_the_bucket(experiment, s3_bucke
     assert f"{uri}/{STATE_DIR}/{TRIALS_FILE}: not valid JSON" in capsys.readouterr().err
 
 
+def test_a_report_written_to_s3_is_in_the_bucket(experiment, s3_bucket, capsys):
+    """`report --out s3://…` uploads the report: the option was read as a local path ("s3:/…"),
+    and the report went to a local folder named "s3:"."""
+    from pyarrow.fs import FileSelector
+
+    from altgrad.remote import filesystem
+
+    out = f"{s3_bucket}/reports/one"
+    assert main(["report", str(experiment), "--out", out]) == 0
+    assert capsys.readouterr().out.strip() == f"report written: {out}/report.md"
+    fs, root = filesystem(out)
+    assert "report.md" in {f.base_name for f in fs.get_file_info(FileSelector(root))}
+    assert not list(Path.cwd().glob("s3:"))
+
+
 def test_a_sweep_on_s3_ends_with_its_trial_table(experiment, s3_bucket, capsys):
     """Read from the bucket as `trials` reads it, not a request to copy it to local disk first."""
     from sweep_helpers import ABLATION
