@@ -39,7 +39,7 @@ def _time_all(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, floa
     """Median seconds per call of each fn, interleaved over `reps` rounds after one warm-up, each
     round in another order (seeded): a call's time depends on the call before it (the heap and
     caches a native round trip leaves), and in one fixed order formats that run one compiled graph
-    with other constants measured 1.0x-1.25x our e4m3 by their place alone."""
+    with other constants measured 0.92x-1.25x our e4m3 by their place alone."""
     for fn in fns.values():
         fn()
     order = random.Random(0)

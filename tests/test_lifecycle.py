@@ -119,6 +119,21 @@ def test_relative_data_paths_an_older_version_stored_are_where_the_sweep_started
     assert trained == [{(f"jsonl:{data}", str(started / "data"))}]
 
 
+def test_an_older_sweep_whose_data_section_is_not_a_mapping_is_one_error(tmp_path, monkeypatch, capsys):
+    """`base.data` that is no mapping (a hand-edited sweep.json) is refused by validation, one line,
+    not an AttributeError from looking for its data."""
+    started, elsewhere, _ = work_dirs(tmp_path)
+    monkeypatch.chdir(started)
+    path = existing(started / "experiments", "interrupted") / STATE_DIR / SWEEP_FILE
+    doc = json.loads(path.read_text())
+    doc["config"]["base"]["data"] = "eurlex"
+    path.write_text(json.dumps(doc))
+    monkeypatch.chdir(elsewhere)
+    assert ablation("--storage-path", str(started / "experiments"), "--resume") == 2
+    err = capsys.readouterr().err
+    assert "base.data" in err and "Traceback" not in err
+
+
 def test_an_older_sweep_stored_in_a_folder_named_experiments_elsewhere_resumes_where_it_started(
         tmp_path, monkeypatch):
     """`--storage-path /scratch/experiments` with the sweep started in the checkout: the folder's

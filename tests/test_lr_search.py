@@ -214,3 +214,15 @@ def test_a_searcher_saved_by_the_previous_version_resumes(tmp_path, limited):
     assert inner.asked == ["g0", "g1"] and resumed.searcher.suggest("s0") is None  # g1 still running
     resumed.on_trial_complete("g1", {STABLE_LR: 1.0})
     assert 1e-3 <= resumed.searcher.suggest("s0")["lr"] <= 1e3
+    # a sample errors in this version's run, and the sweep is resumed once more: as in the version
+    # it started with, the error is Optuna's (unstable), and the samples go on (Tune's limiter, back
+    # from the old state, would drop a reopened trial's rerun, and they would wait for it for good)
+    resumed.on_trial_complete("s0", error=True)
+    (tmp_path / "again").mkdir()
+    resumed.save_to_dir(str(tmp_path / "again"), "again")
+    again = tuned(pickle.loads(built))
+    again.restore_from_dir(str(tmp_path / "again"))
+    again.on_trial_complete("s0", {STABLE_LR: 1.0})  # its rerun: dropped or not, nothing waits for it
+    inner = again.searcher.searcher if limited else again.searcher
+    assert [t.value for t in inner._ot_study.get_trials()][-1] == 0.0
+    assert again.searcher.suggest("s1") is not None

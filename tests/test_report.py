@@ -129,11 +129,11 @@ def test_one_seed_ties_for_want_of_intervals_not_because_they_overlap():
     """With one seed nothing has an interval, so everything ties with the leader; the report must
     not claim that intervals overlap. A cell with an interval beside one without says both."""
     one = compute_findings([trial("bf16"), trial("e4m3", scale=0.98), trial("e5m2", scale=1.01)])
-    assert spot(one, "all").text == "tie: e4m3 ≈ bf16 ≈ e5m2 (not tested for e4m3, e5m2 (no interval))"
+    assert spot(one, "all").text == "tie: e4m3 ≈ bf16 ≈ e5m2 (no interval for e4m3, e5m2: not tested)"
     mixed = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e4m3", [0.98, 0.99, 1.0]),
                               *seeded("e3m4", [0.99, 1.0, 1.01]), trial("e5m2", seed=0, scale=0.97)])
     assert spot(mixed, "all").text == \
-        "tie: e5m2 ≈ e4m3 ≈ e3m4 ≈ bf16 (intervals overlap; not tested for e5m2 (no interval))"
+        "tie: e5m2 ≈ e4m3 ≈ e3m4 ≈ bf16 (intervals overlap; no interval for e5m2: not tested)"
 
 
 def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
@@ -878,6 +878,21 @@ def test_a_stopped_seed_does_not_end_its_cells_loss_curve(tmp_path):
     # the stopped seed's collapse is marked once in each panel of the stability figure (two passes, one mark)
     stability = plot_stability(compute_findings(records), "adamw", (), tmp_path / "stability.png")
     assert stability.collapses and all(marks == [31] for marks in stability.collapses.values())
+
+
+def test_the_second_half_marks_only_its_own_collapses(tmp_path):
+    """A collapse at step 11 of 60 is marked on the whole run's panel, not on the second half's,
+    where, drawn outside the axes, it landed over the panel beside it (another precision). Where
+    every trial broke, the second half says so rather than zoom on the broken curves."""
+    records = [*seeded("bf16", [1.0, 1.0]), *seeded("e4m3", [1.01, 1.02], prec="all"),
+               trial("e5m2", prec="mlp", seed=0, nan_from=11), trial("e5m2", prec="mlp", seed=1, nan_from=12)]
+    plot = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png")
+    assert sorted(plot.collapses["precision: mlp"]) == [11, 12]
+    assert not any(panel.endswith("steps 30-60") for panel in plot.collapses)
+    assert plot.limits["precision: mlp, steps 30-60"][0] == (30, 60)  # on bf16's losses there
+    broken = plot_loss(compute_findings(records[-2:]), "adamw", (), tmp_path / "broken.png")
+    assert broken.texts == {"precision: mlp, steps 30-60": ["every trial broke"]}
+    assert broken.limits["precision: mlp, steps 30-60"][0] == (30, 60)
 
 
 def test_a_running_bf16_seed_behind_the_others_does_not_cut_the_reference_curve(tmp_path):

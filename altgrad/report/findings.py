@@ -555,12 +555,12 @@ class Findings:
 
 
 def tie_reason(names: Sequence[str], no_interval: Sequence[str]) -> str:
-    """Why the names of a tie are one group ("intervals overlap", "not tested for e4m3 (no
-    interval)"): a tie says only that nothing separates them, which with two seeds (t(0.975, 1) =
+    """Why the names of a tie are one group ("intervals overlap", "no interval for e4m3: not
+    tested"): a tie says only that nothing separates them, which with two seeds (t(0.975, 1) =
     12.7) is little and without an interval (one seed, or one pair with bf16) is nothing at all (see
     `reading`), and "≈" alone reads as "equal"."""
     why = [*(["intervals overlap"] if len(names) - len(no_interval) > 1 else []),
-           *([f"not tested for {', '.join(no_interval)} (no interval)"] if no_interval else [])]
+           *([f"no interval for {', '.join(no_interval)}: not tested"] if no_interval else [])]
     return "; ".join(why)
 
 
@@ -620,7 +620,7 @@ def _same_losses(a: list[TrialRecord], b: list[TrialRecord]) -> bool:
 
 def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ...],
                bf16: list[TrialRecord], also: tuple[str, ...]) -> Cell:
-    steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
+    steps = furthest_eval(trials)
     label = " ≡ ".join((key[0], *also))
     # A seed of the cell that has not finished, evaluated short of its steps, has not yet measured
     # the cell's budget: it is left out until it has. One that was stopped (NaN, bit-stall, or
@@ -642,12 +642,17 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
                 short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)))
 
 
+def furthest_eval(trials: Iterable[TrialRecord]) -> int:
+    """The last evaluation any of `trials` reached (0: none evaluated yet)."""
+    return max((s for t in trials if (s := last_eval(t)) is not None), default=0)
+
+
 def unfinished_short(trials: Sequence[TrialRecord], steps: int | None = None) -> dict[int, tuple[int, str]]:
     """The seeds not stopped (still running, or not started) whose last evaluation came before
     `steps` (default: the furthest any of `trials` reached): they have not yet measured that budget
     and are left out of the numbers and the curves until they have (`_short_seeds` says why)."""
     if steps is None:
-        steps = max((s for t in trials if (s := last_eval(t)) is not None), default=0)
+        steps = furthest_eval(trials)
     return _short_seeds([t for t in trials if t.stop_reason is None], steps)
 
 

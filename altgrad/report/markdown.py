@@ -30,7 +30,7 @@ PLOT_SECTIONS = (
      "broke (× and its stop reason). A row marked ≡ repeats an equivalent format's measurement."),
     ("loss", "Validation loss vs step",
      "Per format, the mean over seeds, with the band from the lowest to the highest seed, up to the last "
-     "step every seed evaluated; past it, each seed that went further alone (dotted, `s<seed> alone`); "
+     "step every seed evaluated; past it, each seed that went further alone (dotted); "
      "bf16 dashed black in every panel; an \"x\" on the top edge marks a step where a trial collapsed. "
      "Top: the whole run; below: its second half, on the scale of the losses of the trials that did not "
      "break."),

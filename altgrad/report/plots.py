@@ -7,7 +7,7 @@ drawing, so tests check what was actually plotted rather than what was meant to 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,10 +125,12 @@ def _save(fig: Figure, path: Path) -> Plot:
                 thresholds, limits)
 
 
-def _collapse_mark(ax: Axes, r: TrialRecord) -> None:
-    """An "x" on the top edge at the step where a trial collapsed (visible however far it went)."""
+def _collapse_mark(ax: Axes, r: TrialRecord, since: float = -math.inf) -> None:
+    """An "x" on the top edge at the step where a trial collapsed (visible however far it went),
+    if that is not before `since`: a panel showing only later steps leaves it out (unclipped, it
+    would land over the panel beside it)."""
     step, collapsed = stop_step(r)
-    if collapsed:
+    if collapsed and step is not None and step >= since:
         ax.scatter([step], [0.96], transform=ax.get_xaxis_transform(), marker="x", s=60,
                    color=color(r.format), zorder=3, clip_on=False)
 
@@ -140,7 +142,7 @@ def _curve(ax: Axes, r: TrialRecord, steps: list[int], values: list[float], what
             ls=PASS_STYLES[what], lw=1.0)
 
 
-def _gaps(values: list[float]) -> np.ndarray:
+def _gaps(values: Sequence[float]) -> np.ndarray:
     """`values` with every non-finite one NaN: matplotlib leaves a gap there (an inf it would draw)."""
     y = np.array(values, float)
     y[~np.isfinite(y)] = np.nan
@@ -164,7 +166,7 @@ def seed_band(trials: list[TrialRecord]) -> tuple[np.ndarray, np.ndarray, np.nda
     return np.array(steps, float), values.mean(0), values.min(0), values.max(0)
 
 
-def _mean_curve(ax: Axes, fmt: str, trials: list[TrialRecord], label: str) -> None:
+def _mean_curve(ax: Axes, fmt: str, trials: list[TrialRecord], label: str, since: float = -math.inf) -> None:
     """The seeds' mean and band where all of them evaluated, then each seed that went further on
     its own, thin and dotted from the band's last step: a seed that stopped early (NaN, bit-stall,
     ASHA) stays in its cell, and its end is not the others'."""
@@ -179,7 +181,7 @@ def _mean_curve(ax: Axes, fmt: str, trials: list[TrialRecord], label: str) -> No
         if len(trials) > 1 and any(s > end and math.isfinite(v) for s, v in beyond):
             x, y = zip(*beyond, strict=True)
             ax.plot(x, _gaps(y), color=color(fmt), label=f"{label} s{t.seed}{ALONE}", ls=":", lw=0.9)
-        _collapse_mark(ax, t)
+        _collapse_mark(ax, t, since)
 
 
 def _facets(findings: Findings) -> list[tuple[str, AxesKey]]:
@@ -212,8 +214,8 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
         last = max((s for _, _, trials in groups for t in trials for s in t.val_series()[0]), default=0)
         half, late = last // 2, []
         for fmt, label, trials in groups:
-            for ax in (whole, zoom):
-                _mean_curve(ax, fmt, trials, label)
+            _mean_curve(whole, fmt, trials, label)
+            _mean_curve(zoom, fmt, trials, label, since=half)
             for t in trials:
                 steps, values = t.val_series()
                 starts += [v for v in values[:1] if math.isfinite(v)]
@@ -222,9 +224,12 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
                     late += [v for s, v in zip(steps, values, strict=True) if s >= half and math.isfinite(v)]
         whole.set(title=f"precision: {precision}", xlabel="step")
         zoom.set(title=f"precision: {precision}, steps {half}-{last}", xlabel="step")
-        if late and last > half:
+        if last > half:
             zoom.set_xlim(half, last)
+        if late:
             zoom.set_ylim(*_padded(min(late), max(late)))
+        elif groups:  # every trial broke: the panel would zoom on the broken curves
+            zoom.text(0.5, 0.5, "every trial broke", transform=zoom.transAxes, ha="center", va="center")
     for ax in grid.flat:
         ax.grid(alpha=0.3)
     grid[0, 0].set_ylabel("validation loss")
@@ -252,9 +257,9 @@ def _loss_legend(panels: Iterable[Axes]) -> list[Artist]:
             handles.setdefault(h.get_label(), h)
     curves = [h for label, h in handles.items() if not label.endswith((BAND, ALONE))]
     if any(label.endswith(BAND) for label in handles):
-        curves.append(Patch(color="grey", alpha=0.3, lw=0, label="lowest to highest seed"))
+        curves.append(Patch(color="black", alpha=0.15, lw=0, label="lowest to highest seed"))  # grey is e7m0
     if any(label.endswith(ALONE) for label in handles):
-        curves.append(Line2D([], [], color="grey", ls=":", lw=0.9, label=f"a seed{ALONE}"))
+        curves.append(Line2D([], [], color="black", ls=":", lw=0.9, label=f"a seed{ALONE}"))
     return curves
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, TypeVar, Union
+from typing import Annotated, Any, Literal, Self, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
@@ -53,8 +53,8 @@ TRIAL_FIELDS = {"train.threads": "resources.cpus_per_trial"}
 FIXED_AXES = {"quant.format": "grid.formats", "optim.name": "grid.optimizers",
               "quant.precision": "grid.precisions", "train.seed": "grid.seeds",
               "preset": "the sweep's top-level preset", **TRIAL_FIELDS}
-AXIS_KINDS = (bool, int, float, str)  # what one value of an extra grid axis may be; bool first: True is an int
-AxisValue = Union[AXIS_KINDS]  # noqa: UP007 - one value of an extra grid axis: a scalar, part of the trial key
+AxisValue = bool | int | float | str  # one value of an extra grid axis: a scalar, part of the trial key
+AXIS_KINDS = get_args(AxisValue)  # bool first: True is an int too
 # An axis value as the grid validates it: one error for a value that is no scalar, not one per type.
 AxisScalar = one_of("not a scalar: give a string, a number or true/false",
                     *((kind, lambda v, kind=kind: isinstance(v, kind)) for kind in AXIS_KINDS))

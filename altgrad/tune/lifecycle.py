@@ -64,8 +64,9 @@ def data_base(config: dict[str, Any]) -> Path:
     """The directory the relative data paths of a stored sweep's `base` (an older version's) are
     read from: the current one, as they always were, where its data is; else, where it is not, the
     directory the sweep was likely started in (`started_in`), if the data is there. A resume from
-    elsewhere then trains on the data the sweep started with, where it had failed on a path that
-    meant nothing or, with data of that name there, trained on another directory's. Data in
+    elsewhere then finds the data the sweep started with where it had failed on a path that meant
+    nothing. With data of that name here too, it is this directory's that is read: the likely start
+    is a guess, and the current directory was the rule these sweeps were stored under. Data in
     neither fails naming the folder looked for here (`prepare_dataset`)."""
     here, started = Path.cwd(), started_in(config)
     if started != here and not _has_data(config["base"], here) and _has_data(config["base"], started):
@@ -88,7 +89,9 @@ def started_in(config: dict[str, Any]) -> Path:
 def _has_data(base: dict[str, Any], directory: Path) -> bool:
     """Whether a sweep's `base` read from `directory` names data that is there: its jsonl folder,
     or for another source the prepared data's root."""
-    data = absolute_data_paths(base, directory)["data"]
+    data = absolute_data_paths(base, directory).get("data")
+    if not isinstance(data, dict):  # not a data section: left to validation, which names it
+        return False
     source = data.get("source")
     if isinstance(source, str) and source.startswith("jsonl:"):
         return Path(source.removeprefix("jsonl:")).is_dir()

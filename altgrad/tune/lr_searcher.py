@@ -50,6 +50,11 @@ class GridThenTpe(OptunaSearch):
     # no limit of its own unless Tune passes `max_concurrent_trials` (`set_max_concurrency`); a class
     # default, as a searcher pickled before it had one (a sweep resumed across versions) has none
     max_concurrent = 0
+    # A sweep started before errored trials were kept open (2026-12-02) keeps that version's way:
+    # Tune restores its limiter's saved state, which limits again and drops the completions of
+    # trials it no longer holds, so a rerun reopened here would never finish and the samples would
+    # wait for it for good. There an errored trial is told to Optuna as unstable, as it was.
+    tells_errors = False
 
     def __init__(self, grid: list[float], seed: int) -> None:
         # Optuna's INFO lines ("A new study created in memory") interleave with the sweep's own
@@ -96,7 +101,9 @@ class GridThenTpe(OptunaSearch):
         """An errored trial is not told to Optuna: it counts as unstable in `modelled_trials` until
         a resumed sweep runs it again (`restore`)."""
         self.finished.add(trial_id)
-        if error:
+        if error and self.tells_errors:
+            super().on_trial_complete(trial_id, {STABLE_LR: 0.0})
+        elif error:
             self.errored.add(trial_id)
         else:
             super().on_trial_complete(trial_id, result)
@@ -106,8 +113,8 @@ class GridThenTpe(OptunaSearch):
         (`resume_errored`): each is running again, as before it errored."""
         super().restore(checkpoint_path)
         if isinstance(self.asked, int):  # saved before the trial ids were kept (2026-12-02): Optuna
-            self.asked = list(self._ot_trials)  # holds them, in the order they were asked; its
-            # errored trials were told to Optuna as unstable, and their reruns' results are dropped
+            self.asked = list(self._ot_trials)  # holds them, in the order they were asked
+            self.tells_errors = True
         self.finished -= getattr(self, "errored", set())
         self.errored = set()
 

@@ -22,6 +22,8 @@ class StateStore:
     `patient` (a running sweep's): remote storage retries as long as pyarrow does; not patient (a
     look before the sweep starts), it fails within seconds (`remote.filesystem`)."""
 
+    patient = True  # a class default too: a store pickled before it had one (tuner.pkl) is patient
+
     def __init__(self, experiment_path: str, patient: bool = True):
         self.experiment_path = experiment_path
         self.patient = patient
