@@ -136,6 +136,24 @@ def test_one_seed_ties_for_want_of_intervals_not_because_they_overlap():
         "tie: e5m2 ≈ e4m3 ≈ e3m4 ≈ bf16 (intervals overlap; no interval for e5m2: not tested)"
 
 
+def test_a_tie_says_which_of_its_members_bf16_s_interval_separates():
+    """Overlap with the leader is not transitive: e7m0 ties with e4m3, which ties with bf16, while
+    e7m0's own × bf16 excludes 1. The tie says so, with whether the call holds family-wise, rather
+    than read as every member equal to bf16 (the CPU study's tie named e7m0 beside bf16 while its
+    table called e7m0 worse)."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e4m3", [0.985, 0.995, 1.005]),
+               *seeded("e7m0", [1.006, 1.008, 1.010])]
+    f = compute_findings(records)
+    e7m0 = f.cells["e7m0", "adamw", "all", ()]
+    assert e7m0.vs_bf16 == "worse" and e7m0.family_wise.holds  # p 0.01 of 2 (Holm 0.02)
+    assert spot(f, "all").text == "tie: e4m3 ≈ bf16 ≈ e7m0 (intervals overlap; yet e7m0 worse than bf16)"
+    records[-1:] = [trial("e7m0", seed=2, scale=1.011)]  # p 0.03 of 2: called, not family-wise
+    f = compute_findings(records)
+    assert f.cells["e7m0", "adamw", "all", ()].vs_bf16 == "worse"
+    assert not f.cells["e7m0", "adamw", "all", ()].family_wise.holds
+    assert spot(f, "all").text.endswith("(intervals overlap; yet e7m0 worse than bf16, not family-wise)")
+
+
 def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
     f = compute_findings(study())
     e4m3 = f.cells["e4m3", "adamw", "all", ()]

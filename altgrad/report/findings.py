@@ -120,7 +120,9 @@ DEFINITIONS = f"""\
 - **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
   ran the full budget and did not break ({" / ".join(BROKEN_STOPS)}), and bf16 (× 1 exactly), the
   lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
-  a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16"). A sole sweet spot rests on × bf16
+  a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16"). Overlap is not transitive: a member
+  of a tie with bf16 whose own × bf16 excludes 1 is named ("yet e7m0 worse than bf16, not
+  family-wise"). A sole sweet spot rests on × bf16
   calls (bf16 alone: every eligible cell is worse; a format alone: it is better than bf16) and says
   which of them do not hold family-wise ("bf16 (every format is worse; not family-wise for e4m3)").
 - **Failures**: every trial whose stop reason is not `completed` or that recorded a collapse. Step:
@@ -404,13 +406,17 @@ class SweetSpot:
     not_family_wise: tuple[str, ...] = ()
     # names in a tie group without an interval (one seed): they tie because nothing can separate them
     no_interval: tuple[str, ...] = ()
+    # members of a tie with bf16 whose × bf16 excludes 1 ("e7m0 worse than bf16, not family-wise"):
+    # overlap with the leader is not transitive, and the tie would read as "all equal to bf16"
+    apart: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
         if not self.group:
             return "none (no eligible cell)"
         if len(self.group) > 1:
-            return f"tie: {' ≈ '.join(self.group)} ({tie_reason(self.group, self.no_interval)})"
+            why = "; ".join((tie_reason(self.group, self.no_interval), *(f"yet {a}" for a in self.apart)))
+            return f"tie: {' ≈ '.join(self.group)} ({why})"
         if self.leader is None:
             caveat = f"; not family-wise for {', '.join(self.not_family_wise)}" if self.not_family_wise else ""
             return f"{BASELINE} (every format is worse{caveat})"
@@ -686,7 +692,10 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
     calls = [] if len(group) != 1 else eligible if leader is None else [leader]
     unheld = tuple(c.name for c in calls if c.family_wise is None or not c.family_wise.holds)
     no_interval = tuple(name for name, e in entries if name in group and e.half_width is None)
-    return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld, no_interval)
+    apart = tuple(f"{c.name} {c.vs_bf16} than {BASELINE}"
+                  + ("" if c.family_wise is not None and c.family_wise.holds else ", not family-wise")
+                  for c in eligible if BASELINE in group and c.name in group and c.ratio.excludes(c.NULL))
+    return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld, no_interval, apart)
 
 
 def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: bool,
