@@ -28,8 +28,8 @@ do not count as finished, and one seed gave every format the same random samples
   back among the running trials, so samples wait for a grid point's rerun as for its first run.
   For the same reason `max_concurrent_trials` is kept here (`set_max_concurrency`).
 
-The trial lists below are part of the searcher's state, which Tune saves with the experiment's and
-restores on resume.
+The trial sets below are part of the searcher's state, which Tune saves with the experiment's and
+restores on resume; the trials asked so far, in order, are Optuna's (`OptunaSearch._ot_trials`).
 """
 
 from __future__ import annotations
@@ -63,19 +63,17 @@ class GridThenTpe(OptunaSearch):
         super().__init__(metric=STABLE_LR, mode="max", points_to_evaluate=[{"lr": lr} for lr in grid],
                          sampler=TPESampler(n_startup_trials=1, seed=seed, constant_liar=False))
         self.grid_size = len(grid)
-        self.asked: list[str] = []  # trial ids in the order they got their learning rate, the grid's first
         self.finished: set[str] = set()
         self.errored: set[str] = set()  # finished, by an error, in this run of the sweep
 
     def suggest(self, trial_id: str) -> dict[str, Any] | None:
-        grid = self.asked[:self.grid_size]
-        if self.max_concurrent and len(self.asked) - len(self.finished) >= self.max_concurrent:
+        asked = list(self._ot_trials)  # trial ids in the order they got their learning rate, the grid's first
+        if self.max_concurrent and len(asked) - len(self.finished) >= self.max_concurrent:
             return None
-        if len(grid) == self.grid_size:
-            if not self.finished.issuperset(grid):
+        if len(asked) >= self.grid_size:
+            if not self.finished.issuperset(asked[:self.grid_size]):
                 return None
             self._ot_study.enqueue_trial(self.sample())
-        self.asked.append(trial_id)
         return super().suggest(trial_id)
 
     def sample(self) -> dict[str, Any]:
@@ -91,7 +89,7 @@ class GridThenTpe(OptunaSearch):
         model, and its samples strayed to rates below the whole grid (1e-4 with the grid's 1e-3
         errored)."""
         told = self._ot_study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-        errored = [self._ot_trials[t] for t in self.asked if t in self.errored]
+        errored = [trial for t, trial in self._ot_trials.items() if t in self.errored]
         return [*told, *(create_trial(params=t.params, distributions=t.distributions, value=0.0) for t in errored)]
 
     def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
@@ -112,8 +110,7 @@ class GridThenTpe(OptunaSearch):
         """Tune restores a searcher to resume its sweep, which runs every errored trial again
         (`resume_errored`): each is running again, as before it errored."""
         super().restore(checkpoint_path)
-        if isinstance(self.asked, int):  # saved before the trial ids were kept (2026-12-02): Optuna
-            self.asked = list(self._ot_trials)  # holds them, in the order they were asked
+        if "errored" not in vars(self):  # saved by the version before (`tells_errors`)
             self.tells_errors = True
         self.finished -= getattr(self, "errored", set())
         self.errored = set()
