@@ -312,6 +312,11 @@ class FamilyWise:
         return f"{'holds' if self.holds else 'not family-wise'}: {numbers}"
 
 
+def holds(fw: FamilyWise | None) -> bool:
+    """Whether a comparison's call holds family-wise; one without an interval (None) makes none."""
+    return fw is not None and fw.holds
+
+
 def family_wise(comparisons: list[tuple[Interval, float]]) -> list[FamilyWise | None]:
     """`FamilyWise` of each (estimate, null) of one family, Holm over those with an interval; None
     for an estimate without one."""
@@ -548,7 +553,7 @@ class Findings:
             if further:
                 parts.append("further: " + ", ".join(
                     f"{g.cell.name} {g.cosine.text(3)}"
-                    + ("" if g.family_wise and g.family_wise.holds else f" (− {BASELINE} not family-wise)")
+                    + ("" if holds(g.family_wise) else f" (− {BASELINE} not family-wise)")
                     for g in further))
                 if hidden := [g.cell.name for g in further if not g.cell.ratio.excludes(g.cell.NULL)]:
                     parts.append(f"loss not separated from {BASELINE}'s for {', '.join(hidden)}")
@@ -690,11 +695,12 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
     # the × bf16 calls a sole sweet spot rests on: every eligible cell's "worse" when bf16 leads
     # alone, the leader's own "better" when a format does; a tie rests on none
     calls = [] if len(group) != 1 else eligible if leader is None else [leader]
-    unheld = tuple(c.name for c in calls if c.family_wise is None or not c.family_wise.holds)
+    unheld = tuple(c.name for c in calls if not holds(c.family_wise))
     no_interval = tuple(name for name, e in entries if name in group and e.half_width is None)
-    apart = tuple(f"{c.name} {c.vs_bf16} than {BASELINE}"
-                  + ("" if c.family_wise is not None and c.family_wise.holds else ", not family-wise")
-                  for c in eligible if BASELINE in group and c.name in group and c.ratio.excludes(c.NULL))
+    # a tie with bf16 whose members' own × bf16 excludes 1: overlap with the leader is not transitive
+    apart = () if BASELINE not in group else tuple(
+        f"{c.name} {c.vs_bf16} than {BASELINE}" + ("" if holds(c.family_wise) else ", not family-wise")
+        for c in eligible if c.name in group and c.ratio.excludes(c.NULL))
     return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld, no_interval, apart)
 
 

@@ -39,6 +39,7 @@ from altgrad.report.findings import (
     baseline_trials,
     broke,
     format_key,
+    furthest_eval,
     signals,
     stop_step,
     unfinished_short,
@@ -57,19 +58,21 @@ class StabilityRow:
     symlog: bool = False  # rare events matter: 0, 1e-4 and 0.5 alike readable
 
 
+BOTH_PASSES = "both passes"  # the rate a run logged before the rates by pass
+PASS_STYLES = {"": "-", "forward": "-", "backward": "--", BOTH_PASSES: "-."}
+
 # Rates by pass replace the rate over both passes, which only runs recorded before the rates by pass
 # have; such a run draws that rate instead (dash-dotted: dotted lines are the thresholds).
 STABILITY_ROWS = (
     StabilityRow(BIT_STALL_RATE, "bit-stall rate", {"": BIT_STALL_RATE}),
     StabilityRow(f"{OVERFLOW_RATE} by pass", "overflow rate", {
-        "forward": FORWARD_OVERFLOW_RATE, "backward": BACKWARD_OVERFLOW_RATE, "both passes": OVERFLOW_RATE},
+        "forward": FORWARD_OVERFLOW_RATE, "backward": BACKWARD_OVERFLOW_RATE, BOTH_PASSES: OVERFLOW_RATE},
         symlog=True),
     StabilityRow(f"{UNDERFLOW_RATE} by pass", "underflow rate", {
-        "forward": FORWARD_UNDERFLOW_RATE, "backward": BACKWARD_UNDERFLOW_RATE, "both passes": UNDERFLOW_RATE},
+        "forward": FORWARD_UNDERFLOW_RATE, "backward": BACKWARD_UNDERFLOW_RATE, BOTH_PASSES: UNDERFLOW_RATE},
         symlog=True),
     StabilityRow(SHADOW_COS_MEAN, "cosine to FP32 gradients", {"": SHADOW_COS_MEAN}),
 )
-PASS_STYLES = {"": "-", "forward": "-", "backward": "--", "both passes": "-."}
 ALONE = " alone"  # a seed's loss curve past the steps every seed of its group evaluated
 BAND = " seeds"  # a format's band from its lowest to its highest seed
 LEGEND_WIDTH = 1.0  # inches right of the panels for a figure's legend, so it covers no data
@@ -152,7 +155,7 @@ def _gaps(values: Sequence[float]) -> np.ndarray:
 def _drawn_passes(r: TrialRecord, row: StabilityRow) -> dict[str, tuple[list[int], list[float]]]:
     """pass -> the series a trial draws in a row: the passes it logged, else the rate over both."""
     logged = {what: series for what, metric in row.metrics.items() if (series := r.series(metric))[0]}
-    by_pass = {what: series for what, series in logged.items() if what not in ("", "both passes")}
+    by_pass = {what: series for what, series in logged.items() if what not in ("", BOTH_PASSES)}
     return by_pass or logged
 
 
@@ -211,7 +214,7 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
         groups += [(c.format, c.name, [t for t in c.trials if t.seed not in c.short])
                    for c in sorted(findings.cells.values(), key=lambda c: format_key(c.format))
                    if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)]
-        last = max((s for _, _, trials in groups for t in trials for s in t.val_series()[0]), default=0)
+        last = furthest_eval(t for _, _, trials in groups for t in trials)
         half, late = last // 2, []
         for fmt, label, trials in groups:
             _mean_curve(whole, fmt, trials, label)
