@@ -154,6 +154,24 @@ def test_a_tie_says_which_of_its_members_bf16_s_interval_separates():
     assert spot(f, "all").text.endswith("(intervals overlap; yet e7m0 worse than bf16, not family-wise)")
 
 
+def test_a_tie_without_bf16_says_which_call_left_it_out_and_who_bf16_does_not_separate():
+    """The leader's interval excludes 1, so bf16 is out of the tie; e7m0 is in it (it overlaps the
+    leader), though its own interval holds 1. Read bare, the tie said e7m0 beat bf16 (a real
+    two-seed sweep: e4m3 0.995 ± 0.003 led, e7m0 1.008 ± 0.020 tied with it, bf16 out)."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e4m3", [0.990, 0.992, 0.994]),
+               *seeded("e7m0", [0.99, 1.0, 1.02])]
+    f = compute_findings(records)
+    e4m3, e7m0 = f.cells["e4m3", "adamw", "all", ()], f.cells["e7m0", "adamw", "all", ()]
+    assert (e4m3.vs_bf16, e7m0.vs_bf16) == ("better", "indistinguishable") and e4m3.family_wise.holds
+    assert spot(f, "all").text == ("tie: e4m3 ≈ e7m0 (intervals overlap; bf16 left out: e4m3 better than bf16; "
+                                   "yet e7m0 indistinguishable from bf16)")
+    records[3:6] = seeded("e4m3", [0.991, 0.993, 0.995])  # p 0.026 of 2: called, not family-wise
+    f = compute_findings(records)
+    assert f.cells["e4m3", "adamw", "all", ()].vs_bf16 == "better"
+    assert not f.cells["e4m3", "adamw", "all", ()].family_wise.holds
+    assert "bf16 left out: e4m3 better than bf16, not family-wise; yet e7m0" in spot(f, "all").text
+
+
 def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
     f = compute_findings(study())
     e4m3 = f.cells["e4m3", "adamw", "all", ()]
@@ -164,7 +182,7 @@ def test_overlapping_intervals_are_a_tie_and_separated_ones_are_ordered():
     all_spot = spot(f, "all")
     assert all_spot.group == ("bf16", "e4m3") and all_spot.text.startswith("tie: bf16 ≈ e4m3")
     mlp = spot(f, "mlp")
-    assert mlp.group == ("e3m4", "e2m5") and mlp.text == "tie: e3m4 ≈ e2m5 (intervals overlap)"
+    assert mlp.group == ("e3m4", "e2m5") and mlp.text == "tie: e3m4 ≈ e2m5 (intervals overlap; bf16 left out: e3m4 better than bf16)"
     assert f.cells["e3m4", "adamw", "mlp", ()].vs_bf16 == "better"
     assert any(n.startswith("e3m4 / mlp / adamw trained better than bf16 beyond its interval") for n in f.notes)
     assert not any(n.startswith("e4m3") for n in f.notes)  # within its interval of bf16: no anomaly
@@ -820,7 +838,7 @@ def test_cli_writes_the_report(tmp_path, capsys):
     assert text.startswith("# AltGrad report: exp")
     mean, hw = hand_interval([1.20, 1.21, 1.22])
     assert f"**E5M2 within 10 % of BF16: INVESTIGATE (× bf16 {mean:.3f} ± {hw:.3f} (n = 3, paired)" in text
-    assert "- Sweet spot for **mlp, adamw**: tie: e3m4 ≈ e2m5 (intervals overlap)" in text
+    assert "- Sweet spot for **mlp, adamw**: tie: e3m4 ≈ e2m5 (intervals overlap; bf16 left out" in text
     assert "| e7m0_adamw_all_0 | e7m0 | adamw | all | — | 0 | nan | 37 (collapse) | forward (non-finite loss) |" in text
     assert "Nothing: every grid point has a finished trial." in text
     pngs = sorted(p.name for p in path.parent.glob("*.png"))

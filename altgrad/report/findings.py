@@ -120,9 +120,11 @@ DEFINITIONS = f"""\
 - **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
   ran the full budget and did not break ({" / ".join(BROKEN_STOPS)}), and bf16 (× 1 exactly), the
   lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
-  a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16"). Overlap is not transitive: a member
-  of a tie with bf16 whose own × bf16 excludes 1 is named ("yet e7m0 worse than bf16, not
-  family-wise"). A sole sweet spot rests on × bf16
+  a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16"). Overlap is not transitive, so a tie
+  says where its members and bf16 part: in a tie with bf16, a member whose own × bf16 excludes 1
+  ("yet e7m0 worse than bf16, not family-wise"); in a tie without it, the leader's call that left
+  bf16 out ("bf16 left out: e4m3 better than bf16") and the members bf16's interval does not
+  separate ("yet e7m0 indistinguishable from bf16"). A sole sweet spot rests on × bf16
   calls (bf16 alone: every eligible cell is worse; a format alone: it is better than bf16) and says
   which of them do not hold family-wise ("bf16 (every format is worse; not family-wise for e4m3)").
 - **Failures**: every trial whose stop reason is not `completed` or that recorded a collapse. Step:
@@ -411,8 +413,10 @@ class SweetSpot:
     not_family_wise: tuple[str, ...] = ()
     # names in a tie group without an interval (one seed): they tie because nothing can separate them
     no_interval: tuple[str, ...] = ()
-    # members of a tie with bf16 whose × bf16 excludes 1 ("e7m0 worse than bf16, not family-wise"):
-    # overlap with the leader is not transitive, and the tie would read as "all equal to bf16"
+    # Overlap with the leader is not transitive, so a tie says where its members and bf16 part
+    # (`_tie_and_bf16`): "yet e7m0 worse than bf16" in a tie with bf16, which would read as "all
+    # equal to bf16"; "bf16 left out: e4m3 better than bf16" and "yet e7m0 indistinguishable from
+    # bf16" in one without, which would read as "all better than bf16".
     apart: tuple[str, ...] = ()
 
     @property
@@ -420,7 +424,7 @@ class SweetSpot:
         if not self.group:
             return "none (no eligible cell)"
         if len(self.group) > 1:
-            why = "; ".join((tie_reason(self.group, self.no_interval), *(f"yet {a}" for a in self.apart)))
+            why = "; ".join((tie_reason(self.group, self.no_interval), *self.apart))
             return f"tie: {' ≈ '.join(self.group)} ({why})"
         if self.leader is None:
             caveat = f"; not family-wise for {', '.join(self.not_family_wise)}" if self.not_family_wise else ""
@@ -697,11 +701,21 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
     calls = [] if len(group) != 1 else eligible if leader is None else [leader]
     unheld = tuple(c.name for c in calls if not holds(c.family_wise))
     no_interval = tuple(name for name, e in entries if name in group and e.half_width is None)
-    # a tie with bf16 whose members' own × bf16 excludes 1: overlap with the leader is not transitive
-    apart = () if BASELINE not in group else tuple(
-        f"{c.name} {c.vs_bf16} than {BASELINE}" + ("" if holds(c.family_wise) else ", not family-wise")
-        for c in eligible if c.name in group and c.ratio.excludes(c.NULL))
+    apart = _tie_and_bf16([c for c in eligible if c.name in group], leader) if len(group) > 1 else ()
     return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld, no_interval, apart)
+
+
+def _tie_and_bf16(tied: list[Cell], leader: Cell | None) -> tuple[str, ...]:
+    """Where a tie's cells and bf16 part (see `SweetSpot.apart`). `leader` is None when bf16 leads,
+    so it is in the tie."""
+    def call(c: Cell) -> str:
+        return f"{c.name} {c.vs_bf16} than {BASELINE}" + ("" if holds(c.family_wise) else ", not family-wise")
+
+    if leader is None or not leader.ratio.excludes(leader.NULL):  # bf16 is one of the tie
+        return tuple(f"yet {call(c)}" for c in tied if c.ratio.excludes(c.NULL))
+    level = [c.name for c in tied if c.ratio.bounded and not c.ratio.excludes(c.NULL)]
+    return (f"{BASELINE} left out: {call(leader)}",
+            *([f"yet {', '.join(level)} indistinguishable from {BASELINE}"] if level else []))
 
 
 def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: bool,
