@@ -944,6 +944,27 @@ def test_a_running_bf16_seed_behind_the_others_does_not_cut_the_reference_curve(
     assert not [label for _, label in plot.lines if label.endswith("alone")]
 
 
+def test_a_stopped_bf16_seed_is_drawn_on_its_own_not_in_the_reference(tmp_path):
+    """bf16's seed 2, NaN from step 31 (stopped at 35) of 60, is no baseline in the tables (a cell's × bf16 divides
+    by seeds 0 and 1), so the dashed reference is their mean to step 60, not a band that ends where
+    seed 2 broke with the others going on alone; seed 2 is drawn on its own and its collapse marked."""
+    records = [*seeded("bf16", [1.0, 1.01]), trial("bf16", seed=2, scale=1.2, nan_from=31, steps=35),
+               *seeded("e4m3", [1.01, 1.02, 1.03])]
+    findings = compute_findings(records)
+    (cell,) = findings.cells.values()
+    assert cell.short_baseline == (2,)  # the tables' side of the same rule
+    plot = plot_loss(findings, "adamw", (), tmp_path / "loss.png")
+    x, y = plot.lines["precision: all", "bf16"]
+    assert x[-1] == STEPS
+    np.testing.assert_allclose(y, [curve(int(step), 1.005) for step in x])
+    assert not [label for _, label in plot.lines if label.endswith("alone")]
+    own = plot.lines["precision: all", "bf16 s2: nan at step 30, not the reference"]
+    steps, values = records[2].val_series()
+    np.testing.assert_array_equal(own[0], steps)
+    np.testing.assert_array_equal(own[1], values)
+    assert plot.collapses["precision: all"] == [31]
+
+
 def test_a_bad_threshold_in_a_runs_config_makes_that_trial_unreadable(tmp_path):
     exp = write_experiment(tmp_path / "exp", [trial("bf16"), trial("e4m3")])
     config = run_dir(exp, trial("e4m3")) / "config.yaml"

@@ -643,7 +643,7 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     # cell's result, and the cell is marked broken. Any bf16 seed short of the steps is no baseline.
     short = unfinished_short(trials, steps)
     baseline = baseline_trials(bf16, key[3])
-    short_bf16 = _short_seeds(baseline, steps)
+    short_bf16 = short_seeds(baseline, steps)
     values = seed_values([t for t in trials if t.seed not in short], steps)
     ratio = ratio_interval(values, seed_values([t for t in baseline if t.seed not in short_bf16], steps),
                            labels=(label, BASELINE))
@@ -665,15 +665,16 @@ def furthest_eval(trials: Iterable[TrialRecord]) -> int:
 def unfinished_short(trials: Sequence[TrialRecord], steps: int | None = None) -> dict[int, tuple[int, str]]:
     """The seeds not stopped (still running, or not started) whose last evaluation came before
     `steps` (default: the furthest any of `trials` reached): they have not yet measured that budget
-    and are left out of the numbers and the curves until they have (`_short_seeds` says why)."""
+    and are left out of the numbers and the curves until they have (`short_seeds` says why)."""
+    return short_seeds([t for t in trials if t.stop_reason is None], furthest_eval(trials) if steps is None else steps)
+
+
+def short_seeds(trials: Sequence[TrialRecord], steps: int | None = None) -> dict[int, tuple[int, str]]:
+    """The seeds, stopped or not, whose last evaluation came before `steps` (default: the furthest
+    any of `trials` reached): (that step, why: its stop reason, else still running, or not
+    started). A bf16 seed among them is no baseline."""
     if steps is None:
         steps = furthest_eval(trials)
-    return _short_seeds([t for t in trials if t.stop_reason is None], steps)
-
-
-def _short_seeds(trials: Iterable[TrialRecord], steps: int) -> dict[int, tuple[int, str]]:
-    """The seeds whose last evaluation came before `steps`: (that step, why: its stop reason, else
-    still running, or not started)."""
     return {t.seed: (reached, t.stop_reason or ("still running" if t.history else "not started"))
             for t in trials if (reached := last_eval(t) or 0) < steps}
 
