@@ -739,8 +739,9 @@ def test_the_stability_legend_covers_no_panel(tmp_path, monkeypatch):
     box = legend.get_window_extent(renderer)
     for ax in fig.axes:
         assert not box.overlaps(ax.get_tightbbox(renderer)), ax.get_title()
-    assert [ax.get_ylabel() for ax in fig.axes[::len(fig.axes) // 4]] == [
-        "bit-stall rate", "overflow rate", "underflow rate", "cosine to FP32 gradients"]
+    assert [ax.get_ylabel() for ax in fig.axes[::len(fig.axes) // 6]] == [
+        "bit-stall rate", "overflow rate", "underflow rate", "dead-gradient fraction", "zero-update fraction",
+        "cosine to FP32 gradients"]
 
 
 def test_partial_experiment_lists_what_is_missing():
@@ -892,6 +893,27 @@ def test_the_stability_figure_draws_the_pass_a_failure_names(tmp_path):
     assert (drawn["e2m5 s0 backward"] > max(plot.thresholds[panel])).all()
     assert {label for (p, label) in plot.lines if p == "all: quant/overflow_rate by pass"} == {
         "e2m5 s0 forward", "e2m5 s0 backward"}
+
+
+def test_the_stability_figure_draws_the_dead_gradient_and_zero_update_fractions_the_table_reads(tmp_path):
+    """The failure table names "backward underflow" from the dead-gradient fraction, a per-layer
+    metric read as its mean over layers, and "optimizer stall" from the zero-update fraction: each
+    has its row, drawn as the table reads it, with the run's threshold."""
+    dead = trial("e2m5", seed=0, **{"grad/dead_frac/h.0.mlp.c_fc": 0.9, "grad/dead_frac/lm_head": 0.6,
+                                    "quant/zero_update_frac": 0.7})
+    dead.history[3]["grad/dead_frac/lm_head"] = 0.2  # one row where the layers' mean is not a constant
+    stopped = replace(dead, stop_reason="asha")
+    f = compute_findings([trial("bf16"), stopped])
+    (failure,) = f.failures
+    assert failure.where == "backward underflow"
+    plot = plot_stability(f, "adamw", (), tmp_path / "stability.png")
+    x, y = plot.lines["all: grad/dead_frac, mean over layers", "e2m5 s0"]
+    np.testing.assert_array_equal(x, range(1, STEPS + 1))
+    np.testing.assert_allclose(y, [0.55 if step == 4 else 0.75 for step in x])
+    assert plot.thresholds["all: grad/dead_frac, mean over layers"] == [0.5]
+    x, y = plot.lines["all: quant/zero_update_frac", "e2m5 s0"]
+    assert len(x) == STEPS and set(y) == {0.7}
+    assert plot.thresholds["all: quant/zero_update_frac"] == [0.5]
 
 
 def test_a_stopped_seed_does_not_end_its_cells_loss_curve(tmp_path):

@@ -217,6 +217,13 @@ def _metric(row: dict[str, float], key: str) -> float:
     return fmean(values) if values else math.nan
 
 
+def metric_series(r: TrialRecord, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of a model-wide metric over a trial's history, or of the mean over layers of
+    a per-layer one (`grad/dead_frac`), as the failure analysis reads it; rows without it skipped."""
+    rows = [row for row in r.history if key in row or layer_values(key, row)]
+    return [int(row[STEP]) for row in rows], [_metric(row, key) for row in rows]
+
+
 def failure_site(r: TrialRecord) -> tuple[str, str]:
     """(where, evidence) of a failure; see DEFINITIONS. The evidence names the strongest signal."""
     if r.unreadable:

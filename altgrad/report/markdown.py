@@ -37,8 +37,10 @@ PLOT_SECTIONS = (
      "break."),
     ("stability", "Stability signals over steps",
      "Bit-stall rate (updates lost to rounding), overflow and underflow rates by pass (forward solid, "
-     "backward dashed; dash-dotted: both passes, a run logged before the rates by pass) and cosine to "
-     "the FP32 shadow gradients, one line per trial; dotted lines are the warning thresholds."),
+     "backward dashed; dash-dotted: both passes, a run logged before the rates by pass), the fraction "
+     "of gradient elements that are zero (mean over layers), the fraction of weights a step left "
+     "unchanged, and cosine to the FP32 shadow gradients, one line per trial; dotted lines are the "
+     "thresholds the failure table reads."),
 )
 
 

@@ -27,9 +27,11 @@ from altgrad.metrics import (
     BIT_STALL_RATE,
     FORWARD_OVERFLOW_RATE,
     FORWARD_UNDERFLOW_RATE,
+    GRAD_DEAD_FRAC,
     OVERFLOW_RATE,
     SHADOW_COS_MEAN,
     UNDERFLOW_RATE,
+    ZERO_UPDATE_FRAC,
 )
 from altgrad.precision import BASELINE
 from altgrad.report.findings import (
@@ -40,6 +42,7 @@ from altgrad.report.findings import (
     broke,
     format_key,
     furthest_eval,
+    metric_series,
     short_seeds,
     signals,
     stop_step,
@@ -49,8 +52,9 @@ from altgrad.report.stats import decimals_to_show
 
 @dataclass(frozen=True)
 class StabilityRow:
-    """One row of the stability figure. Overflow and underflow are drawn by pass, as the failure
-    table names them ("backward underflow"), so a failure's evidence can be found on a plot."""
+    """One row of the stability figure. Every signal the failure table reads is drawn, with each
+    run's threshold; overflow and underflow by pass, as the table names them ("backward
+    underflow"), so a failure's evidence can be found on a plot."""
 
     title: str  # the panels' title after the layer precision
     label: str  # the y axis's
@@ -71,6 +75,8 @@ STABILITY_ROWS = (
     StabilityRow(f"{UNDERFLOW_RATE} by pass", "underflow rate", {
         "forward": FORWARD_UNDERFLOW_RATE, "backward": BACKWARD_UNDERFLOW_RATE, BOTH_PASSES: UNDERFLOW_RATE},
         symlog=True),
+    StabilityRow(f"{GRAD_DEAD_FRAC}, mean over layers", "dead-gradient fraction", {"": GRAD_DEAD_FRAC}),
+    StabilityRow(ZERO_UPDATE_FRAC, "zero-update fraction", {"": ZERO_UPDATE_FRAC}),
     StabilityRow(SHADOW_COS_MEAN, "cosine to FP32 gradients", {"": SHADOW_COS_MEAN}),
 )
 ALONE = " alone"  # a seed's loss curve past the steps every seed of its group evaluated
@@ -154,7 +160,7 @@ def _gaps(values: Sequence[float]) -> np.ndarray:
 
 def _drawn_passes(r: TrialRecord, row: StabilityRow) -> dict[str, tuple[list[int], list[float]]]:
     """pass -> the series a trial draws in a row: the passes it logged, else the rate over both."""
-    logged = {what: series for what, metric in row.metrics.items() if (series := r.series(metric))[0]}
+    logged = {what: series for what, metric in row.metrics.items() if (series := metric_series(r, metric))[0]}
     by_pass = {what: series for what, series in logged.items() if what not in ("", BOTH_PASSES)}
     return by_pass or logged
 
@@ -276,8 +282,8 @@ def _loss_legend(panels: Iterable[Axes]) -> list[Artist]:
 
 
 def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
-    """Bit-stall, overflow and underflow by pass, and FP32-shadow cosine over steps: rows = signal,
-    columns = precision."""
+    """Bit-stall, overflow and underflow by pass, dead-gradient and zero-update fractions, and
+    FP32-shadow cosine over steps: rows = signal, columns = precision."""
     precisions = findings.precisions
     # fixed margins (inches): a layout engine doubles the time
     width, height = max(4.5 * len(precisions), 5.0) + LEGEND_WIDTH, 2.0 + 2.0 * len(STABILITY_ROWS)
