@@ -269,9 +269,11 @@ def read_json(path: Path) -> Any:
 def _as_named(message: str, exp_dir: Path, shown: str | Path | None) -> str:
     """`message` with the paths under `exp_dir`, a fetched copy of a remote experiment, written as
     the user named the experiment (`s3://bucket/exp/...`): the temp dir is gone when they read it."""
+    from altgrad.remote import without_query  # (it reads this module's file names)
+
     if shown is None or Path(shown) == exp_dir:
         return message
-    return message.replace(str(exp_dir), str(shown).rstrip("/"))
+    return message.replace(str(exp_dir), without_query(shown).rstrip("/"))
 
 
 def load_experiment(exp_dir: str | Path, shown: str | Path | None = None) -> list[TrialRecord]:

@@ -37,6 +37,27 @@ def is_remote(path: str | Path) -> bool:
     return "://" in str(path)
 
 
+def join(base: str, *parts: str) -> str:
+    """`base/part/...`. On object storage the parts go before the URI's query, which stays: Ray
+    documents `s3://bucket/prefix?endpoint_override=http://host:9000` as the way to name an
+    S3-compatible server, and pyarrow reads the query as the filesystem's options."""
+    path, sep, query = str(base).partition("?") if is_remote(base) else (str(base), "", "")
+    return "/".join([path.rstrip("/"), *parts]) + sep + query
+
+
+def split_name(base: str) -> tuple[str, str]:
+    """(parent, last part) of a path or URI (`join`'s inverse); a URI's query stays with the parent."""
+    path, sep, query = str(base).partition("?") if is_remote(base) else (str(base), "", "")
+    parent, name = path.rstrip("/").rsplit("/", 1)
+    return parent + sep + query, name
+
+
+def without_query(uri: str) -> str:
+    """A URI as a message names a place in it: its query holds the filesystem's options (an
+    endpoint, a retry limit), not part of the path."""
+    return str(uri).partition("?")[0] if is_remote(uri) else str(uri)
+
+
 def filesystem(uri: str, patient: bool = False):
     """(pyarrow filesystem, path inside it) of a URI. On GCS its retries are bounded
     (`GCS_RETRY_S`) unless the URI sets `retry_limit_seconds` itself, or the caller is `patient`:
@@ -47,7 +68,7 @@ def filesystem(uri: str, patient: bool = False):
     scheme = uri.split("://", 1)[0]
     if scheme in ("gs", "gcs") and not patient and "retry_limit_seconds=" not in uri:
         uri = f"{uri}{'&' if '?' in uri else '?'}retry_limit_seconds={GCS_RETRY_S}"
-    return FileSystem.from_uri(uri)
+    return FileSystem.from_uri(join(uri))  # (a trailing "/" dropped, before the query too)
 
 
 def storage_errors() -> tuple[type[Exception], ...]:
@@ -76,7 +97,7 @@ def fetch_experiment(uri: str, destination: Path) -> Path:
     `destination / <name>`, which `load_experiment` reads like a local experiment."""
     from pyarrow.fs import FileSelector, FileType
 
-    fs, root = filesystem(uri.rstrip("/"))
+    fs, root = filesystem(uri)
     local = destination / root.rsplit("/", 1)[-1]
     if fs.get_file_info(root).type != FileType.Directory:
         local.mkdir(parents=True, exist_ok=True)  # empty: load_experiment says what is missing
@@ -104,7 +125,7 @@ def readable(experiment: str | Path) -> Iterator[Path]:
 
 def upload_dir(local: Path, uri: str) -> None:
     """Copy a local directory's files to `uri` (a report written next to a remote experiment)."""
-    fs, root = filesystem(uri.rstrip("/"))
+    fs, root = filesystem(uri)
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         target = f"{root}/{path.relative_to(local).as_posix()}"
         fs.create_dir(target.rsplit("/", 1)[0], recursive=True)

@@ -108,7 +108,8 @@ def test_a_search_on_s3_ends_with_the_command_that_reads_it(capsys):
     cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu"], storage_path="s3://bucket/p")
     assert LrSearch.summarize(cfg, []) == 0
     out = capsys.readouterr().out
-    assert f"python -m altgrad trials s3://bucket/p/{cfg.name}/<format> (formats: {', '.join(cfg.formats)})" in out
+    # quoted: a shell reads "<" as a redirection
+    assert f"python -m altgrad trials 's3://bucket/p/{cfg.name}/<format>' (formats: {', '.join(cfg.formats)})" in out
     assert "local disk" not in out
 
 

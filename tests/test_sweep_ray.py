@@ -49,6 +49,7 @@ from altgrad.experiment import (
     load_experiment,
 )
 from altgrad.provenance import source_commit
+from altgrad.remote import join
 from altgrad.report.cli import report_after_sweep
 from altgrad.trial_table import trial_row
 from altgrad.tune.ablation import FormatAblation
@@ -301,17 +302,22 @@ def test_lr_search_resume_tells_optuna_an_errored_grid_points_rerun(ray_address,
     assert row["largest_stable_lr"] == max(lr for lr, stable_lr in modelled.items() if stable_lr > 0)
 
 
-def test_bucket_sweep_survives_losing_its_machine(reference, sweep_args, s3_bucket, tmp_path, capsys, request):
+def test_bucket_sweep_survives_losing_its_machine(reference, sweep_args, s3_bucket, tmp_path, capsys, request,
+                                                 monkeypatch):
     """A sweep stored on S3 (a real S3-compatible server) loses its machine mid-trial: the driver's
     whole process group and its own Ray get SIGKILL, and its working directory, home and Ray temp
     dir are deleted. The printed resume command, run on another "machine" (fresh folders, a new
     Ray), finishes the sweep from the bucket alone: the trial table equals the uninterrupted one,
-    and `trials` and `report` read the bucket directly."""
+    and `trials` and `report` read the bucket directly. The server is named as Ray documents it,
+    in the storage path's query (`?endpoint_override=`), with no AWS_ENDPOINT_URL anywhere: the
+    sweep's own files went to `s3://…?endpoint_override=…/spot/sweep_state/…`, a key in no bucket."""
     from pyarrow.fs import FileSelector, FileSystem
 
-    uri = f"{s3_bucket}/sweeps"
+    uri = f"{s3_bucket}/sweeps?endpoint_override={os.environ['AWS_ENDPOINT_URL']}"
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the drivers started below inherit its absence
+    experiment = join(uri, "spot")
     args = [*sweep_args, "--name", "spot", "--storage-path", uri]
-    fs, root = FileSystem.from_uri(f"{uri}/spot")
+    fs, root = FileSystem.from_uri(experiment)
 
     def checkpointed() -> bool:  # a trial has uploaded a checkpoint to the bucket
         try:
@@ -330,19 +336,20 @@ def test_bucket_sweep_survives_losing_its_machine(reference, sweep_args, s3_buck
     shutil.rmtree(lost)
 
     capsys.readouterr()
-    assert main(["trials", f"{uri}/spot"]) == 0  # from the bucket: who is gone, and how to resume
+    assert main(["trials", experiment]) == 0  # from the bucket: who is gone, and how to resume
     banner = capsys.readouterr().out
-    assert f"experiment {uri}/spot: interrupted (its driver is gone)" in banner
+    assert f"experiment {experiment}: interrupted (its driver is gone)" in banner
     command = shlex.split(banner.split("resume with: ")[1].splitlines()[0])
     assert command[command.index("--storage-path") + 1] == uri and "--resume" in command
     proc = start_driver(command[command.index("--name"):], None, machine=machines / "m2")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
-    assert "resuming sweep spot" in out and f"python -m altgrad trials {uri}/spot" in out
+    # the printed command runs in a shell as printed: the query's "&" and "?" quoted
+    assert "resuming sweep spot" in out and f"python -m altgrad trials {shlex.quote(experiment)}" in out
 
-    assert main(["trials", f"{uri}/spot", "--json"]) == 0
+    assert main(["trials", experiment, "--json"]) == 0
     rows = [{k: r[k] for k in COMPARED} for r in json.loads(capsys.readouterr().out)]
     assert rows == table(reference[1])
-    assert main(["report", f"{uri}/spot", "--out", str(tmp_path / "report")]) == 0
+    assert main(["report", experiment, "--out", str(tmp_path / "report")]) == 0
     assert (tmp_path / "report" / "report.md").is_file()
     assert fs.get_file_info(f"{root}/report/report.md").size > 0  # the sweep's own report, in the bucket

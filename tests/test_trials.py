@@ -4,6 +4,7 @@ read, or holds a corrupt trial (still listing the others), and no torch or Ray l
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -66,6 +67,47 @@ def test_a_corrupt_trial_on_s3_names_its_file_in_the_bucket(experiment, s3_bucke
     upload_dir(experiment, uri)
     assert main(["trials", uri]) == 2
     assert f"{uri}/{STATE_DIR}/{TRIALS_FILE}: not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("base, parts, joined", [
+    ("s3://b/exps?endpoint_override=http://h:9000&scheme=http", ("spot", "sweep_state"),
+     "s3://b/exps/spot/sweep_state?endpoint_override=http://h:9000&scheme=http"),
+    ("s3://b/exps/", ("spot",), "s3://b/exps/spot"),
+    ("/data/odd?name", ("spot",), "/data/odd?name/spot"),  # a local folder's "?" is its name's
+])
+def test_paths_join_before_a_uris_query(base, parts, joined):
+    from altgrad.remote import join, split_name
+
+    assert join(base, *parts) == joined
+    assert split_name(joined) == (join(base, *parts[:-1]), parts[-1])
+
+
+def test_an_experiment_named_with_its_endpoint_in_the_query_is_read_and_reported_beside(
+        experiment, s3_bucket, capsys, monkeypatch):
+    """`s3://bucket/prefix?endpoint_override=…`, Ray's documented way to name an S3-compatible
+    server (no AWS_ENDPOINT_URL here): paths go before the query, as in `trials`' fetch, the
+    report written beside the experiment, and a corrupt file named by its place in the bucket."""
+    from pyarrow.fs import FileSelector
+
+    from altgrad.remote import filesystem, join, upload_dir
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    uri = f"{s3_bucket}/query/exp/?endpoint_override={endpoint}"  # (a trailing "/" too)
+    upload_dir(experiment, uri)
+    fs, root = filesystem(uri)
+    assert root == "altgrad-sweeps/query/exp" and fs.get_file_info(f"{root}/{STATE_DIR}/{TRIALS_FILE}").size > 0
+    assert main(["trials", uri, "--json"]) == 0
+    assert {r["trial"] for r in json.loads(capsys.readouterr().out)} >= set(KEYS)
+    assert main(["report", uri]) == 0
+    assert capsys.readouterr().out.strip() == f"report written: {join(uri, 'report', 'report.md')}"
+    assert "report.md" in {f.base_name for f in fs.get_file_info(FileSelector(f"{root}/report"))}
+    (experiment / TRIALS_DIR / KEYS[0] / RUN_DIR / "summary.json").write_text("{broken")
+    upload_dir(experiment, uri)
+    assert main(["trials", uri, "--json"]) == 2
+    errors = {r["trial"]: r["error"] for r in json.loads(capsys.readouterr().out)}
+    assert errors[KEYS[0]].startswith(
+        f"unreadable: {s3_bucket}/query/exp/{TRIALS_DIR}/{KEYS[0]}/{RUN_DIR}/summary.json: not valid JSON")
 
 
 def test_a_report_written_to_s3_is_in_the_bucket(experiment, s3_bucket, capsys):

@@ -9,12 +9,13 @@ trial's files cannot be read.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tempfile
 from pathlib import Path
 
 from altgrad.experiment import REPORT_DIR
-from altgrad.remote import cannot, is_remote, storage_errors, upload_dir
+from altgrad.remote import cannot, is_remote, join, storage_errors, upload_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if not any(r.history for r in records):
         return _fail(f"{args.experiment}: no trial has recorded any metrics yet "
                      f"({len(records)} grid points); run or resume the sweep first")
-    out = args.out or f"{str(args.experiment).rstrip('/')}/{REPORT_DIR}"
+    out = args.out or join(args.experiment, REPORT_DIR)
     try:
         path = _write(records, out, experiment.name)
     except storage_errors() as e:  # a folder that cannot be made, storage that cannot be reached
@@ -58,11 +59,11 @@ def report_after_sweep(experiment: str, name: str) -> int:
     sweep's data is safe either way."""
     from altgrad.experiment import read_experiment
 
-    out = f"{experiment.rstrip('/')}/{REPORT_DIR}"
+    out = join(experiment, REPORT_DIR)
     try:
         path = _write(read_experiment(experiment).records, out, name)
     except Exception as e:  # noqa: BLE001 - any failure: say how to retry the report alone
-        print(f"report failed ({type(e).__name__}: {e}); retry: python -m altgrad report {experiment}")
+        print(f"report failed ({type(e).__name__}: {e}); retry: python -m altgrad report {shlex.quote(experiment)}")
         return 1
     print(f"report: {path}")
     return 0
@@ -79,7 +80,7 @@ def _write(records: list, out: str | Path, name: str) -> str:
     with tempfile.TemporaryDirectory(prefix="altgrad-report-") as tmp:
         path = write_report(records, Path(tmp), title=title)
         upload_dir(Path(tmp), str(out))
-    return f"{str(out).rstrip('/')}/{path.name}"
+    return join(out, path.name)
 
 
 def _fail(message: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if run_dir is not None and (run_dir / CONFIG_FILE).is_file():
             print(f"interrupted: continue from the newest checkpoint with python -m altgrad train --resume "
-                  f"{run_dir}", file=sys.stderr)
+                  f"{shlex.quote(str(run_dir))}", file=sys.stderr)
         else:
             print("interrupted before training started", file=sys.stderr)
             _drop_if_unused(run_dir, claimed)

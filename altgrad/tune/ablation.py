@@ -6,6 +6,8 @@ report written, so this package never imports its reader.
 
 from __future__ import annotations
 
+import shlex
+
 from altgrad.experiment import ExperimentError, read_experiment
 from altgrad.trial_table import render_table, trial_row
 from altgrad.tune.asha import StabilityRungs
@@ -51,7 +53,7 @@ class FormatAblation:
         try:
             records = read_experiment(cfg.experiment_path).records
         except ExperimentError as e:
-            print(f"trial table failed ({e}); retry: python -m altgrad trials {cfg.experiment_path}")
+            print(f"trial table failed ({e}); retry: python -m altgrad trials {shlex.quote(cfg.experiment_path)}")
             return 1
         print(render_table([trial_row(r) for r in records]))
         return 0

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from altgrad.config import ConfigError
 from altgrad.experiment import STALE_S, SweepStatus, driver_alive
-from altgrad.remote import is_remote
+from altgrad.remote import is_remote, join
 from altgrad.tune.config import SweepSettings, load_sweep_config
 from altgrad.tune.lifecycle import (
     check_movable,
@@ -137,9 +137,9 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     total = sum(e.total_trials for e in experiments)
     resuming = any(status.values())
     _warn(cfg)  # of the config it runs with: a resumed sweep's stored one
-    table = experiments[0].path if len(experiments) == 1 else cfg.experiment_path + "/<format>"
+    table = experiments[0].path if len(experiments) == 1 else join(cfg.experiment_path, "<format>")
     print(f"{'resuming' if resuming else 'starting'} sweep {cfg.name}: {total} trials in "
-          f"{cfg.experiment_path}\n  trial table, any time: python -m altgrad trials {table}")
+          f"{cfg.experiment_path}\n  trial table, any time: python -m altgrad trials {shlex.quote(table)}")
     start_ray(cfg.dashboard)
     errored = False
     for exp in todo:

@@ -43,7 +43,7 @@ from altgrad.config import (
 )
 from altgrad.metrics import EVERY_REPORT, VAL_LOSS
 from altgrad.precision import BASELINE, PRECISION_PRESETS
-from altgrad.remote import is_remote
+from altgrad.remote import is_remote, join
 from altgrad.tune.trial_spec import stall_reports_in_run
 
 # Run settings every sweep sets in each trial itself (-> the sweep key that sets them): a trial
@@ -270,7 +270,7 @@ class SweepSettings(StrictModel):
 
     @property
     def experiment_path(self) -> str:
-        return f"{self.storage_path.rstrip('/')}/{self.name}"
+        return join(self.storage_path, self.name)
 
 
 class GridSettings(StrictModel):

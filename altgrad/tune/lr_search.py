@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import zlib
 from pathlib import Path
 from typing import Any
 
 from altgrad.experiment import LR_SEARCH_FILE, StopReason, TrialRecord, TrialStatus, load_experiment
-from altgrad.remote import is_remote
+from altgrad.remote import is_remote, join, split_name
 from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
 from altgrad.tune.runner import Experiment
@@ -44,7 +45,7 @@ class LrSearch:
             param_space = {"key": point.key, "lr": tune.loguniform(cfg.lr.low, cfg.lr.high),
                            "tolerance": cfg.tolerance, **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
             grid = [trial_labels({"key": point.key, "lr": lr}, point.labels) for lr in cfg.lr.grid]
-            out.append(Experiment(cfg, LrSearch.kind, f"{cfg.experiment_path}/{fmt}", {point.key: point},
+            out.append(Experiment(cfg, LrSearch.kind, join(cfg.experiment_path, fmt), {point.key: point},
                                   param_space, grid, len(cfg.lr.grid) + cfg.lr.samples, search_alg=search))
         return out
 
@@ -64,11 +65,12 @@ class LrSearch:
     @staticmethod
     def summarize(cfg: LrSearchConfig, experiments: list[Experiment]) -> int:
         if is_remote(cfg.experiment_path):
-            print(f"each format's trials: python -m altgrad trials {cfg.experiment_path}/<format> "
+            print(f"each format's trials: python -m altgrad trials "
+                  f"{shlex.quote(join(cfg.experiment_path, '<format>'))} "
                   f"(formats: {', '.join(cfg.formats)}); the largest-stable-lr table is made for local "
                   "storage only")
             return 0
-        rows = [stable_lr_row(exp.path.rsplit("/", 1)[1], load_experiment(exp.path), cfg.tolerance)
+        rows = [stable_lr_row(split_name(exp.path)[1], load_experiment(exp.path), cfg.tolerance)
                 for exp in experiments]
         print(render_lr_table(rows))
         path = Path(cfg.experiment_path) / LR_SEARCH_FILE

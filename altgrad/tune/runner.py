@@ -23,7 +23,7 @@ from typing import Any
 
 from altgrad.experiment import SWEEP_FILE, TERMINAL_STATUSES, TRIALS_FILE, SweepStatus, TrialStatus
 from altgrad.provenance import process_commit
-from altgrad.remote import filesystem, is_remote
+from altgrad.remote import filesystem, is_remote, split_name
 from altgrad.tune.config import DashboardSettings, SweepSettings
 from altgrad.tune.grid import GridPoint
 from altgrad.tune.store import StateStore
@@ -217,7 +217,7 @@ def _trainable(exp: Experiment):
     wandb = None
     if s.wandb.enabled and s.wandb.mode != "disabled":
         sweep_id = f"{exp.path}@{exp.store.read(SWEEP_FILE)['started']}"
-        wandb = WandbSpec(s.wandb.project, s.wandb.mode, group=exp.path.rstrip("/").rsplit("/", 1)[1],
+        wandb = WandbSpec(s.wandb.project, s.wandb.mode, group=split_name(exp.path)[1],
                           sweep_id=sweep_id)
     return tune.with_resources(tune.with_parameters(train_trial, runs=runs, wandb=wandb),
                                {"cpu": r.cpus_per_trial, "gpu": r.gpu_per_trial})
@@ -234,7 +234,7 @@ def _new_tuner(exp: Experiment, trainable):
     from altgrad.tune.trial_spec import trial_dirname, trial_name
 
     s = exp.settings
-    storage_path, name = exp.path.rstrip("/").rsplit("/", 1)
+    storage_path, name = split_name(exp.path)
     remote = is_remote(exp.path)
     callbacks: list[Any] = [TrialIndex(exp.store, {k: p.labels for k, p in exp.points.items()}),
                             SweepProgress(exp.store, exp.total_trials), DriverHeartbeat(exp.store),

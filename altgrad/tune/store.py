@@ -14,7 +14,7 @@ from typing import Any
 
 from altgrad.config import utf8_text
 from altgrad.experiment import STATE_DIR
-from altgrad.remote import filesystem, is_remote
+from altgrad.remote import filesystem, is_remote, join
 
 
 class StateStore:
@@ -29,7 +29,7 @@ class StateStore:
         self.patient = patient
 
     def _path(self, name: str) -> str:
-        return f"{self.experiment_path.rstrip('/')}/{STATE_DIR}/{name}"
+        return join(self.experiment_path, STATE_DIR, name)
 
     def read(self, name: str) -> Any:
         """The document, or None if it was never written."""
