@@ -916,6 +916,18 @@ def test_the_stability_figure_draws_the_dead_gradient_and_zero_update_fractions_
     assert plot.thresholds["all: quant/zero_update_frac"] == [0.5]
 
 
+def test_each_format_has_its_own_colour_and_none_is_grey():
+    """bf16 is black and the seed bands grey: a grey format (e7m0's was tab10's grey) read as either."""
+    from matplotlib.colors import to_rgb
+
+    from altgrad.report.plots import color
+
+    colours = [to_rgb(color(f"e{e}m{7 - e}")) for e in range(8)]
+    assert len(set(colours)) == 8
+    assert all(max(c) - min(c) > 0.2 for c in colours)  # chromatic: not black, grey or white
+    assert to_rgb(color("bf16")) == (0, 0, 0)
+
+
 def test_a_stopped_seed_does_not_end_its_cells_loss_curve(tmp_path):
     """A seed stopped at step 30 of 60 stays in its cell (its loss is the cell's result), so the
     seeds' band ends there; the seeds that went on are drawn on, each alone, to their last step."""

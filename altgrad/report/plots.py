@@ -98,9 +98,16 @@ class Plot:
     limits: dict[str, tuple[tuple[float, float], tuple[float, float]]]  # panel -> (x range, y range) shown
 
 
+# tab10's entries for e0 ... e7 exponent bits. Its brown (beside e3's red) and grey (beside bf16's
+# black and the grey seed bands) are left out, so no two formats nor a format and bf16 look alike.
+FORMAT_COLORS = (0, 1, 2, 3, 4, 9, 6, 8)
+
+
 def color(fmt: str) -> str | tuple[float, ...]:
     """One colour per format across all figures (by exponent bits); bf16 black."""
-    return "black" if fmt == BASELINE else colormaps["tab10"](format_key(fmt)[0] % 10)
+    if fmt == BASELINE:
+        return "black"
+    return colormaps["tab10"](FORMAT_COLORS[format_key(fmt)[0] % len(FORMAT_COLORS)])
 
 
 def _save(fig: Figure, path: Path) -> Plot:
@@ -275,7 +282,7 @@ def _loss_legend(panels: Iterable[Axes]) -> list[Artist]:
             handles.setdefault(h.get_label(), h)
     curves = [h for label, h in handles.items() if not label.endswith((BAND, ALONE))]
     if any(label.endswith(BAND) for label in handles):
-        curves.append(Patch(color="black", alpha=0.15, lw=0, label="lowest to highest seed"))  # grey is e7m0
+        curves.append(Patch(color="black", alpha=0.15, lw=0, label="lowest to highest seed"))
     if any(label.endswith(ALONE) for label in handles):
         curves.append(Line2D([], [], color="black", ls=":", lw=0.9, label=f"a seed{ALONE}"))
     return curves
@@ -317,7 +324,7 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
         panels[0].set_ylabel(row.label, fontsize=8)
     if plotted:  # one entry per format (its seeds share its colour) and per pass style, beside the panels
         handles = [Line2D([], [], color=color(f), lw=1.0, label=f) for f in sorted(plotted, key=format_key)]
-        handles += [Line2D([], [], color="black", lw=1.0, ls=PASS_STYLES[what], label=what)  # grey is e7m0
+        handles += [Line2D([], [], color="black", lw=1.0, ls=PASS_STYLES[what], label=what)
                     for what in PASS_STYLES if what in passes and what]
         fig.legend(handles=handles, loc="center right", fontsize=7,
                    title="format, pass" if passes - {""} else "format", title_fontsize=7, frameon=False)
