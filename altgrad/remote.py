@@ -4,8 +4,9 @@ fetch the files they read into a local directory and read that.
 A sweep on `s3://` keeps everything in the bucket, so a researcher reads it from any machine
 without `aws s3 sync`. Only what the trial table and the report read is fetched: the sweep's state
 and each run directory's small files, never checkpoints or Ray's files. Credentials and endpoint
-come from the usual AWS variables (`AWS_ENDPOINT_URL` for an S3-compatible server), as for the
-sweep itself.
+come from the usual AWS variables (`AWS_ENDPOINT_URL` for an S3-compatible server), or the
+endpoint from the URI's query (`?endpoint_override=…`, as Ray documents it), as for the sweep
+itself.
 """
 
 from __future__ import annotations

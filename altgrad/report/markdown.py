@@ -31,8 +31,9 @@ PLOT_SECTIONS = (
     ("loss", "Validation loss vs step",
      "Per format, the mean over seeds, with the band from the lowest to the highest seed, up to the last "
      "step every seed evaluated; past it, each seed that went further alone (dotted); "
-     "bf16 dashed black in every panel, over the seeds the tables take as its baseline (a bf16 seed "
-     "that stopped short is drawn on its own, dotted black); an \"x\" on the top edge marks a step where a trial collapsed. "
+     "bf16 dashed black in every panel, over its seeds that reached its furthest evaluation (the "
+     "tables judge each cell's baseline against that cell's own steps; a bf16 seed that stopped short "
+     "is drawn on its own, dotted black); an \"x\" on the top edge marks a step where a trial collapsed. "
      "Top: the whole run; below: its second half, on the scale of the losses of the trials that did not "
      "break."),
     ("stability", "Stability signals over steps",

@@ -218,10 +218,11 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
     fig = Figure(figsize=(4.5 * len(precisions) + LEGEND_WIDTH + 0.6, 6.8), layout="constrained")
     grid = fig.subplots(2, len(precisions), squeeze=False)
     bf16 = baseline_trials(findings.baselines.get(optimizer, []), axes)
-    # as in the tables: a bf16 seed short of the others is no baseline. One still running is left
-    # out; one that stopped (NaN, bit-stall) is drawn on its own, as news about the reference.
+    # as the tables rule for a cell at bf16's furthest step: a bf16 seed short of it is no baseline.
+    # One still running is left out; one that stopped (NaN) is drawn on its own: a broken reference
+    # is news.
     short = short_seeds(bf16)
-    stopped = [(t, *short[t.seed]) for t in bf16 if t.seed in short and t.stop_reason]
+    stopped = [t for t in bf16 if t.seed in short and t.stop_reason]
     bf16 = [t for t in bf16 if t.seed not in short]
     starts, finite = [], []
     for (whole, zoom), precision in zip(grid.T, precisions, strict=True):
@@ -241,11 +242,11 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
                 finite += [v for v in values if math.isfinite(v)]
                 if not broke(t):
                     late += [v for s, v in zip(steps, values, strict=True) if s >= half and math.isfinite(v)]
-        for t, reached, why in stopped:
+        for t in stopped:
             steps, values = t.val_series()
             for ax, since in ((whole, -math.inf), (zoom, half)):
                 ax.plot(steps, _gaps(values), color=color(BASELINE), ls=":", lw=0.9,
-                        label=f"{BASELINE} s{t.seed}: {why} at step {reached}, not the reference")
+                        label=f"{BASELINE} s{t.seed}: {t.stop_reason} at step {stop_step(t)[0]}, not the reference")
                 _collapse_mark(ax, t, since)
         whole.set(title=f"precision: {precision}", xlabel="step")
         zoom.set(title=f"precision: {precision}, steps {half}-{last}", xlabel="step")

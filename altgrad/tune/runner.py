@@ -23,7 +23,7 @@ from typing import Any
 
 from altgrad.experiment import SWEEP_FILE, TERMINAL_STATUSES, TRIALS_FILE, SweepStatus, TrialStatus
 from altgrad.provenance import process_commit
-from altgrad.remote import filesystem, is_remote, split_name
+from altgrad.remote import filesystem, is_remote, split_name, without_query
 from altgrad.tune.config import DashboardSettings, SweepSettings
 from altgrad.tune.grid import GridPoint
 from altgrad.tune.store import StateStore
@@ -216,7 +216,8 @@ def _trainable(exp: Experiment):
     runs = {key: point.run for key, point in exp.points.items()}
     wandb = None
     if s.wandb.enabled and s.wandb.mode != "disabled":
-        sweep_id = f"{exp.path}@{exp.store.read(SWEEP_FILE)['started']}"
+        # (the query names how storage is reached, not which sweep: a resume may spell it otherwise)
+        sweep_id = f"{without_query(exp.path)}@{exp.store.read(SWEEP_FILE)['started']}"
         wandb = WandbSpec(s.wandb.project, s.wandb.mode, group=split_name(exp.path)[1],
                           sweep_id=sweep_id)
     return tune.with_resources(tune.with_parameters(train_trial, runs=runs, wandb=wandb),
