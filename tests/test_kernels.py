@@ -90,14 +90,15 @@ def graph_ops(events: list) -> set[str]:
 
 @pytest.mark.parametrize("quant", [MIXED, STOCHASTIC, ("quant.format=bf16",)], ids=["mixed", "stochastic", "bf16"])
 def test_compiled_step_is_bit_identical_to_eager(make_config, tmp_path, monkeypatch, quant):
-    """`train.compile: false` is the eager model calling each (compiled) kernel on its own; the
-    kernels are bit-identical to their eager functions (test_quantize). In the step graph the
-    kernels' ops are lowered, not called one by one. Then the recompile guard: 20 more steps, each
-    with its own lr, compile nothing new, and an emergency format shift at most one more graph."""
+    """The reference is the eager model (`train.compile: false`) with its kernels as plain
+    functions, the ops a reader checks against the formats' specs; compiled on their own, the
+    kernels are bit-identical to those (test_quantize). In the step graph the kernels' ops are
+    lowered, not called one by one. Then the recompile guard: 20 more steps, each with its own lr,
+    compile nothing new, and an emergency format shift at most one more graph."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     eager, compiled = eager_and_compiled(make_config, tmp_path, *TINY, *quant, "train.max_steps=100")
     for step in range(1, 11):  # diagnostics every step, an evaluation (eager) at 1, 4 and 8
-        assert_step_identical(eager, compiled, step)
+        assert_step_identical(eager, compiled, step, functions=True)
     assert compile_status() == "compiled"
     assert counters["graph_break"] == {}
 
@@ -131,7 +132,7 @@ def test_resume_with_the_compiled_step_is_bit_identical(make_config, tmp_path, m
     uninterrupted eager one does, bit for bit -- its step graph taken from AOTAutograd's cache, as
     a later trial of a sweep takes it (the killed run compiled the same graph)."""
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
-    resumed, cache_hits = assert_exact_resume(make_config, tmp_path, *TINY, *MIXED)
+    resumed, cache_hits = assert_exact_resume(make_config, tmp_path, *TINY, *MIXED, functions=True)
     assert resumed.forward.graphs > 0 and cache_hits > 0
 
 
