@@ -818,6 +818,7 @@ def write_experiment(root, records: list[TrialRecord]):
             status = "finished" if r.status == "TERMINATED" else "running"
             (run / "summary.json").write_text(json.dumps({**r.summary, "status": status}))
             (run / "config.yaml").write_text(dump_config(RunConfig(stability=r.stability)))
+            (run / "events.jsonl").write_text("".join(json.dumps(event) + "\n" for event in r.events))
     return write_state(root, records)
 
 
@@ -827,6 +828,38 @@ def main(argv: list[str]) -> int:
     cli.register(parser.add_subparsers())
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+def shift(step: int, layer: str, old: str, new: str) -> dict:
+    """A `format_shift` event as the trainer writes it (`altgrad.train.format_shift`)."""
+    return {"step": step, "kind": "format_shift", "message": f"{layer}: {old} -> {new} (nan)", "layer": layer,
+            "from": old, "to": new, "reason": "nan"}
+
+
+def test_a_cell_that_shifted_formats_is_said_and_out_of_the_sweet_spot_and_verdict(tmp_path, capsys):
+    """An emergency mantissa shift moves a layer to another format mid-run: e3m4 seed 1, whose cell
+    would lead mlp's sweet spot, ended with a layer in e2m5, and e5m2 seed 0 with one in e4m3. The
+    report said nothing of either, crediting e3m4 and e5m2 with what partly other formats trained."""
+    records = study()
+    e3m4 = next(r for r in records if (r.format, r.seed) == ("e3m4", 1))
+    e3m4.events = [{"step": 5, "kind": "bit_stall_warn", "message": "..."}, shift(12, "h.0.mlp.c_fc", "e3m4", "e2m5")]
+    e5m2 = next(r for r in records if (r.format, r.seed) == ("e5m2", 0))
+    e5m2.events = [shift(30, "lm_head", "e5m2", "e4m3"), shift(41, "h.0.attn.c_attn", "e5m2", "e4m3")]
+    exp = write_experiment(tmp_path / "exp", records)
+    assert main(["report", str(exp), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert ("- **Emergency format shifts**, e3m4 / adamw / mlp seed 1: step 12: h.0.mlp.c_fc e3m4 → e2m5 (nan). "
+            "Its cell's numbers are not e3m4's alone") in text
+    assert ("e5m2 / adamw / all seed 0: step 30: lm_head e5m2 → e4m3 (nan); step 41: h.0.attn.c_attn e5m2 → "
+            "e4m3 (nan)") in text
+    assert "INVESTIGATE (× bf16" in text and "seed {0} shifted layers to another format" in text
+    spot = next(line for line in text.splitlines() if line.startswith("| mlp | adamw |"))
+    assert spot.endswith("| e3m4 |") and "e3m4 ≈" not in spot and "e2m5" in spot  # e2m5 leads without it
+    row = next(line for line in text.splitlines() if line.startswith("| e3m4 | adamw | mlp |"))
+    assert row.endswith("| completed; format shift in seed {1} |")
+    heatmap = plot_heatmap(compute_findings(load_experiment(exp)), "adamw", (), tmp_path / "heatmap.png")
+    (texts,) = heatmap.texts.values()  # row by row: e2m5, e3m4, e4m3, e5m2, e6m1; columns all, mlp
+    assert [i for i, t in enumerate(texts) if "format shift" in t] == [3, 6]  # e3m4 / mlp, e5m2 / all
 
 
 def test_cli_writes_the_report(tmp_path, capsys):

@@ -20,6 +20,7 @@ from altgrad.config import StabilityConfig
 from altgrad.experiment import (
     BROKEN_STOPS,
     UNFINISHED,
+    EventKind,
     StopReason,
     TrialRecord,
     TrialStatus,
@@ -118,7 +119,9 @@ DEFINITIONS = f"""\
   already the cautious reading), and so does the split of gradient cosines into closest and further,
   which therefore says of each further cell whether its cosine − bf16 holds.
 - **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
-  ran the full budget and did not break ({" / ".join(BROKEN_STOPS)}), and bf16 (× 1 exactly), the
+  ran the full budget, did not break ({" / ".join(BROKEN_STOPS)}) and shifted no layer to another
+  format (an emergency mantissa shift: the cell's numbers are then not its format's alone), and
+  bf16 (× 1 exactly), the
   lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
   a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16"). Overlap is not transitive, so a tie
   says where its members and bf16 part: in a tie with bf16, a member whose own × bf16 excludes 1
@@ -159,8 +162,9 @@ DEFINITIONS = f"""\
   {1 + VERDICT_TOLERANCE:.2f}: the cell {VERDICT_FORMAT} / {VERDICT_PRECISION} / {STANDARD} (the first
   extra-axis values) wherever the grid has it, whatever became of it; only a grid without it is
   judged on the {VERDICT_FORMAT} cell that ran the full budget, preferring precision
-  `{VERDICT_PRECISION}`, then `{STANDARD}`. A cell that broke or was cut before the full budget, a
-  missing bf16, or a single seed (no interval) → INVESTIGATE, with the reason.
+  `{VERDICT_PRECISION}`, then `{STANDARD}`. A cell that broke, shifted a layer to another format
+  or was cut before the full budget, a missing bf16, or a single seed (no interval) → INVESTIGATE,
+  with the reason.
 """
 
 AxesKey = tuple[tuple[str, Any], ...]  # an extra-axis assignment, sorted by dotted path
@@ -195,6 +199,18 @@ def last_eval(r: TrialRecord) -> int | None:
 
 def broke(r: TrialRecord) -> bool:
     return r.stop_reason in BROKEN_STOPS
+
+
+def format_shifts(r: TrialRecord) -> list[dict[str, Any]]:
+    """The emergency mantissa shifts of a trial's layers (SPEC §6), as its events record them (up to
+    the sweep's stop): after one, part of the model trains in another format than the trial's."""
+    return [e for e in r.events if e.get("kind") == EventKind.FORMAT_SHIFT]
+
+
+def shifts_text(r: TrialRecord) -> str:
+    """`step 12: h.0.mlp.c_fc e7m0 -> e6m1 (nan); ...`, one entry per shift."""
+    return "; ".join(f"step {e['step']}: {e.get('layer', '?')} {e.get('from', '?')} → {e.get('to', '?')} "
+                     f"({e.get('reason', '?')})" for e in format_shifts(r))
 
 
 def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
@@ -386,6 +402,11 @@ class Cell:
     @property
     def stops(self) -> tuple[str, ...]:
         return tuple(sorted({s for t in self.trials if (s := t.stop_reason) not in (None, StopReason.COMPLETED)}))
+
+    @property
+    def shifted(self) -> tuple[int, ...]:
+        """Seeds whose run shifted a layer to another format: its numbers are not the format's alone."""
+        return tuple(sorted(t.seed for t in self.trials if format_shifts(t)))
 
     @property
     def mixed_budgets(self) -> bool:
@@ -695,7 +716,7 @@ def _short_text(label: str, short: dict[int, tuple[int, str]], steps: int) -> st
 
 def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey) -> SweetSpot:
     """The leader and its tie group among the eligible cells and bf16 (see DEFINITIONS)."""
-    eligible = [c for c in cells if not c.broke and c.full_budget and math.isfinite(c.ratio.mean)]
+    eligible = [c for c in cells if not c.broke and not c.shifted and c.full_budget and math.isfinite(c.ratio.mean)]
     excluded = tuple(c.name for c in cells if c not in eligible)
     n = max((c.ratio.n for c in eligible), default=0)
     entries = [(c.name, c.ratio) for c in eligible]
@@ -740,6 +761,10 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
     where = " / ".join(x for x in (cell.name, cell.precision, cell.optimizer, axes_text(cell.axes)) if x)
     if cell.broke:
         return Verdict(False, cell, f"{where} stopped: {', '.join(cell.stops)}")
+    if cell.shifted:
+        return Verdict(False, cell, f"{where}: seed{'s' if len(cell.shifted) > 1 else ''} "
+                                    f"{seeds_text(cell.shifted)} shifted layers to another format, so its "
+                                    f"numbers are not {VERDICT_FORMAT}'s alone")
     if cell.running:
         behind = {t.seed: last_eval(t) or 0 for t in cell.trials if t.status in UNFINISHED}
         return Verdict(False, cell, f"{where} still running (seed{'s' if len(behind) > 1 else ''} "
@@ -848,6 +873,9 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
             evidence += f"; error: {r.error}"
         failures.append(Failure(r, step, collapsed, reason or "—", where, evidence))
 
+    notes += [f"**Emergency format shifts**, {label(r)}{' / ' + axes_text(axes_key(r)) if r.axes else ''} "
+              f"seed {r.seed}: {shifts_text(r)}. Its cell's numbers are not {r.format}'s alone; the cell "
+              "is left out of the sweet spot and the verdict." for r in quantized if format_shifts(r)]
     notes += [f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''} "
               f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text(3)}; "
               f"{c.family_wise.text}). Published "

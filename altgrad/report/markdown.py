@@ -22,12 +22,14 @@ from altgrad.report.findings import (
     where_text,
 )
 from altgrad.report.plots import Plot
+from altgrad.report.stats import seeds_text
 
 PLOT_SECTIONS = (
     ("heatmap", "Best val loss relative to bf16",
      "Mean over seeds of the per-seed ratio to bf16, ± the half-width of its 95 % interval; lower is "
      "better, 1.000 = bf16. Grey hatched: no trial, not evaluated yet, no finite loss, or a trial that "
-     "broke (× and its stop reason). A row marked ≡ repeats an equivalent format's measurement."),
+     "broke (× and its stop reason). \"format shift\": a seed moved layers to another format "
+     "mid-run. A row marked ≡ repeats an equivalent format's measurement."),
     ("loss", "Validation loss vs step",
      "Per format, the mean over seeds, with the band from the lowest to the highest seed, up to the last "
      "step every seed evaluated; past it, each seed that went further alone (dotted); "
@@ -96,7 +98,7 @@ def _sweet_spots(f: Findings) -> str:
     rows = [[s.precision, s.optimizer, axes_text(s.axes) or "—", s.text,
              ", ".join(s.excluded) or "—"] for s in f.sweet_spots]
     return _table(["precision", "optimizer", "extra axes", "sweet spot (95 % intervals)",
-                   "not eligible (broke / partial budget)"], rows)
+                   "not eligible (broke / partial budget / format shift)"], rows)
 
 
 def _failures(f: Findings) -> str:
@@ -131,7 +133,10 @@ def _differences(diffs: list[Difference], empty: str) -> str:
 
 
 def _stops(c: Cell) -> str:
-    return ", ".join(c.stops) or (RunStatus.RUNNING if c.running else StopReason.COMPLETED)
+    stops = ", ".join(c.stops) or (RunStatus.RUNNING if c.running else StopReason.COMPLETED)
+    if not c.shifted:
+        return stops
+    return f"{stops}; format shift in seed{'s' if len(c.shifted) > 1 else ''} {seeds_text(c.shifted)}"
 
 
 def _seeds(c: Cell) -> str:

@@ -336,9 +336,9 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
 
 
 def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
-    """× bf16 over format × precision, annotated `ratio ± half-width`. Only usable cells are
-    coloured: grey hatched = no trial, no evaluation yet, no finite loss (×), or a trial that broke
-    (its stop reason)."""
+    """× bf16 over format × precision, annotated `ratio ± half-width` ("format shift" where a seed
+    shifted layers to another format). Only usable cells are coloured: grey hatched = no trial, no
+    evaluation yet, no finite loss (×), or a trial that broke (its stop reason)."""
     formats, precisions = findings.formats, findings.precisions
     cells = [[findings.cell(f, optimizer, p, axes) for p in precisions] for f in formats]
     ratio = np.array([[c.ratio.mean if c and not c.broke else np.nan for c in row] for row in cells], float)
@@ -361,6 +361,8 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
                         else "× " + (",".join(cell.stops) or "no finite loss"))
             if formats[i] in findings.aliases and cell is not None:
                 text += f"\n≡ {findings.aliases[formats[i]]}"
+            if cell is not None and cell.shifted:  # its numbers are not its format's alone
+                text += "\nformat shift"
             ax.text(j, i, text, ha="center", va="center", fontsize=7)
     ax.set(xticks=range(len(precisions)), xticklabels=precisions, yticks=range(len(formats)),
            yticklabels=formats, xlabel="layer precision",
