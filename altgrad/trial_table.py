@@ -21,7 +21,7 @@ from altgrad.experiment import (
     axis_names,
     driver_alive,
 )
-from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN, STEP
+from altgrad.metrics import BIT_STALL_RATE, FORMAT_SHIFTS, OVERFLOW_RATE, SHADOW_COS_MEAN, STEP
 
 # The text table's columns (extra grid axes go after `precision`, `same_as` last when present).
 COLUMNS = ("trial", "format", "optimizer", "precision", "status", "stop_reason", "steps",
@@ -49,6 +49,7 @@ def trial_row(r: TrialRecord) -> dict[str, Any]:
         "bit_stall": _last(r.history, BIT_STALL_RATE),
         "overflow": _last(r.history, OVERFLOW_RATE),
         "shadow_cos": _last(r.history, SHADOW_COS_MEAN),
+        "format_shifts": _last(r.history, FORMAT_SHIFTS),
         "wall_time_s": r.summary.get("wall_time_s"),
         "error": f"unreadable: {r.unreadable}" if r.unreadable else r.error,
         "same_as": r.same_as,
@@ -64,6 +65,8 @@ def _cell(column: str, value: Any) -> str:
         return "-"
     if column in ("bit_stall", "overflow"):
         return f"{100 * value:.2f}%"
+    if column == "format_shifts":
+        return f"{value:.0f}"
     if column == "wall_time_s":
         return f"{value:.0f}s" if value < 100 else f"{value / 60:.1f}m"
     if isinstance(value, float):
@@ -74,11 +77,16 @@ def _cell(column: str, value: Any) -> str:
 def render_table(rows: list[dict[str, Any]]) -> str:
     """A fixed-width text table, one line per trial (a column per extra grid axis), then a count
     per status and stop reason. A stop shows its numbers; an alias row (an equivalent format, not
-    run again) names the trial that measured it."""
+    run again) names the trial that measured it; where a trial shifted layers to another format
+    (SPEC §6), a column says how many shifts, since its format is then not the only one it ran."""
     axes = list(dict.fromkeys(k for row in rows for k in row if "." in k))  # dotted RunConfig paths
     at = COLUMNS.index("precision") + 1
     columns = [*COLUMNS[:at], *axes, *COLUMNS[at:]]
     headers = [*HEADERS[:at], *axis_names(axes).values(), *HEADERS[at:]]
+    if any(row.get("format_shifts") for row in rows):
+        at = columns.index("wall_time_s")
+        columns.insert(at, "format_shifts")
+        headers.insert(at, "format shifts")
     if any(row.get("same_as") for row in rows):
         columns.append("same_as")
         headers.append("one measurement with")
@@ -86,7 +94,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
               for c in columns] for row in rows]
     widths = [max([len(h), *(len(line[i]) for line in cells)]) for i, h in enumerate(headers)]
     numeric = {columns.index(c) for c in ("steps", "best_val_loss", "bit_stall", "overflow",
-                                           "shadow_cos", "wall_time_s")}
+                                           "shadow_cos", "format_shifts", "wall_time_s") if c in columns}
 
     def line(values: list[str] | tuple[str, ...]) -> str:
         return "  ".join(v.rjust(w) if i in numeric else v.ljust(w)

@@ -8,8 +8,10 @@ import io
 import json
 
 import pytest
+from experiment_files import KEYS
 
 from altgrad.__main__ import main
+from altgrad.experiment import RUN_DIR, TRIALS_DIR
 
 
 def test_trials_table_csv_json(experiment, capsys):
@@ -32,3 +34,25 @@ def test_trials_table_csv_json(experiment, capsys):
     assert main(["trials", str(experiment), "--csv"]) == 0
     table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [r["stop_reason"] for r in table] == ["completed", "asha", "nan", "", "error", ""]
+
+
+def test_a_trial_that_shifted_formats_says_how_often(experiment, capsys):
+    """An emergency mantissa shift (SPEC §6) moves layers to another format mid-run: the table
+    gains a column with each trial's shifts up to its stop (here ASHA's, at step 10: the trainer's
+    second shift at 11 is past it), and its format is no longer the only one it ran."""
+    metrics = experiment / TRIALS_DIR / KEYS[1] / RUN_DIR / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for row in rows:
+        row["quant/format_shifts"] = float((row["step"] >= 6) + (row["step"] >= 11))
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["trials", str(experiment), "--json"]) == 0
+    shifts = {r["trial"]: r["format_shifts"] for r in json.loads(capsys.readouterr().out)}
+    assert shifts[KEYS[1]] == 1 and shifts[KEYS[0]] is None
+    assert main(["trials", str(experiment)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(line for line in out if line.startswith("trial "))
+    lines = out[out.index(header) + 2:]
+    at = header.index("format shifts")
+    assert header.index("shadow cos") < at < header.index("wall time")
+    row = next(line for line in lines if line.startswith(KEYS[1]))
+    assert row[at:at + len("format shifts")].strip() == "1"
