@@ -339,7 +339,9 @@ class StabilityConfig(StrictModel):
     from its config.yaml. Bit-stall has three levels on purpose, one per action, a ladder: a warning
     event at `stall_warn`; an emergency mantissa shift of a layer stalled above
     `shift_stall_threshold` for `shift_patience` diagnostic steps; and a sweep's stop of a run whose
-    model-wide rate stays at or above `stall_stop` for `stall_stop_reports` reports."""
+    model-wide rate stays at or above `stall_stop` for `stall_stop_reports` reports. The last two act
+    only where stall halts learning, weights stored in their format (`quant.master_weights: format`):
+    an fp32 master keeps what its 8-bit view rounds away."""
 
     nan_patience: int = Field(10, ge=1, description="stop after this many non-finite steps in a row "
                                                     "(the trainer, and a sweep's stopper at the same step)")
@@ -348,7 +350,9 @@ class StabilityConfig(StrictModel):
     underflow_warn: float = Field(0.01, ge=0, le=1)
     kurtosis_warn: float = Field(10.0, gt=0)
     divergence_patience: int = Field(5, ge=1)
-    shift_patience: int | None = Field(None, ge=1, description="mantissa shift after N bad steps; None = off")
+    shift_patience: int | None = Field(None, ge=1, description="mantissa shift after N bad steps: a NaN "
+                                       "streak, or (weights stored in their format) a layer's bit-stall "
+                                       "above shift_stall_threshold on N diagnostic steps; None = off")
     shift_stall_threshold: float = Field(0.9, gt=0, le=1)
     stall_stop: float = Field(0.99, gt=0, le=1, description="a sweep stops a run whose bit-stall rate "
                               "stays at or above this (only a run whose weights are stored in their "

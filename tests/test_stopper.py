@@ -11,10 +11,11 @@ from sweep_helpers import pickle_roundtrip
 from altgrad.config import StabilityConfig, build_run_config
 from altgrad.experiment import STATE_DIR, STOPPER_FILE, stop_detail
 from altgrad.metrics import STALL_STREAK
+from altgrad.train.stability import stall_halts_learning
 from altgrad.tune.config import SweepConfig
 from altgrad.tune.stopper import StabilityStopper
 from altgrad.tune.store import StateStore
-from altgrad.tune.trainable import SweepSignals, stall_halts_learning
+from altgrad.tune.trainable import SweepSignals
 
 
 def test_stopper_stops_for_nan_and_bit_stall_and_replays(tmp_path):

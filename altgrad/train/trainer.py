@@ -69,7 +69,7 @@ from altgrad.train.partition_clip import PartitionClipper
 from altgrad.train.run_files import RunFiles
 from altgrad.train.schedule import lr_at
 from altgrad.train.shadow import FP32Shadow
-from altgrad.train.stability import Event, StabilityMonitor
+from altgrad.train.stability import Event, StabilityMonitor, stall_halts_learning
 
 ReportFn = Callable[[dict[str, float], Path | None], None]
 EventFn = Callable[[dict[str, Any]], None]  # an event as events.jsonl records it
@@ -165,7 +165,7 @@ class Trainer:
         replay = isinstance(self.forward, StepGraph) and self.forward.replays_on(self.device)
         self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format), replay)
         self.shadow = FP32Shadow(self.model.config, self.device) if t.shadow_every else None
-        self.monitor = StabilityMonitor(cfg.stability)
+        self.monitor = StabilityMonitor(cfg.stability, stall_shifts=stall_halts_learning(cfg))
         self.checkpoints = CheckpointManager(self.run_dir, t.keep_last)
         self.files = RunFiles(self.run_dir)
         self.bit_tracker = BitTracker(self.layers, seed=t.seed, replay=replay) if self.layers and t.diag_every else None

@@ -115,7 +115,7 @@ class StopperSettings(StrictModel):
     the trial's own `stability` settings (`nan_patience`, `stall_stop`, `stall_stop_reports`), the
     numbers its trainer acts on too. Bit-stall counts only for runs whose weights are stored in
     their format (`quant.master_weights: format`): with fp32 master weights a stalled 8-bit view
-    still learns (`trainable.stall_halts_learning`)."""
+    still learns (`train.stability.stall_halts_learning`)."""
 
     enabled: bool = True
 

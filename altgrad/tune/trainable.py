@@ -33,7 +33,6 @@ import ray
 from pyarrow.fs import FileSystem, FileType, LocalFileSystem, copy_files
 from ray import tune
 
-from altgrad.config import RunConfig
 from altgrad.experiment import (
     CHECKPOINT_FILE,
     COMPILE_CACHE_DIR,
@@ -60,6 +59,7 @@ from altgrad.quant.kernels import compiling_disabled
 from altgrad.train import Trainer
 from altgrad.train.checkpoint import resume_candidates
 from altgrad.train.resources import limit_resources
+from altgrad.train.stability import stall_halts_learning
 from altgrad.tune.compile_cache import CompileCache
 from altgrad.tune.trial_spec import learning, learning_tolerance, trial_key, trial_run_config
 from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
@@ -183,14 +183,6 @@ def resume_point(run_dir: Path) -> Iterator[Path | None]:
         return
     with checkpoint.as_directory() as path:
         yield Path(path)
-
-
-def stall_halts_learning(run: RunConfig) -> bool:
-    """Whether bit-stall means this run stopped learning: only when its weights are stored in
-    their format. With fp32 master weights the master keeps accumulating the updates its 8-bit view
-    rounds away, so a stalled view still learns (docs/design.md, "Bit-stall is not breakage"):
-    its loss, judged at ASHA's rungs, says whether it is broken, and the stopper leaves it alone."""
-    return not run.quant.is_baseline and run.quant.master_weights == "format"
 
 
 class SweepSignals:
