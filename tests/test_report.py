@@ -862,6 +862,33 @@ def test_a_cell_that_shifted_formats_is_said_and_out_of_the_sweet_spot_and_verdi
     assert [i for i, t in enumerate(texts) if "format shift" in t] == [3, 6]  # e3m4 / mlp, e5m2 / all
 
 
+def test_the_warnings_runs_raised_are_listed_per_grid_point(tmp_path, capsys):
+    """Warnings are events a run trains on (SPEC §5): which grid point raised which, in how many of
+    its seeds, first when, how often -- up to the sweep's stop (a kurtosis spike after an ASHA stop
+    is past the trial's result). A skipped non-finite step is among them; a resume is not one."""
+    records = study()
+    e3m4 = [r for r in records if r.format == "e3m4"]
+    e3m4[0].events = [{"step": 7, "kind": "underflow_warn", "message": "..."},
+                      {"step": 30, "kind": "underflow_warn", "message": "..."}]
+    e3m4[2].events = [{"step": 4, "kind": "underflow_warn", "message": "..."},
+                      {"step": 9, "kind": "nan_skip", "message": "...", "streak": 1}, {"step": 12, "kind": "resume"}]
+    bf16 = records[0]
+    bf16.events = [{"step": 50, "kind": "kurtosis_warn", "message": "..."}]
+    f = compute_findings(records)
+    assert [(w.format, w.precision, w.what, w.seeds, w.of, w.first, w.events) for w in f.warnings] == [
+        ("bf16", "all", "activation kurtosis", (0,), 3, 50, 1),
+        ("e3m4", "mlp", "non-finite step skipped", (2,), 3, 9, 1),
+        ("e3m4", "mlp", "underflow", (0, 2), 3, 4, 3)]
+    exp = write_experiment(tmp_path / "exp", records)
+    (exp / STATE_DIR / "asha.json").write_text(json.dumps({"stopped": {bf16.trial_id: {"step": 40, "rung": 40}}}))
+    assert main(["report", str(exp), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "report.md").read_text()
+    section = text.split("## Warnings the runs raised")[1].split("\n## ")[0]
+    assert "| e3m4 | adamw | mlp | — | underflow | {0, 2} of 3 | 4 | 3 |" in section
+    assert "| e3m4 | adamw | mlp | — | non-finite step skipped | {2} of 3 | 9 | 1 |" in section
+    assert "kurtosis" not in section  # raised at 50, after bf16 seed 0's stop at 40
+
+
 def test_cli_writes_the_report(tmp_path, capsys):
     records = [*study(), trial("e7m0", "adamw", "all", 0.5, nan_from=37)]
     exp = write_experiment(tmp_path / "exp", records)

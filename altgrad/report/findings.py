@@ -140,6 +140,12 @@ DEFINITIONS = f"""\
   _DEFAULT_SIGNALS)}); "—" when none is. Every threshold is the run's own `stability` setting
   (its config.yaml; by default {", ".join(f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)});
   the evidence names the one that applied.
+- **Warnings**: the events a run raises and trains on (SPEC §5), per grid point and kind: a
+  non-finite step skipped, overflow, underflow or bit-stall above its warning level, activation
+  kurtosis above its level, the val loss rising `divergence_patience` evaluations in a row.
+  Each is raised once per excursion above its threshold (the run's own `stability` setting), so
+  "times raised" counts excursions, not steps. A level a format crosses by construction (e0m7's
+  7-bit grid flushes ~2 % of a Gaussian tensor) is a fact about the format, not a failure.
 - **Manifold − standard**: per seed, best val loss with `{MANIFOLD}` minus with `{STANDARD}` (same
   format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
   **Extra axes**: the same per-seed difference between two values of one axis, all else equal.
@@ -205,6 +211,44 @@ def format_shifts(r: TrialRecord) -> list[dict[str, Any]]:
     """The emergency mantissa shifts of a trial's layers (SPEC §6), as its events record them (up to
     the sweep's stop): after one, part of the model trains in another format than the trial's."""
     return [e for e in r.events if e.get("kind") == EventKind.FORMAT_SHIFT]
+
+
+# The events a run raises and goes on (SPEC §5: warnings, never a stop), as the report names them.
+WARNINGS = {EventKind.NAN_SKIP: "non-finite step skipped", EventKind.OVERFLOW_WARN: "overflow",
+            EventKind.UNDERFLOW_WARN: "underflow", EventKind.BIT_STALL_WARN: "bit-stall",
+            EventKind.KURTOSIS_WARN: "activation kurtosis", EventKind.DIVERGENCE_WARN: "val loss rising"}
+
+
+@dataclass(frozen=True)
+class Warned:
+    """One kind of warning over one grid point's seeds (bf16's included)."""
+
+    format: str
+    optimizer: str
+    precision: str
+    axes: AxesKey
+    what: str  # a `WARNINGS` name
+    seeds: tuple[int, ...]  # the seeds that raised it
+    of: int  # how many seeds the grid point ran
+    first: int  # the first step any of them raised it at
+    events: int  # how many times, over all its seeds (once per excursion above the threshold)
+
+
+def warnings_raised(records: Iterable[TrialRecord]) -> list[Warned]:
+    """Per grid point (format, optimizer, precision, extra axes) and kind of warning, who raised it
+    and when, from the runs' events up to the sweep's stop: what no number of the tables says (a
+    skipped non-finite step, a kurtosis spike)."""
+    groups: dict[tuple[str, str, str, AxesKey], list[TrialRecord]] = {}
+    for r in records:
+        groups.setdefault((r.format, r.optimizer, r.precision, axes_key(r)), []).append(r)
+    out = []
+    for key, trials in groups.items():
+        for kind, what in WARNINGS.items():
+            raised = {t.seed: steps for t in trials if (steps := [e["step"] for e in t.events if e.get("kind") == kind])}
+            if raised:
+                out.append(Warned(*key, what, tuple(sorted(raised)), len(trials),
+                                  min(min(s) for s in raised.values()), sum(len(s) for s in raised.values())))
+    return sorted(out, key=lambda w: (format_key(w.format), w.optimizer, w.precision, w.axes))
 
 
 def shifts_text(r: TrialRecord) -> str:
@@ -538,6 +582,7 @@ class Findings:
     missing: list[str]
     notes: list[str] = field(default_factory=list)
     fidelity: list[GradientFidelity] = field(default_factory=list)  # cells with a gradient cosine
+    warnings: list[Warned] = field(default_factory=list)
 
     def cell(self, fmt: str, optimizer: str, precision: str, axes: AxesKey) -> Cell | None:
         """The cell of a format, or of the format whose trials measured it."""
@@ -889,7 +934,8 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
                     _with_family_wise(deltas), _with_family_wise(_axis_effects(cells, axes)),
                     replace(_verdict(cells, bool(bf16), axes_order), baseline=baseline_name),
-                    _missing(records, missing or []), notes, _with_family_wise(fidelity))
+                    _missing(records, missing or []), notes, _with_family_wise(fidelity),
+                    warnings_raised(measured))
 
 
 def _with_family_wise(diffs: list[Compared]) -> list[Compared]:

@@ -115,6 +115,15 @@ def _failures(f: Findings) -> str:
                    "where it failed", "evidence"], rows)
 
 
+def _warnings(f: Findings) -> str:
+    if not f.warnings:
+        return "None: no run skipped a non-finite step or crossed a warning threshold."
+    rows = [[w.format, w.optimizer, w.precision, axes_text(w.axes) or "—", w.what,
+             f"{seeds_text(w.seeds)} of {w.of}", w.first, w.events] for w in f.warnings]
+    return _table(["format", "optimizer", "precision", "extra axes", "warning", "seeds", "first at step",
+                   "times raised"], rows)
+
+
 def _family_wise(fw: FamilyWise | None) -> str:
     return fw.text if fw is not None else "—"
 
@@ -188,6 +197,7 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
         "## Sweet spot per layer precision", _sweet_spots(f),
         "## All cells", _cells(f),
         "## Failures and early stops", _failures(f),
+        "## Warnings the runs raised", _warnings(f),
         "## Manifold vs standard optimizer",
         _differences(f.deltas, f"n/a: needs both `{STANDARD}` and `{MANIFOLD}` at full budget on the same "
                                f"format and precision (ran: {', '.join(f.optimizers)})."),
