@@ -183,6 +183,13 @@ class TrialRecord:
             errored = self.status == TrialStatus.ERROR
             self.stop_reason = self.summary.get("stop_reason") or (StopReason.ERROR if errored else None)
 
+    @property
+    def format_shifts(self) -> list[dict[str, Any]]:
+        """The emergency mantissa shifts of its layers (SPEC §6), as its events record them, every
+        step (the `quant/format_shifts` metric only on logged ones), up to the sweep's stop: after
+        one, part of the model trains in another format than the trial's."""
+        return [e for e in self.events if e.get("kind") == EventKind.FORMAT_SHIFT]
+
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the history, skipping rows that lack it."""
         rows = [r for r in self.history if key in r]

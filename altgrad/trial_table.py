@@ -21,7 +21,7 @@ from altgrad.experiment import (
     axis_names,
     driver_alive,
 )
-from altgrad.metrics import BIT_STALL_RATE, FORMAT_SHIFTS, OVERFLOW_RATE, SHADOW_COS_MEAN, STEP
+from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN, STEP
 
 # The text table's columns (extra grid axes go after `precision`, `same_as` last when present).
 COLUMNS = ("trial", "format", "optimizer", "precision", "status", "stop_reason", "steps",
@@ -49,7 +49,7 @@ def trial_row(r: TrialRecord) -> dict[str, Any]:
         "bit_stall": _last(r.history, BIT_STALL_RATE),
         "overflow": _last(r.history, OVERFLOW_RATE),
         "shadow_cos": _last(r.history, SHADOW_COS_MEAN),
-        "format_shifts": _last(r.history, FORMAT_SHIFTS),
+        "format_shifts": len(r.format_shifts) if r.history else None,
         "wall_time_s": r.summary.get("wall_time_s"),
         "error": f"unreadable: {r.unreadable}" if r.unreadable else r.error,
         "same_as": r.same_as,

@@ -18,13 +18,14 @@ from altgrad.train import Trainer
 # One layer 16 wide: every quantizer and diagnostic of a step, compiled in seconds.
 TINY = ("model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=8", "train.batch_size=2",
         "train.shadow_every=0", "train.diag_every=1", "train.eval_interval=4")
-# Metrics that are float sums over a tensor: kurtosis inside the graph (the step graph's fused loop
-# and the kernel's own graph may add in a different order), the gradients' l2 and SNR after the
-# backward (a compiled kernel and its plain function add in a different order). float32 sums of up
-# to ~10^6 terms (the tied head) in another order: ~sqrt(n) eps = 1e-4 apart at most; measured up
-# to 9e-6. Everything else -- the loss, every weight, scale and counter -- must match bit for bit.
-SUMMED = ("act/kurtosis", "grad/l2", "grad/snr")
-SUMMED_REL = 1e-4
+# Metrics that are float sums over a tensor, with how far apart they may be. Kurtosis, inside the
+# graph: the step graph's fused loop and the kernel's own graph may add in a different order. With
+# the reference's kernels as plain functions, also the gradients' l2 and SNR, after the backward: a
+# compiled kernel and its plain function add in a different order (float32 sums of up to ~10^6
+# terms, the tied head: typically ~sqrt(n) eps = 1e-4 apart; measured up to 9e-6). Everything else
+# -- the loss, every weight, scale and counter -- must match bit for bit.
+SUMMED = {"act/kurtosis": 1e-5}
+SUMMED_BY_FUNCTIONS = {**SUMMED, "grad/l2": 1e-4, "grad/snr": 1e-4}
 # Every quantized layer adds kernels to the step graph's C++ compile, so few layers are quantized:
 # two format families (E?M0 with its tie fix-up; e5m2, whose unscaled overflow becomes inf) in one
 # model, and stochastic rounding with format-stored weights on one layer. The other layers are in
@@ -73,9 +74,10 @@ def assert_step_identical(eager: Trainer, compiled: Trainer, step: int, function
     same_generators()
     b = compiled.train_step(step).metrics
     assert a.keys() == b.keys()
+    summed = SUMMED_BY_FUNCTIONS if functions else SUMMED
     for key, value in a.items():
-        if key.startswith(SUMMED):
-            assert b[key] == pytest.approx(value, rel=SUMMED_REL), (step, key)
+        if rel := next((rel for prefix, rel in summed.items() if key.startswith(prefix)), None):
+            assert b[key] == pytest.approx(value, rel=rel), (step, key)
         else:
             assert value == b[key] or (value != value and b[key] != b[key]), (step, key, value, b[key])
     for (name, p), q in zip(eager.model.state_dict().items(), compiled.model.state_dict().values(), strict=True):

@@ -862,6 +862,16 @@ def test_a_cell_that_shifted_formats_is_said_and_out_of_the_sweet_spot_and_verdi
     assert [i for i, t in enumerate(texts) if "format shift" in t] == [3, 6]  # e3m4 / mlp, e5m2 / all
 
 
+def test_without_e5m2_all_the_verdict_takes_an_e5m2_cell_that_did_not_shift():
+    """A grid without e5m2 / all is judged on an e5m2 cell that ran the full budget in its own
+    format: attn's seed 0 shifted a layer, so mlp's is the one (helper-27)."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.0, 1.01, 1.02], prec="attn"),
+               *seeded("e5m2", [1.0, 1.01, 1.02], prec="mlp")]
+    records[3].events = [shift(10, "lm_head", "e5m2", "e4m3")]
+    verdict = compute_findings(records).verdict
+    assert verdict.passed and verdict.cell.precision == "mlp"
+
+
 def test_the_warnings_runs_raised_are_listed_per_grid_point(tmp_path, capsys):
     """Warnings are events a run trains on (SPEC §5): which grid point raised which, in how many of
     its seeds, first when, how often -- up to the sweep's stop (a kurtosis spike after an ASHA stop

@@ -40,14 +40,14 @@ def test_a_trial_that_shifted_formats_says_how_often(experiment, capsys):
     """An emergency mantissa shift (SPEC §6) moves layers to another format mid-run: the table
     gains a column with each trial's shifts up to its stop (here ASHA's, at step 10: the trainer's
     second shift at 11 is past it), and its format is no longer the only one it ran."""
-    metrics = experiment / TRIALS_DIR / KEYS[1] / RUN_DIR / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    for row in rows:
-        row["quant/format_shifts"] = float((row["step"] >= 6) + (row["step"] >= 11))
-    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    events = experiment / TRIALS_DIR / KEYS[1] / RUN_DIR / "events.jsonl"
+    with events.open("a") as f:  # as the trainer writes them (`altgrad.train.format_shift`)
+        for step, layer in ((6, "lm_head"), (11, "h.0.mlp.c_fc")):
+            f.write(json.dumps({"step": step, "kind": "format_shift", "message": "...", "layer": layer,
+                                "from": "e4m3", "to": "e3m4", "reason": "nan"}) + "\n")
     assert main(["trials", str(experiment), "--json"]) == 0
     shifts = {r["trial"]: r["format_shifts"] for r in json.loads(capsys.readouterr().out)}
-    assert shifts[KEYS[1]] == 1 and shifts[KEYS[0]] is None
+    assert shifts[KEYS[1]] == 1 and shifts[KEYS[0]] == 0
     assert main(["trials", str(experiment)]) == 0
     out = capsys.readouterr().out.splitlines()
     header = next(line for line in out if line.startswith("trial "))

@@ -143,8 +143,9 @@ DEFINITIONS = f"""\
 - **Warnings**: the events a run raises and trains on (SPEC §5), per grid point and kind: a
   non-finite step skipped, overflow, underflow or bit-stall above its warning level, activation
   kurtosis above its level, the val loss rising `divergence_patience` evaluations in a row.
-  Each is raised once per excursion above its threshold (the run's own `stability` setting), so
-  "times raised" counts excursions, not steps. A level a format crosses by construction (e0m7's
+  A threshold's warning is raised once per excursion above it (the run's own `stability`
+  setting), so "times raised" counts excursions, not steps; a skipped non-finite step is one event
+  per step (a run the NaN stop ended lists the steps it skipped before). A level a format crosses by construction (e0m7's
   7-bit grid flushes ~2 % of a Gaussian tensor) is a fact about the format, not a failure.
 - **Manifold − standard**: per seed, best val loss with `{MANIFOLD}` minus with `{STANDARD}` (same
   format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
@@ -207,14 +208,8 @@ def broke(r: TrialRecord) -> bool:
     return r.stop_reason in BROKEN_STOPS
 
 
-def format_shifts(r: TrialRecord) -> list[dict[str, Any]]:
-    """The emergency mantissa shifts of a trial's layers (SPEC §6), as its events record them (up to
-    the sweep's stop): after one, part of the model trains in another format than the trial's."""
-    return [e for e in r.events if e.get("kind") == EventKind.FORMAT_SHIFT]
-
-
 # The events a run raises and goes on (SPEC §5: warnings, never a stop), as the report names them.
-WARNINGS = {EventKind.NAN_SKIP: "non-finite step skipped", EventKind.OVERFLOW_WARN: "overflow",
+WARNING_NAMES = {EventKind.NAN_SKIP: "non-finite step skipped", EventKind.OVERFLOW_WARN: "overflow",
             EventKind.UNDERFLOW_WARN: "underflow", EventKind.BIT_STALL_WARN: "bit-stall",
             EventKind.KURTOSIS_WARN: "activation kurtosis", EventKind.DIVERGENCE_WARN: "val loss rising"}
 
@@ -227,11 +222,11 @@ class Warned:
     optimizer: str
     precision: str
     axes: AxesKey
-    what: str  # a `WARNINGS` name
+    what: str  # a `WARNING_NAMES` value
     seeds: tuple[int, ...]  # the seeds that raised it
     of: int  # how many seeds the grid point ran
     first: int  # the first step any of them raised it at
-    events: int  # how many times, over all its seeds (once per excursion above the threshold)
+    events: int  # how many times, over all its seeds (see DEFINITIONS)
 
 
 def warnings_raised(records: Iterable[TrialRecord]) -> list[Warned]:
@@ -243,7 +238,7 @@ def warnings_raised(records: Iterable[TrialRecord]) -> list[Warned]:
         groups.setdefault((r.format, r.optimizer, r.precision, axes_key(r)), []).append(r)
     out = []
     for key, trials in groups.items():
-        for kind, what in WARNINGS.items():
+        for kind, what in WARNING_NAMES.items():
             raised = {t.seed: steps for t in trials if (steps := [e["step"] for e in t.events if e.get("kind") == kind])}
             if raised:
                 out.append(Warned(*key, what, tuple(sorted(raised)), len(trials),
@@ -254,7 +249,7 @@ def warnings_raised(records: Iterable[TrialRecord]) -> list[Warned]:
 def shifts_text(r: TrialRecord) -> str:
     """`step 12: h.0.mlp.c_fc e7m0 -> e6m1 (nan); ...`, one entry per shift."""
     return "; ".join(f"step {e['step']}: {e.get('layer', '?')} {e.get('from', '?')} → {e.get('to', '?')} "
-                     f"({e.get('reason', '?')})" for e in format_shifts(r))
+                     f"({e.get('reason', '?')})" for e in r.format_shifts)
 
 
 def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
@@ -450,7 +445,7 @@ class Cell:
     @property
     def shifted(self) -> tuple[int, ...]:
         """Seeds whose run shifted a layer to another format: its numbers are not the format's alone."""
-        return tuple(sorted(t.seed for t in self.trials if format_shifts(t)))
+        return tuple(sorted(t.seed for t in self.trials if t.format_shifts))
 
     @property
     def mixed_budgets(self) -> bool:
@@ -479,7 +474,7 @@ class SweetSpot:
     axes: AxesKey
     group: tuple[str, ...]  # the leader and every name tied with it ("bf16" may be one of them)
     leader: Cell | None  # None: bf16 leads, or no eligible cell
-    excluded: tuple[str, ...]  # formats not eligible: broke, or not at full budget
+    excluded: tuple[str, ...]  # formats not eligible: broke, not at full budget, or shifted a layer's format
     # A sole sweet spot rests on × bf16 calls (bf16 leading: every eligible cell's "worse"; a
     # format leading: its own "better"); the cells of those calls that do not hold family-wise.
     not_family_wise: tuple[str, ...] = ()
@@ -800,7 +795,7 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
     if not candidates:
         return Verdict(False, None, f"no {VERDICT_FORMAT} trial")
     named = [c for c in candidates if (c.precision, c.optimizer) == (VERDICT_PRECISION, STANDARD)]
-    pool = named or [c for c in candidates if c.full_budget and not c.broke] or candidates
+    pool = named or [c for c in candidates if c.full_budget and not c.broke and not c.shifted] or candidates
     cell = min(pool, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD,
                                     axes_order.get(c.axes, 0)))
     where = " / ".join(x for x in (cell.name, cell.precision, cell.optimizer, axes_text(cell.axes)) if x)
@@ -920,7 +915,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
 
     notes += [f"**Emergency format shifts**, {label(r)}{' / ' + axes_text(axes_key(r)) if r.axes else ''} "
               f"seed {r.seed}: {shifts_text(r)}. Its cell's numbers are not {r.format}'s alone; the cell "
-              "is left out of the sweet spot and the verdict." for r in quantized if format_shifts(r)]
+              "is left out of the sweet spot and the verdict." for r in quantized if r.format_shifts]
     notes += [f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''} "
               f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text(3)}; "
               f"{c.family_wise.text}). Published "
