@@ -490,6 +490,18 @@ def test_extra_axes_are_cells_of_their_own_and_compared():
         ((("quant.rounding", "nearest"),), ("bf16",)), ((("quant.rounding", "stochastic"),), ("bf16", "e4m3"))}
 
 
+def test_a_difference_says_which_side_shifted_its_format(tmp_path):
+    """manifold − adamw over a cell whose manifold seed 1 shifted a layer: the row says so (the
+    cell is out of the sweet spot, but a difference is still read)."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e4m3", [1.02, 1.03, 1.04]),
+               *seeded("e4m3", [1.00, 1.01, 1.02], opt="manifold")]
+    records[7].events = [shift(20, "lm_head", "e4m3", "e3m4")]
+    text = write_report(records, tmp_path).read_text()
+    table = text.split("## Manifold vs standard optimizer", 1)[1].split("\n## ", 1)[0]
+    (row,) = [line for line in table.splitlines() if line.startswith("| manifold − adamw")]
+    assert row.endswith("| second: format shift in seed {1} |")
+
+
 def test_an_axis_effect_names_the_other_axes_it_holds_fixed(tmp_path):
     """With two extra axes, each effect row of the axes table is taken at one value of the other
     axis, and says which; the compared axis is the row's `difference`, not repeated beside it."""

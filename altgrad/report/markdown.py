@@ -135,10 +135,16 @@ def _differences(diffs: list[Difference], empty: str) -> str:
     rows = [[d.what, d.a.name, d.a.precision, d.a.optimizer if d.a.optimizer == d.b.optimizer else "—",
              axes_text(tuple(i for i in d.a.axes if i in d.b.axes)) or "—",
              d.a.best.text(), d.b.best.text(), d.diff.text(), d.verdict, _family_wise(d.family_wise),
-             d.diff.note or "—"]
+             "; ".join([*filter(None, [d.diff.note]), *_shift_notes(d)]) or "—"]
             for d in diffs]
     return _table(["difference", "format", "precision", "optimizer", "other axes", "first", "second",
-                   "second − first (95 %)", "reading", "family-wise (Holm)", "pairing"], rows)
+                   "second − first (95 %)", "reading", "family-wise (Holm)", "notes"], rows)
+
+
+def _shift_notes(d: Difference) -> list[str]:
+    """Which side of a difference shifted a layer's format: its numbers are not its format's alone."""
+    return [f"{side}: format shift in seed{'s' if len(c.shifted) > 1 else ''} {seeds_text(c.shifted)}"
+            for side, c in (("first", d.a), ("second", d.b)) if c.shifted]
 
 
 def _stops(c: Cell) -> str:
