@@ -145,8 +145,9 @@ DEFINITIONS = f"""\
   kurtosis above its level, the val loss rising `divergence_patience` evaluations in a row.
   A threshold's warning is raised once per excursion above it (the run's own `stability`
   setting), so "times raised" counts excursions, not steps; a skipped non-finite step is one event
-  per step (a run the NaN stop ended lists the steps it skipped before). A level a format crosses by construction (e0m7's
-  7-bit grid flushes ~2 % of a Gaussian tensor) is a fact about the format, not a failure.
+  per step (a run the NaN stop ended lists the steps it skipped before). A level a format crosses by
+  construction (e0m7's 7-bit grid flushes the small values of a Gaussian tensor) is a fact about the
+  format, not a failure.
 - **Manifold − standard**: per seed, best val loss with `{MANIFOLD}` minus with `{STANDARD}` (same
   format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
   **Extra axes**: the same per-seed difference between two values of one axis, all else equal.
@@ -209,9 +210,11 @@ def broke(r: TrialRecord) -> bool:
 
 
 # The events a run raises and goes on (SPEC §5: warnings, never a stop), as the report names them.
-WARNING_NAMES = {EventKind.NAN_SKIP: "non-finite step skipped", EventKind.OVERFLOW_WARN: "overflow",
-            EventKind.UNDERFLOW_WARN: "underflow", EventKind.BIT_STALL_WARN: "bit-stall",
-            EventKind.KURTOSIS_WARN: "activation kurtosis", EventKind.DIVERGENCE_WARN: "val loss rising"}
+WARNING_NAMES = {
+    EventKind.NAN_SKIP: "non-finite step skipped", EventKind.OVERFLOW_WARN: "overflow",
+    EventKind.UNDERFLOW_WARN: "underflow", EventKind.BIT_STALL_WARN: "bit-stall",
+    EventKind.KURTOSIS_WARN: "activation kurtosis", EventKind.DIVERGENCE_WARN: "val loss rising",
+}
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,8 @@ def warnings_raised(records: Iterable[TrialRecord]) -> list[Warned]:
     out = []
     for key, trials in groups.items():
         for kind, what in WARNING_NAMES.items():
-            raised = {t.seed: steps for t in trials if (steps := [e["step"] for e in t.events if e.get("kind") == kind])}
+            raised = {t.seed: steps for t in trials
+                      if (steps := [e["step"] for e in t.events if e.get("kind") == kind])}
             if raised:
                 out.append(Warned(*key, what, tuple(sorted(raised)), len(trials),
                                   min(min(s) for s in raised.values()), sum(len(s) for s in raised.values())))
@@ -446,6 +450,12 @@ class Cell:
     def shifted(self) -> tuple[int, ...]:
         """Seeds whose run shifted a layer to another format: its numbers are not the format's alone."""
         return tuple(sorted(t.seed for t in self.trials if t.format_shifts))
+
+    @property
+    def shift_text(self) -> str:
+        """`format shift in seeds {0, 2}`, as the tables mark a shifted cell ("" for none)."""
+        n = len(self.shifted)
+        return f"format shift in seed{'s' if n > 1 else ''} {seeds_text(self.shifted)}" if n else ""
 
     @property
     def mixed_budgets(self) -> bool:
@@ -802,9 +812,8 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
     if cell.broke:
         return Verdict(False, cell, f"{where} stopped: {', '.join(cell.stops)}")
     if cell.shifted:
-        return Verdict(False, cell, f"{where}: seed{'s' if len(cell.shifted) > 1 else ''} "
-                                    f"{seeds_text(cell.shifted)} shifted layers to another format, so its "
-                                    f"numbers are not {VERDICT_FORMAT}'s alone")
+        return Verdict(False, cell, f"{where}: {cell.shift_text}, so its numbers are not "
+                                    f"{VERDICT_FORMAT}'s alone")
     if cell.running:
         behind = {t.seed: last_eval(t) or 0 for t in cell.trials if t.status in UNFINISHED}
         return Verdict(False, cell, f"{where} still running (seed{'s' if len(behind) > 1 else ''} "

@@ -143,15 +143,12 @@ def _differences(diffs: list[Difference], empty: str) -> str:
 
 def _shift_notes(d: Difference) -> list[str]:
     """Which side of a difference shifted a layer's format: its numbers are not its format's alone."""
-    return [f"{side}: format shift in seed{'s' if len(c.shifted) > 1 else ''} {seeds_text(c.shifted)}"
-            for side, c in (("first", d.a), ("second", d.b)) if c.shifted]
+    return [f"{side}: {c.shift_text}" for side, c in (("first", d.a), ("second", d.b)) if c.shifted]
 
 
 def _stops(c: Cell) -> str:
     stops = ", ".join(c.stops) or (RunStatus.RUNNING if c.running else StopReason.COMPLETED)
-    if not c.shifted:
-        return stops
-    return f"{stops}; format shift in seed{'s' if len(c.shifted) > 1 else ''} {seeds_text(c.shifted)}"
+    return "; ".join(filter(None, [stops, c.shift_text]))
 
 
 def _seeds(c: Cell) -> str:

@@ -59,7 +59,7 @@ class StabilityMonitor:
     # Whether a layer's bit-stall streak shifts its format (`stall_halts_learning`); NaN streaks
     # shift whatever the weights. Under fp32 master weights every format's view stalls >90 % late
     # in a healthy run, and stall shifts walked an e5m2 run's head down to e1m6 (docs/design.md).
-    stall_shifts: bool = True
+    stall_shifts: bool
     nan_streak: int = 0
     collapse_step: int | None = None
     collapse_where: str | None = None
