@@ -856,14 +856,15 @@ def test_a_cell_that_shifted_formats_is_said_and_out_of_the_sweet_spot_and_verdi
     e3m4 = next(r for r in records if (r.format, r.seed) == ("e3m4", 1))
     e3m4.events = [{"step": 5, "kind": "bit_stall_warn", "message": "..."}, shift(12, "h.0.mlp.c_fc", "e3m4", "e2m5")]
     e5m2 = next(r for r in records if (r.format, r.seed) == ("e5m2", 0))
-    e5m2.events = [shift(30, "lm_head", "e5m2", "e4m3"), shift(41, "h.0.attn.c_attn", "e5m2", "e4m3")]
+    e5m2.events = [shift(30, "lm_head", "e5m2", "e4m3"), shift(41, "h.0.attn.c_attn", "e5m2", "e4m3"),
+                   {**shift(50, "lm_head", "e4m3", "e3m4"), "reason": "bit_stall"}]  # the head shifts twice
     exp = write_experiment(tmp_path / "exp", records)
     assert main(["report", str(exp), "--out", str(tmp_path / "out")]) == 0
     text = (tmp_path / "out" / "report.md").read_text()
-    assert ("- **Emergency format shifts**, e3m4 / adamw / mlp seed 1: step 12: h.0.mlp.c_fc e3m4 → e2m5 (nan). "
-            "Its cell's numbers are not e3m4's alone") in text
-    assert ("e5m2 / adamw / all seed 0: step 30: lm_head e5m2 → e4m3 (nan); step 41: h.0.attn.c_attn e5m2 → "
-            "e4m3 (nan)") in text
+    assert ("- **Emergency format shifts**, e3m4 / adamw / mlp seed 1: 1 shift from step 12 (nan); layers ended "
+            "in e2m5: h.0.mlp.c_fc. Its cell's numbers are not e3m4's alone") in text
+    assert ("e5m2 / adamw / all seed 0: 3 shifts from step 30 (bit_stall, nan); layers ended in e3m4: lm_head; "
+            "e4m3: h.0.attn.c_attn.") in text
     assert "INVESTIGATE (× bf16" in text
     assert "e5m2 / all / adamw: format shift in seed {0}, so its numbers are not e5m2's alone" in text
     spot = next(line for line in text.splitlines() if line.startswith("| mlp | adamw |"))

@@ -251,9 +251,17 @@ def warnings_raised(records: Iterable[TrialRecord]) -> list[Warned]:
 
 
 def shifts_text(r: TrialRecord) -> str:
-    """`step 12: h.0.mlp.c_fc e7m0 -> e6m1 (nan); ...`, one entry per shift."""
-    return "; ".join(f"step {e['step']}: {e.get('layer', '?')} {e.get('from', '?')} → {e.get('to', '?')} "
-                     f"({e.get('reason', '?')})" for e in r.format_shifts)
+    """`3 shifts from step 12 (bit_stall, nan); layers ended in e1m6: lm_head; e3m4: h.0.mlp.c_fc`:
+    how many, from when, why, and the format each shifted layer ended in (a run makes dozens when
+    its layers stall: one entry per shift buried the answer)."""
+    shifts = r.format_shifts
+    ended: dict[str, list[str]] = {}
+    for layer, fmt in {e["layer"]: e["to"] for e in shifts}.items():  # each layer's last shift
+        ended.setdefault(fmt, []).append(layer)
+    formats = "; ".join(f"{fmt}: {', '.join(layers)}" for fmt, layers in sorted(ended.items(),
+                                                                                key=lambda item: format_key(item[0])))
+    return (f"{len(shifts)} shift{'s' if len(shifts) > 1 else ''} from step {shifts[0]['step']} "
+            f"({', '.join(sorted({e['reason'] for e in shifts}))}); layers ended in {formats}")
 
 
 def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
