@@ -12,7 +12,7 @@ from bitwise import same_values
 from torch import nn
 
 from altgrad.model import GPT, GPTConfig
-from altgrad.quant import encode, get_format
+from altgrad.quant import compile_status, encode, get_format
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, linear_layers, quantized_layers
 from altgrad.quant.linear import ROLES, LinearQuantPolicy, QuantizedLinear
 from altgrad.quant.quantize import quantize, straight_through
@@ -192,13 +192,42 @@ def test_fused_step_with_scales_that_are_no_powers_of_two(rounding, mode, path):
     check_fused_step("e4m3", rounding, mode, pow2=False)
 
 
-def check_fused_step(fmt: str, rounding: str, mode: str, pow2: bool) -> None:
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_fused_step_scaled_by_the_most_recent_amax(rounding, path):
+    """With `most_recent` the history's last entry decides: after the zero tensor it is 0, so the
+    steps that follow scale by their own amax again, which the CPU step must see before it
+    quantizes (`TensorScaler.scale_needs_amax`), while `max` still reads the past."""
+    check_fused_step("e4m3", rounding, "delayed", pow2=True, algo="most_recent")
+
+
+def test_a_cpu_step_reduces_inside_its_compiled_call_once_the_scale_is_known(monkeypatch):
+    """On the CPU the amax is reduced in the step's compiled call, in the loop that quantizes; only
+    a step whose scale needs the tensor's own amax (here the first: empty history) reduces it
+    eagerly before. An eager `aminmax` on every step is a whole extra pass over the logits gradient
+    (docs/design.md)."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    warm = TensorScaler("e4m3")
+    for _ in range(2):
+        quantize_step(x, warm)
+
+    def eager_reductions(scaler: TensorScaler) -> int:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            quantize_step(x, scaler)
+        return sum(e.name == "aten::aminmax" for e in prof.events())
+
+    scaler = TensorScaler("e4m3")
+    assert [eager_reductions(scaler) for _ in range(3)] == [1, 0, 0]
+    assert compile_status() == "compiled"
+
+
+def check_fused_step(fmt: str, rounding: str, mode: str, pow2: bool, algo: str = "max") -> None:
     f = get_format(fmt)
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(64, 48, generator=gen) * 3, torch.randn(64, 48, generator=gen) * 1e4,
           torch.zeros(64, 48), torch.full((64, 48), float("nan")),
           torch.randn(300, 300, generator=gen) * 1e-3]
-    fused, separate = (TensorScaler(f, ScalingPolicy(mode, history_len=3, pow2=pow2)) for _ in range(2))
+    fused, separate = (TensorScaler(f, ScalingPolicy(mode, history_len=3, algo=algo, pow2=pow2)) for _ in range(2))
     fused_stats, separate_stats = TensorStats(), TensorStats()
     for i, x in enumerate(xs):
         torch.manual_seed(i)

@@ -155,6 +155,28 @@ def test_delayed_mode_scales_by_the_history_before_the_tensor():
     assert sc.update(torch.tensor([1.0])).item() == 256
 
 
+@pytest.mark.parametrize("mode,algo", [("none", "max"), ("dynamic", "max"), ("delayed", "max"),
+                                       ("delayed", "most_recent")])
+def test_scale_needs_amax_says_whether_the_tensor_itself_sets_the_scale(mode, algo):
+    """`scale_needs_amax` (the CPU step quantizes in the same loop as it reduces where it is False)
+    against what the scaler does: the scale it returns for x and for 16 x (the same history, another
+    amax) differ exactly where it needs the amax. Through a first step, a zero tensor (recorded,
+    so `most_recent` reads 0 after it while `max` still sees the past) and a NaN one (not
+    recorded)."""
+    sc = TensorScaler("e4m3", ScalingPolicy(mode=mode, history_len=3, algo=algo))
+    seen = []
+    for v in (3.0, 0.0, math.nan, 5.0, 0.0, 0.0, 0.0, 2.0):
+        other = TensorScaler("e4m3", sc.policy)
+        other.load_state_dict(sc.state_dict())
+        needs = sc.scale_needs_amax()
+        assert needs == (sc.update(torch.tensor([v, -v / 2])).item() != other.update(t(1000.0)).item()), v
+        seen.append(needs)
+    yes, no = True, False
+    assert seen == {("none", "max"): [no] * 8, ("dynamic", "max"): [yes] * 8,
+                    ("delayed", "max"): [yes, no, no, no, no, no, no, yes],  # history_len 3: 5 rolls out
+                    ("delayed", "most_recent"): [yes, no, yes, yes, no, yes, yes, yes]}[mode, algo]
+
+
 def test_delayed_most_recent_follows_the_last_step():
     sc = TensorScaler("e5m2", ScalingPolicy(mode="delayed", algo="most_recent"))
     sc.update(torch.tensor([1.0]))

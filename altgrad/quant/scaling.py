@@ -9,6 +9,7 @@ bad step cannot poison the history.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -20,10 +21,11 @@ from altgrad.scaling_policy import AmaxAlgo, ScalingPolicy, check_history
 def abs_max(x: torch.Tensor) -> torch.Tensor:
     """0-dim float32 max |x| (NaN if any element is NaN): one `aminmax` pass and no |x| temporary,
     2x faster than abs().amax() on CPU (and 5x faster than vector_norm(x, inf))."""
-    return _amax_of(*torch.aminmax(x.detach()))
+    return amax_of(*torch.aminmax(x.detach()))
 
 
-def _amax_of(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def amax_of(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """max |x| as 0-dim float32 from (lo, hi) = aminmax(x)."""
     return torch.maximum(-lo, hi).abs().float()  # abs: +0, never -0, for an all-zero x
 
 
@@ -79,15 +81,28 @@ def scaler_params(fmt: FormatSpec, policy: ScalingPolicy, device: torch.device) 
 def scale_step(state: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: Constants) -> torch.Tensor:
     """One training step of a TensorScaler, in place on its `state` ([history..., scale, amax]):
     record amax = max(-lo, hi), roll the history, return the new scale. A kernel function, so one
-    compiled call (or a step graph's fused loop) does all of it; (lo, hi) = aminmax(x) come in from
-    outside, where the reduction can use the whole device (docs/design.md)."""
+    compiled call (or a step graph's fused loop) does all of it."""
+    amax = amax_of(lo, hi)
+    s = next_scale(state, amax, p)
+    record_step(state, amax, s)
+    return s
+
+
+def next_scale(state: torch.Tensor, amax: torch.Tensor, p: Constants) -> torch.Tensor:
+    """The scale a step quantizes with, from the state before it: from the history, or from the
+    tensor's own `amax` where the scaler needs that (mode 'dynamic', or 'delayed' while the history
+    holds no positive amax: `TensorScaler.scale_needs_amax`); 1 in mode 'none'."""
     history, scale = state[:HISTORY_END], state[SCALE]
-    amax = _amax_of(lo, hi)
     past = torch.where(p[MOST_RECENT] > 0, history[-1], history.max())
     for_scale = torch.where((p[DELAYED] > 0) & (past > 0), past, amax)
-    s = torch.where(p[SCALED] > 0, scale_for(for_scale, p[TARGET], p[POW2] > 0, scale), 1.0)
+    return torch.where(p[SCALED] > 0, scale_for(for_scale, p[TARGET], p[POW2] > 0, scale), 1.0)
+
+
+def record_step(state: torch.Tensor, amax: torch.Tensor, s: torch.Tensor) -> None:
+    """Write a step into `state` in place: `amax` into the history (unless not finite) and as the
+    last amax, `s` as the scale."""
+    history = state[:HISTORY_END]
     state.copy_(torch.cat([_roll(history, amax), s.reshape(1), amax.reshape(1)]))
-    return s
 
 
 _SCALE_STEP = Kernel(scale_step)
@@ -98,8 +113,9 @@ def _roll(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), torch.cat([history[1:], amax.reshape(1)]), history)
 
 
-def estimate(history: torch.Tensor, algo: AmaxAlgo) -> torch.Tensor:
-    """The amax to scale by from an amax history (oldest first): its maximum, or its most recent entry."""
+def estimate(history: torch.Tensor | np.ndarray, algo: AmaxAlgo) -> torch.Tensor | np.floating:
+    """The amax to scale by from an amax history (oldest first): its maximum, or its most recent
+    entry. The history is a tensor, or its numpy view where the host reads it (`scale_needs_amax`)."""
     return history.max() if algo == "max" else history[-1]
 
 
@@ -176,6 +192,15 @@ class TensorScaler(nn.Module):
         """Record amax(x) and return the 0-dim scale to quantize x with this step."""
         lo, hi = torch.aminmax(x.detach() if x.numel() else x.new_zeros(1))  # empty: amax 0 is recorded
         return _SCALE_STEP(self.state, lo, hi, self.step_params())
+
+    def scale_needs_amax(self) -> bool:
+        """Whether this step's scale is computed from the tensor's own amax (`next_scale`): always
+        in mode 'dynamic', never in 'none', and in 'delayed' while the history's estimate is not
+        positive. CPU only: it reads the state, through numpy, so no ATen op reads a value back to the
+        host (tests/host_reads.py counts those as syncs); on an accelerator it would be one."""
+        if self.policy.mode != "delayed":
+            return self.policy.mode == "dynamic"
+        return not estimate(self.amax_history.numpy(), self.policy.algo) > 0
 
     def step_params(self) -> torch.Tensor:
         """This scaler's settings, as the one tensor the compiled scaler step takes."""

@@ -14,6 +14,8 @@ runs, not a stride: one element per cache line over 100 MB costs more than count
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
 
@@ -29,7 +31,7 @@ from altgrad.quant.kernels import (
     stochastic,
 )
 from altgrad.quant.quantize import Rounding, rounding_noise
-from altgrad.quant.scaling import TensorScaler, scale_step
+from altgrad.quant.scaling import TensorScaler, abs_max, amax_of, next_scale, record_step
 
 STATS_SAMPLE = 1 << 16
 STATS_RUNS = 64
@@ -73,27 +75,37 @@ class TensorStats(nn.Module):
 _COUNT = Kernel(quantization_counts)
 
 
-def _step(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, state: torch.Tensor, sp: Constants,
-          p: Constants, p32: Constants, c: Constants, m0: bool, ftz: bool, pow2: bool,
-          noise: torch.Tensor | None, counted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _step(x: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None, scale_amax: torch.Tensor | None,
+          state: torch.Tensor, sp: Constants, p: Constants, p32: Constants, c: Constants, m0: bool, ftz: bool,
+          pow2: bool, noise: torch.Tensor | None,
+          counted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """scaler.update(x), then quantize(x, scale), then (given the `counted` so far) `counted` plus
-    `quantization_counts` of the sample, as one graph (x flat; lo, hi = aminmax(x)). p is the grid
-    in x's container dtype, p32 in float32, which the counters encode in. The sum is made here, not
-    by the caller: in a step graph it is then fused with the counting, not an op of its own per tensor.
-    `pow2`: the scaler's scales are powers of two (`kernels.unscale`)."""
-    s = scale_step(state, lo, hi, sp)
+    `quantization_counts` of the sample, as one graph (x flat). p is the grid in x's container
+    dtype, p32 in float32, which the counters encode in. The sum is made here, not by the caller: in
+    a step graph it is then fused with the counting, not an op of its own per tensor. `pow2`: the
+    scaler's scales are powers of two (`kernels.unscale`).
+
+    (lo, hi) = aminmax(x), reduced here where None. `scale_amax`: what the scale is computed from
+    where it needs the tensor's own amax (`scaling.next_scale`), by default that amax. A caller that
+    knows the scale needs none this step passes any value instead: then the quantizing does not wait
+    for the reduction and inductor computes both in one loop over x -- provided the state is
+    written after the quantizing, as here (written before it, a second loop)."""
+    if lo is None or hi is None:
+        lo, hi = torch.aminmax(x)
+    amax = amax_of(lo, hi)
+    s = next_scale(state, amax if scale_amax is None else scale_amax, sp)
     q = nearest_scaled(x, s, p, m0, ftz, pow2) if noise is None else stochastic(x, s, p, ftz, noise, pow2)
-    if counted is None:
-        return q, s, None
-    return q, s, counted + quantization_counts(sample(x), sample(q), s, p32, c, m0, ftz)
+    if counted is not None:
+        counted = counted + quantization_counts(sample(x), sample(q), s, p32, c, m0, ftz)
+    record_step(state, amax, s)
+    return q, s, counted
 
 
 def _step_in_graph(x: torch.Tensor, scaler: TensorScaler, noise: torch.Tensor | None,
                    counted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`_step` as traced into a step graph, with everything a quantized tensor needs inside it: the
     amax, x's reshapes (x of any shape) and the format's constants (`kernels.constants`)."""
-    flat = x.reshape(-1)
-    q, s, counted = _step(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, counted)
+    q, s, counted = _step(x.reshape(-1), None, None, None, *_step_args(x, scaler), noise, counted)
     return q.view(x.shape), s, counted
 
 
@@ -118,8 +130,12 @@ def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "n
     `scaler.update`, `quantize` and `stats.observe` would one after the other.
 
     Traced into a step graph (static shapes) the whole of it, amax included, is lowered by inductor
-    there (`kernels.Kernel`). Called on its own it is one compiled call after an eager
-    `aminmax`: compiled with dynamic shapes, inductor cannot split the reduction (docs/design.md)."""
+    there (`kernels.Kernel`). Called on its own it is one compiled call. On the CPU, where reading
+    the scaler's history costs no sync, the amax is reduced inside that call, in the same loop
+    as the quantizing once the scale does not need it (`TensorScaler.scale_needs_amax`); where it
+    does, an eager `abs_max` gives the scale its amax first. On an accelerator the call takes
+    (lo, hi) from an eager `aminmax`: compiled with dynamic shapes, inductor cannot split the
+    reduction (docs/design.md)."""
     flat = x.reshape(-1).detach()  # detach last: no `_base` for dynamo to guard on
     if not flat.numel():  # the scaler records amax 0; nothing to quantize or count
         return x.detach().clone(), scaler.update(x)
@@ -127,8 +143,18 @@ def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "n
     if torch.compiler.is_compiling():
         q, s, counted = _STEP_IN_GRAPH(x.detach(), scaler, noise, counted)
     else:
-        q, s, counted = _STEP(flat, *torch.aminmax(flat), *_step_args(x, scaler), noise, counted)
+        if flat.device.type == "cpu":  # (lo, hi, scale_amax) as `_step` takes them
+            amaxes: tuple = (None, None, abs_max(flat) if scaler.scale_needs_amax() else _no_amax())
+        else:
+            amaxes = (*torch.aminmax(flat), None)
+        q, s, counted = _STEP(flat, *amaxes, *_step_args(x, scaler), noise, counted)
         q = q.view(x.shape)
     if stats is not None:
         stats.counted.copy_(counted)
     return q, s
+
+
+@cache
+def _no_amax() -> torch.Tensor:
+    """The `scale_amax` of a CPU step whose scale does not read it (any float32 would do)."""
+    return torch.zeros(())
