@@ -179,7 +179,7 @@ def test_counters_on_large_tensors_estimate_the_rates_from_a_sample():
 def test_fused_step_equals_the_separate_calls(fmt, rounding, mode, path):
     """quantize_step (one kernel, counting) against scaler.update + quantize + TensorStats.observe,
     over steps that grow, zero and poison the amax (one tensor counted whole, one sampled).
-    Both share `scaling.scale_step`: this checks the fusion; test_scaling.py checks the scaling
+    Both share `scaling.next_scale` and `record_step`: this checks the fusion; test_scaling.py checks the scaling
     itself against compute_scale and the history."""
     check_fused_step(fmt, rounding, mode, pow2=True)
 
@@ -216,9 +216,9 @@ def test_a_cpu_step_reduces_inside_its_compiled_call_once_the_scale_is_known(mon
             quantize_step(x, scaler)
         return sum(e.name == "aten::aminmax" for e in prof.events())
 
+    assert compile_status() == "compiled"
     scaler = TensorScaler("e4m3")
     assert [eager_reductions(scaler) for _ in range(3)] == [1, 0, 0]
-    assert compile_status() == "compiled"
 
 
 def check_fused_step(fmt: str, rounding: str, mode: str, pow2: bool, algo: str = "max") -> None:

@@ -177,6 +177,14 @@ def test_scale_needs_amax_says_whether_the_tensor_itself_sets_the_scale(mode, al
                     ("delayed", "most_recent"): [yes, no, yes, yes, no, yes, yes, yes]}[mode, algo]
 
 
+def test_scale_needs_amax_reads_a_bf16_state():
+    """numpy has no bfloat16: a scaler cast whole to bf16 is still read (widened first)."""
+    sc = TensorScaler("e4m3").to(torch.bfloat16)
+    assert sc.scale_needs_amax()
+    sc.update(torch.tensor([3.0]))
+    assert not sc.scale_needs_amax()
+
+
 def test_delayed_most_recent_follows_the_last_step():
     sc = TensorScaler("e5m2", ScalingPolicy(mode="delayed", algo="most_recent"))
     sc.update(torch.tensor([1.0]))

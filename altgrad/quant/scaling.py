@@ -90,8 +90,9 @@ def scale_step(state: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: Const
 
 def next_scale(state: torch.Tensor, amax: torch.Tensor, p: Constants) -> torch.Tensor:
     """The scale a step quantizes with, from the state before it: from the history, or from the
-    tensor's own `amax` where the scaler needs that (mode 'dynamic', or 'delayed' while the history
-    holds no positive amax: `TensorScaler.scale_needs_amax`); 1 in mode 'none'."""
+    tensor's own `amax` where the scaler needs that (mode 'dynamic', or 'delayed' while the
+    history's estimate -- its max, or its last entry with `most_recent` -- is not positive:
+    `TensorScaler.scale_needs_amax`); 1 in mode 'none'."""
     history, scale = state[:HISTORY_END], state[SCALE]
     past = torch.where(p[MOST_RECENT] > 0, history[-1], history.max())
     for_scale = torch.where((p[DELAYED] > 0) & (past > 0), past, amax)
@@ -147,8 +148,8 @@ class TensorScaler(nn.Module):
     """The scale of one tensor role (an input, a weight, a gradient) from step to step.
 
     Modes: 'none' (s = 1, the raw format range), 'dynamic' (from this tensor's amax), 'delayed'
-    (from the amax history *before* this tensor, the usual FP8 recipe; while the history holds no
-    positive amax yet, e.g. on the first step, the current amax is used).
+    (from the amax history *before* this tensor, the usual FP8 recipe; while the history's estimate
+    is not positive, e.g. on the first step, the current amax is used).
 
     Its state is one checkpointed buffer, `state` = [amax history..., scale, amax] (`amax` of the
     last tensor seen, raw, for diagnostics), read through the views `amax_history`, `scale` and
@@ -200,7 +201,7 @@ class TensorScaler(nn.Module):
         host (tests/host_reads.py counts those as syncs); on an accelerator it would be one."""
         if self.policy.mode != "delayed":
             return self.policy.mode == "dynamic"
-        return not estimate(self.amax_history.numpy(), self.policy.algo) > 0
+        return not estimate(self.amax_history.float().numpy(), self.policy.algo) > 0  # (numpy has no bf16)
 
     def step_params(self) -> torch.Tensor:
         """This scaler's settings, as the one tensor the compiled scaler step takes."""

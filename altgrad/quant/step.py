@@ -1,8 +1,8 @@
 """What a training step does to one quantized tensor: scale, quantize and count, in one call.
 
 A `QuantizedLinear` quantizes three tensors per step. `quantize_step` runs the scaler's update and
-the quantizer -- the same functions `TensorScaler.update` and `quantize` run, in the same order, so
-the results are bit-identical (`tests/test_linear.py`) -- as one compiled call, and on diagnostic
+the quantizer -- the same functions `TensorScaler.update` and `quantize` run (the state written
+last), so the results are bit-identical (`tests/test_linear.py`) -- as one compiled call, and on diagnostic
 steps the counters too (`TensorStats`), so a diagnostic step makes no call of its own per tensor.
 Traced into a step graph (`kernels.StepGraph`) all of it is lowered into that graph's fused loops.
 
@@ -144,7 +144,10 @@ def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "n
         q, s, counted = _STEP_IN_GRAPH(x.detach(), scaler, noise, counted)
     else:
         if flat.device.type == "cpu":  # (lo, hi, scale_amax) as `_step` takes them
-            amaxes: tuple = (None, None, abs_max(flat) if scaler.scale_needs_amax() else _no_amax())
+            # Where the scale needs the amax, the call still reduces x again for the state: in the
+            # loop that quantizes, nearly free, and the same graph serves every step.
+            amaxes: tuple[torch.Tensor | None, ...] = (
+                None, None, abs_max(flat) if scaler.scale_needs_amax() else _no_amax())
         else:
             amaxes = (*torch.aminmax(flat), None)
         q, s, counted = _STEP(flat, *amaxes, *_step_args(x, scaler), noise, counted)
@@ -157,4 +160,4 @@ def quantize_step(x: torch.Tensor, scaler: TensorScaler, rounding: Rounding = "n
 @cache
 def _no_amax() -> torch.Tensor:
     """The `scale_amax` of a CPU step whose scale does not read it (any float32 would do)."""
-    return torch.zeros(())
+    return torch.zeros((), dtype=torch.float32, device="cpu")
