@@ -190,6 +190,15 @@ class TrialRecord:
         one, part of the model trains in another format than the trial's."""
         return [e for e in self.events if e.get("kind") == EventKind.FORMAT_SHIFT]
 
+    @property
+    def shifted_before_eval(self) -> bool:
+        """Whether a format shift came before one of its evaluations, so that a number it measured
+        is not its format's alone. A shift at step s applies from step s + 1 (the trainer shifts
+        after the step, its evaluation included): one at or after its last evaluation changed
+        nothing it measured."""
+        steps, _ = self.val_series()
+        return bool(self.format_shifts and steps) and self.format_shifts[0][STEP] < steps[-1]
+
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the history, skipping rows that lack it."""
         rows = [r for r in self.history if key in r]

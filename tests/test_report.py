@@ -886,6 +886,24 @@ def test_without_e5m2_all_the_verdict_takes_an_e5m2_cell_that_did_not_shift():
     assert verdict.passed and verdict.cell.precision == "mlp"
 
 
+def test_a_shift_after_the_last_evaluation_leaves_the_cell_standing(tmp_path, capsys):
+    """A shift at step s applies from step s + 1, so one at or after a run's last evaluation (step
+    60 here) changed nothing it measured: its cell stays in the verdict and the sweet spot, and the
+    note says why. One step earlier, before that evaluation, it does not."""
+    def judged(shift_step: int) -> tuple[str, str]:
+        records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.0, 1.01, 1.02], prec="attn"),
+                   *seeded("e5m2", [1.2, 1.21, 1.22], prec="mlp")]
+        records[3].events = [shift(shift_step, "lm_head", "e5m2", "e4m3")]
+        f = compute_findings(records)
+        return f.verdict.cell.precision, next(n for n in f.notes if "Emergency format shifts" in n)
+
+    at_last, note = judged(STEPS)
+    assert at_last == "attn" and note.endswith("No evaluation came after it, so nothing the run measured "
+                                               "changed; the cell stands.")
+    before, note = judged(STEPS - 1)
+    assert before == "mlp" and "the cell is left out of the sweet spot and the verdict" in note
+
+
 def test_the_warnings_runs_raised_are_listed_per_grid_point(tmp_path, capsys):
     """Warnings are events a run trains on (SPEC §5): which grid point raised which, in how many of
     its seeds, first when, how often -- up to the sweep's stop (a kurtosis spike after an ASHA stop

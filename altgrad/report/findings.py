@@ -120,7 +120,8 @@ DEFINITIONS = f"""\
   which therefore says of each further cell whether its cosine − bf16 holds.
 - **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
   ran the full budget, did not break ({" / ".join(BROKEN_STOPS)}) and shifted no layer to another
-  format (an emergency mantissa shift: the cell's numbers are then not its format's alone), and
+  format before an evaluation (an emergency mantissa shift: the cell's numbers are then not its
+  format's alone; one after a run's last evaluation changed nothing it measured), and
   bf16 (× 1 exactly), the
   lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
   a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16"). Overlap is not transitive, so a tie
@@ -171,7 +172,7 @@ DEFINITIONS = f"""\
   extra-axis values) wherever the grid has it, whatever became of it; only a grid without it is
   judged on the {VERDICT_FORMAT} cell that ran the full budget, preferring precision
   `{VERDICT_PRECISION}`, then `{STANDARD}`. A cell that broke, shifted a layer to another format
-  or was cut before the full budget, a missing bf16, or a single seed (no interval) → INVESTIGATE,
+  before an evaluation or was cut before the full budget, a missing bf16, or a single seed (no interval) → INVESTIGATE,
   with the reason.
 """
 
@@ -456,8 +457,9 @@ class Cell:
 
     @property
     def shifted(self) -> tuple[int, ...]:
-        """Seeds whose run shifted a layer to another format: its numbers are not the format's alone."""
-        return tuple(sorted(t.seed for t in self.trials if t.format_shifts))
+        """Seeds whose run shifted a layer to another format before an evaluation: its numbers are
+        not the format's alone (`TrialRecord.shifted_before_eval`)."""
+        return tuple(sorted(t.seed for t in self.trials if t.shifted_before_eval))
 
     @property
     def shift_text(self) -> str:
@@ -931,8 +933,11 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         failures.append(Failure(r, step, collapsed, reason or "—", where, evidence))
 
     notes += [f"**Emergency format shifts**, {label(r)}{' / ' + axes_text(axes_key(r)) if r.axes else ''} "
-              f"seed {r.seed}: {shifts_text(r)}. Its cell's numbers are not {r.format}'s alone; the cell "
-              "is left out of the sweet spot and the verdict." for r in quantized if r.format_shifts]
+              f"seed {r.seed}: {shifts_text(r)}. " + (
+                  f"Its cell's numbers are not {r.format}'s alone; the cell is left out of the sweet spot "
+                  "and the verdict." if r.shifted_before_eval else
+                  "No evaluation came after it, so nothing the run measured changed; the cell stands.")
+              for r in quantized if r.format_shifts]
     notes += [f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''} "
               f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text(3)}; "
               f"{c.family_wise.text}). Published "

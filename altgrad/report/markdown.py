@@ -28,8 +28,8 @@ PLOT_SECTIONS = (
     ("heatmap", "Best val loss relative to bf16",
      "Mean over seeds of the per-seed ratio to bf16, ± the half-width of its 95 % interval; lower is "
      "better, 1.000 = bf16. Grey hatched: no trial, not evaluated yet, no finite loss, or a trial that "
-     "broke (× and its stop reason). \"format shift\": a seed moved layers to another format "
-     "mid-run. A row marked ≡ repeats an equivalent format's measurement."),
+     "broke (× and its stop reason). \"format shift\": a seed moved layers to another format before "
+     "an evaluation. A row marked ≡ repeats an equivalent format's measurement."),
     ("loss", "Validation loss vs step",
      "Per format, the mean over seeds, with the band from the lowest to the highest seed, up to the last "
      "step every seed evaluated; past it, each seed that went further alone (dotted); "
