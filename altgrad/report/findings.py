@@ -121,9 +121,8 @@ DEFINITIONS = f"""\
 - **Sweet spot** of a layer precision (per optimizer and extra-axis values): among the cells that
   ran the full budget, did not break ({" / ".join(BROKEN_STOPS)}) and shifted no layer to another
   format before an evaluation (an emergency mantissa shift: the cell's numbers are then not its
-  format's alone; one after a run's last evaluation changed nothing it measured), and
-  bf16 (× 1 exactly), the
-  lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
+  format's alone; one after a run's last evaluation changed nothing it measured), and bf16 (× 1
+  exactly), the lowest × bf16, together with every cell whose × bf16 interval overlaps the leader's: one name is
   a sweet spot, several are a tie ("tie: e3m4 ≈ e4m3 ≈ bf16"). Overlap is not transitive, so a tie
   says where its members and bf16 part: in a tie with bf16, a member whose own × bf16 excludes 1
   ("yet e7m0 worse than bf16, not family-wise"); in a tie without it, the leader's call that left
@@ -161,8 +160,8 @@ DEFINITIONS = f"""\
   left out of the mean and counted in the table; a trial without a finite one has no cosine (left
   out, and said). **Cosine − bf16**: per seed, the cell's minus bf16's over the same steps, mean ±
   t interval; "lower" when the interval lies below 0. **Closest to FP32** (per layer precision,
-  optimizer and extra-axis values, among the quantized cells that ran the full budget and did not
-  break; bf16, the reference of every cosine − bf16, is not ranked): the highest gradient cosine
+  optimizer and extra-axis values, among the quantized cells eligible for the sweet spot; bf16,
+  the reference of every cosine − bf16, is not ranked): the highest gradient cosine
   and every cell whose interval overlaps it, the sweet spot's rule; the others are **further**,
   their intervals wholly below the leader's. A format can be further while its loss does not
   separate from bf16's: its gradients are measurably off, and at this budget the loss did not
@@ -172,8 +171,8 @@ DEFINITIONS = f"""\
   extra-axis values) wherever the grid has it, whatever became of it; only a grid without it is
   judged on the {VERDICT_FORMAT} cell that ran the full budget, preferring precision
   `{VERDICT_PRECISION}`, then `{STANDARD}`. A cell that broke, shifted a layer to another format
-  before an evaluation or was cut before the full budget, a missing bf16, or a single seed (no interval) → INVESTIGATE,
-  with the reason.
+  before an evaluation or was cut before the full budget, a missing bf16, or a single seed (no
+  interval) → INVESTIGATE, with the reason.
 """
 
 AxesKey = tuple[tuple[str, Any], ...]  # an extra-axis assignment, sorted by dotted path
@@ -462,6 +461,12 @@ class Cell:
         return tuple(sorted(t.seed for t in self.trials if t.shifted_before_eval))
 
     @property
+    def own_full_run(self) -> bool:
+        """Ran the full budget, did not break and shifted no layer's format before an evaluation:
+        its numbers are its format's, which a ranking (sweet spot, verdict, closest gradients) needs."""
+        return self.full_budget and not self.broke and not self.shifted
+
+    @property
     def shift_text(self) -> str:
         """`format shift in seeds {0, 2}`, as the tables mark a shifted cell ("" for none)."""
         n = len(self.shifted)
@@ -494,7 +499,7 @@ class SweetSpot:
     axes: AxesKey
     group: tuple[str, ...]  # the leader and every name tied with it ("bf16" may be one of them)
     leader: Cell | None  # None: bf16 leads, or no eligible cell
-    excluded: tuple[str, ...]  # formats not eligible: broke, not at full budget, or shifted a layer's format
+    excluded: tuple[str, ...]  # formats not eligible: not `Cell.own_full_run`, or no finite ratio
     # A sole sweet spot rests on × bf16 calls (bf16 leading: every eligible cell's "worse"; a
     # format leading: its own "better"); the cells of those calls that do not hold family-wise.
     not_family_wise: tuple[str, ...] = ()
@@ -631,7 +636,7 @@ class Findings:
         out = []
         for where in ((p, o, ax) for p in self.precisions for o in self.optimizers for ax in self.axes):
             group = {g.cell.name: g for g in self.fidelity if (g.cell.precision, g.cell.optimizer, g.cell.axes)
-                     == where and g.cell.full_budget and not g.cell.broke}
+                     == where and g.cell.own_full_run}
             # leader_group ranks the lowest first; the highest cosine leads here
             closest = leader_group((n, replace(g.cosine, mean=-g.cosine.mean)) for n, g in group.items())
             if not closest:
@@ -776,7 +781,7 @@ def _short_text(label: str, short: dict[int, tuple[int, str]], steps: int) -> st
 
 def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey) -> SweetSpot:
     """The leader and its tie group among the eligible cells and bf16 (see DEFINITIONS)."""
-    eligible = [c for c in cells if not c.broke and not c.shifted and c.full_budget and math.isfinite(c.ratio.mean)]
+    eligible = [c for c in cells if c.own_full_run and math.isfinite(c.ratio.mean)]
     excluded = tuple(c.name for c in cells if c not in eligible)
     n = max((c.ratio.n for c in eligible), default=0)
     entries = [(c.name, c.ratio) for c in eligible]
@@ -815,7 +820,7 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
     if not candidates:
         return Verdict(False, None, f"no {VERDICT_FORMAT} trial")
     named = [c for c in candidates if (c.precision, c.optimizer) == (VERDICT_PRECISION, STANDARD)]
-    pool = named or [c for c in candidates if c.full_budget and not c.broke and not c.shifted] or candidates
+    pool = named or [c for c in candidates if c.own_full_run] or candidates
     cell = min(pool, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD,
                                     axes_order.get(c.axes, 0)))
     where = " / ".join(x for x in (cell.name, cell.precision, cell.optimizer, axes_text(cell.axes)) if x)

@@ -337,7 +337,7 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
 
 def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
     """× bf16 over format × precision, annotated `ratio ± half-width` ("format shift" where a seed
-    shifted layers to another format). Only usable cells are coloured: grey hatched = no trial, no
+    shifted layers to another format before an evaluation). Only usable cells are coloured: grey hatched = no trial, no
     evaluation yet, no finite loss (×), or a trial that broke (its stop reason)."""
     formats, precisions = findings.formats, findings.precisions
     cells = [[findings.cell(f, optimizer, p, axes) for p in precisions] for f in formats]

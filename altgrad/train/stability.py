@@ -45,6 +45,7 @@ or `StopReason.BIT_STALL`, or `NAN_UNLOCALIZED`); the shifts that happened."""
 NAN_UNLOCALIZED = "nan_unlocalized"
 """Shift reason when no step of a NaN streak could be traced to a layer: every layer shifts."""
 
+
 def stall_halts_learning(run: RunConfig) -> bool:
     """Whether bit-stall means this run stopped learning: only when its weights are stored in
     their format. With fp32 master weights the master keeps accumulating the updates its 8-bit view
