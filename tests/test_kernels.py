@@ -4,6 +4,7 @@ resuming exactly."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ from torch.profiler import profile
 
 from altgrad.quant import compile_status, precompiled_headers
 from altgrad.quant.kernels import (
+    GRAPHS_PER_KERNEL,
     TRANSPOSES,
     Compiled,
     Kernel,
@@ -555,3 +557,24 @@ def test_a_static_kernel_compiles_each_shape_and_a_dynamic_one_shares_a_graph(st
         torch.testing.assert_close(kernel(x, torch.tensor(3.0)), x * 3, rtol=0, atol=0)
     assert kernel.error is None
     assert counters["stats"]["unique_graphs"] == (3 if static else 1)
+
+
+def test_a_kernel_raises_the_recompile_limit_in_every_thread_that_calls_it(monkeypatch):
+    """Dynamo keeps its recompile limit per thread. A Ray worker that runs a second trial runs it
+    in a new thread, where a kernel compiled in the first trial's thread met the default 8 and fell
+    back to eager (a two-seed sweep with format shifts: `_moves_all` and `_encode_samples`, whose
+    layer lists change with each shift). Every compiled call raises it in its own thread."""
+    monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
+    kernel = Kernel(lambda x: x * 2 + 1)
+    x = torch.arange(8.0)
+    kernel(x)  # compiled here, in this thread
+    seen = {}
+
+    def other_thread() -> None:
+        kernel(x)
+        seen["limit"] = torch._dynamo.config.recompile_limit
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert seen["limit"] >= GRAPHS_PER_KERNEL and kernel.error is None

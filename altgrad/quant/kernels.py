@@ -34,6 +34,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from functools import cache, wraps
@@ -261,12 +262,21 @@ def compile_options() -> dict[str, object]:
 GRAPHS_PER_KERNEL = 64  # a kernel's graphs: format family (m0, ftz) x dtype x rounding x input kind
 
 
+_RAISED = threading.local()  # `graphs`: the limit this thread has raised dynamo's to
+
+
 def allow_recompiles(graphs: int = GRAPHS_PER_KERNEL) -> None:
     """Let dynamo keep `graphs` graphs per function instead of its default 8, past which it stops
-    compiling. The limit is process-wide (dynamo has no per-function one); it only grows."""
+    compiling (dynamo has no per-function limit; it only grows). Dynamo keeps a setting per thread
+    (a context variable), so every compiled call makes sure of it in its own thread: a kernel
+    first called in one thread and recompiled in another (a Ray trial's) stopped at 8 there and ran
+    eager from then on. Once raised, a thread-local read."""
+    if getattr(_RAISED, "graphs", 0) >= graphs:
+        return
     dynamo = torch._dynamo.config  # (named cache_size_limit before torch 2.6)
     name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
     setattr(dynamo, name, max(getattr(dynamo, name), graphs))
+    _RAISED.graphs = graphs
 
 
 def _no_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -453,8 +463,8 @@ class Kernel(Compiled):
         # 0/1-element tensors would each specialise a new graph; they are not worth compiling.
         if self.error is None and (first is not x or x.numel() > 1) and not compiling_disabled():
             try:
+                allow_recompiles()
                 if self.compiled is None:
-                    allow_recompiles()
                     precompiled_headers.install()
                     self.compiled = torch.compile(self.fn, dynamic=not self.static_shapes, fullgraph=True,
                                                   options=compile_options())
@@ -512,6 +522,7 @@ class StepGraph(Compiled):
         if self.error is None and not compiling_disabled():
             self._ran = False  # (`_rollback` is None between calls: `finally` below)
             try:
+                allow_recompiles(GRAPHS_PER_STEP)
                 if self.compiled is None:
                     self.compiled = self._compile()
                 if self.cuda_graphs:
@@ -551,7 +562,6 @@ class StepGraph(Compiled):
     def _compile(self) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
 
-        allow_recompiles(GRAPHS_PER_STEP)
         # A cached function a step still traces (`_one`, the scale of an unscaled tensor) builds the
         # same constant in the graph, so dynamo's warning that it skips its cache says nothing a
         # user can act on (a format's constants are not traced: `format_constants`). Neither does
