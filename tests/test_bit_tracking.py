@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from altgrad.experiment import read_jsonl
+from altgrad.quant import quantize
 from altgrad.train import Trainer
 
 pytestmark = pytest.mark.usefixtures("eager_kernels")
@@ -76,3 +77,46 @@ def test_bit_positions_are_written_per_diagnostic_step(make_config, tmp_path):
     assert sum(moved[1:]) > 0  # the manifold steps move codes
     trajectory = [r["layers"]["h.0.mlp.c_fc"]["sample_codes"] for r in rows]
     assert trajectory[0] != trajectory[-1]
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_weights_stored_in_their_format_stall_by_the_codes_they_store(make_config, tmp_path, rounding):
+    """With weights stored in their format, what a step keeps of its update is the re-quantized
+    weight, and under `weight_rounding: stochastic` a step under half an ULP still moves a share of
+    the weights by a code. Bit-stall (each layer's and the model's) and the bit positions' code
+    moves count what the weights store: here read off the weights around the optimizer's step,
+    with no diagnostics code."""
+    trainer = Trainer(make_config("quant.format=e3m4", "quant.master_weights=format", f"quant.weight_rounding={rounding}",
+                                  "optim.name=manifold", "optim.lr_ulp=0.4", "train.shadow_every=0"), tmp_path)
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+    optimizer_step = trainer.optimizer.step
+
+    def step() -> None:
+        seen["old"] = {n: m.weight.detach().clone() for n, m in trainer.layers.items()}
+        optimizer_step()
+        seen["updated"] = {n: m.weight.detach().clone() for n, m in trainer.layers.items()}
+
+    trainer.optimizer.step = step
+    for s in (1, 2, 3):
+        metrics = trainer.train_step(s).metrics
+        row = read_jsonl(tmp_path / "bit_positions.jsonl")[-1]
+        stalled = predicted = changed = 0
+        for name, layer in trainer.layers.items():
+            def code(w: torch.Tensor, layer=layer) -> torch.Tensor:
+                return quantize(w, layer.policy.weight, layer.weight_scale)  # (step 1 starts off the grid)
+
+            old, updated, stored = seen["old"][name], seen["updated"][name], layer.weight.detach()
+            same_code = code(stored) == code(old)
+            moved = updated != old
+            stuck = moved & same_code
+            assert metrics[f"quant/bit_stall_rate/{name}"] == pytest.approx(int(stuck.sum()) / int(moved.sum()), rel=1e-6)
+            assert row["layers"][name]["moved"][0] == int(same_code.sum()), name
+            stalled, changed = stalled + int(stuck.sum()), changed + int(moved.sum())
+            predicted += int((moved & (code(updated) == code(old))).sum())  # the update, to nearest
+        assert metrics["quant/bit_stall_rate"] == pytest.approx(stalled / changed, rel=1e-6)
+        # to nearest, the stored codes are the update's; stochastically a share of the updates that
+        # round back to nearest moves a code all the same (here 0.65-0.76 stalled against 0.87-0.98)
+        if rounding == "nearest":
+            assert stalled == predicted
+        else:
+            assert stalled < 0.9 * predicted

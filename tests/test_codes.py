@@ -18,6 +18,7 @@ from altgrad.quant.codes import (
     encode_samples,
 )
 from altgrad.quant.kernels import scale_tensors
+from altgrad.quant.stall import stiffness
 from altgrad.quant.step import TensorStats
 
 ALL = sorted(FORMATS)
@@ -79,13 +80,16 @@ def test_the_code_histogram_counts_each_code(name, n, path):
     assert underflow == int(((x != 0) & (quantize(x, f, s) == 0)).sum())
 
 
-def reference_moves(w_old: torch.Tensor, w_new: torch.Tensor, f: FormatSpec, s: torch.Tensor):
-    """changed, stalled (SPEC §2, through the eager quantizer) and the histogram, in plain Python."""
-    distance = (ordinal(gfloat_codes(f, w_new * s)) - ordinal(gfloat_codes(f, w_old * s))).abs()
+def reference_moves(w_old: torch.Tensor, w_new: torch.Tensor, f: FormatSpec, s: torch.Tensor,
+                    kept: torch.Tensor | None = None):
+    """changed, stalled (SPEC §2, through the eager quantizer) and the histogram, in plain Python;
+    with `kept`, the codes are kept's (what a weight stored in its format became of w_new)."""
+    after = w_new if kept is None else kept
+    distance = (ordinal(gfloat_codes(f, after * s)) - ordinal(gfloat_codes(f, w_old * s))).abs()
     bins = [sum(int(d) >= e for e in MOVE_EDGES) for d in distance.tolist()]
     histogram = torch.bincount(torch.tensor(bins), minlength=len(MOVE_BINS))
     changed = w_new != w_old
-    stalled = changed & (quantize(w_new, f, s) == quantize(w_old, f, s))
+    stalled = changed & (quantize(after, f, s) == quantize(w_old, f, s))
     return changed, stalled, histogram
 
 
@@ -117,6 +121,34 @@ def test_code_moves_counts_codes_moved_and_stalls(name, path):
     for i, (a, b, scale) in enumerate(pairs):
         alone = code_moves(a, b, f, scale)
         assert all(torch.equal(together[k][i], alone[k]) for k in alone), i
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e7m0", "e0m7"])
+def test_code_moves_of_weights_stored_in_their_format_count_the_stored_codes(name, path):
+    """Weights stored in their format are re-quantized after the update, stochastically under
+    `quant.weight_rounding: stochastic`: a weight whose update rounds to nearest back to its code
+    may still move one, and one that would move may stay. With `kept`, the stored weights, the
+    stall and the histogram are the stored codes' moves, and `changed` is still the update's."""
+    f = FORMATS[name]
+    gen = torch.Generator().manual_seed(11)
+    s = torch.tensor(2.0**-1)
+    w_old = quantize(random_values(f, n=1 << 12, seed=12), f, s)  # stored: on the grid
+    w_old = w_old[w_old.isfinite()]
+    step = stiffness(w_old, f, s) * (torch.rand(w_old.shape, generator=gen) - 0.5) * 0.8  # under half an ULP
+    w_new = torch.where(torch.arange(w_old.numel()) % 6 == 0, w_old, w_old + step)  # some not updated
+    kept = quantize(w_new, f, s, rounding="stochastic", generator=gen)
+    changed, stalled, histogram = reference_moves(w_old, w_new, f, s, kept)
+    got = code_moves(w_old, w_new, f, s, kept=kept)
+    assert int(got["changed"]) == int(changed.sum())
+    assert int(got["stalled"]) == int(stalled.sum())
+    assert torch.equal(got["histogram"], histogram)
+    # to nearest nearly all of these updates stall; stochastically a good share moves a code
+    nearest = code_moves(w_old, w_new, f, s)
+    assert int(got["stalled"]) < 0.9 * int(nearest["stalled"]) and histogram[1] > 0
+    # kept = w_new is the plain call; a kept of another shape is refused
+    assert all(torch.equal(code_moves(w_old, w_new, f, s, kept=w_new)[k], v) for k, v in nearest.items())
+    with pytest.raises(ValueError, match="shapes differ"):
+        code_moves_all([w_old], [w_new], f, [s], kept=[w_new[1:]])
 
 
 def test_a_list_of_scales_is_checked_at_once_and_a_bad_one_is_named():

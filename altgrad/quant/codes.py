@@ -98,20 +98,22 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum(dtype=torch.int32)
 
 
-def _moves(w_old: torch.Tensor, w_new: torch.Tensor, scale: torch.Tensor, p: torch.Tensor,
+def _moves(w_old: torch.Tensor, w_new: torch.Tensor, w_kept: torch.Tensor, scale: torch.Tensor, p: torch.Tensor,
            c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
-    """int32 [elements, changed, stalled, then how many moved >= each of _MOVE_EDGES codes]."""
-    distance = (_ordinal(w_new, scale, p, c, m0, ftz) - _ordinal(w_old, scale, p, c, m0, ftz)).abs()
+    """int32 [elements, changed, stalled, then how many moved >= each of _MOVE_EDGES codes]: changed
+    where w_new != w_old, the codes moved from w_old's to w_kept's (w_new itself, or what is kept of
+    it: `code_moves_all`)."""
+    distance = (_ordinal(w_kept, scale, p, c, m0, ftz) - _ordinal(w_old, scale, p, c, m0, ftz)).abs()
     changed = w_new != w_old
     at_least = [_count(distance >= edge) for edge in _MOVE_EDGES]
     elements = torch.full((), w_old.numel(), dtype=torch.int32, device=w_old.device)
     return torch.stack([elements, _count(changed), _count(changed & (distance == 0)), *at_least])
 
 
-def _moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], scales: torch.Tensor,
-               p: torch.Tensor, c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
-    return torch.stack([_moves(a.reshape(-1), b.reshape(-1), scales[i], p, c, m0, ftz)
-                        for i, (a, b) in enumerate(zip(w_olds, w_news, strict=True))])
+def _moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], w_kepts: list[torch.Tensor],
+               scales: torch.Tensor, p: torch.Tensor, c: torch.Tensor, m0: bool, ftz: bool) -> torch.Tensor:
+    return torch.stack([_moves(a.reshape(-1), b.reshape(-1), k.reshape(-1), scales[i], p, c, m0, ftz)
+                        for i, (a, b, k) in enumerate(zip(w_olds, w_news, w_kepts, strict=True))])
 
 
 CODE_COUNT = 256
@@ -221,29 +223,36 @@ def decode_table(fmt: FormatSpec, device: torch.device) -> torch.Tensor:
 
 
 def code_moves(w_old: torch.Tensor, w_new: torch.Tensor, fmt: str | FormatSpec,
-               scale: Scale = None) -> dict[str, torch.Tensor]:
+               scale: Scale = None, kept: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """How a step moved each weight through fmt's codes (under scale s), in one pass, on device.
 
     Returns 0-dim `changed` (w_new != w_old), `stalled` (changed, yet quantize(w_new) ==
     quantize(w_old): the bit-stall of SPEC §2) and `histogram`, the count of weights per code
     distance bin of MOVE_BINS.
+
+    `kept`: what is kept of w_new where that is not w_new itself -- weights stored in their
+    format, re-quantized after the update, perhaps stochastically. The codes moved are then
+    kept's: a weight stalled when its update was not zero and its stored code stayed put.
     """
-    return {k: v[0] for k, v in code_moves_all([w_old], [w_new], fmt, [scale]).items()}
+    return {k: v[0] for k, v in code_moves_all([w_old], [w_new], fmt, [scale],
+                                               None if kept is None else [kept]).items()}
 
 
 def code_moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], fmt: str | FormatSpec,
-                   scales: list[Scale]) -> dict[str, torch.Tensor]:
+                   scales: list[Scale], kept: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """`code_moves` of many weights of one format (each with its own scale) in one compiled call
     (a call costs ~0.1-0.3 ms of host time): `changed` and `stalled` [n], `histogram` [n, bins]."""
     fmt = get_format(fmt)
-    for w_old, w_new in zip(w_olds, w_news, strict=True):
-        if w_old.shape != w_new.shape:
-            raise ValueError(f"code_moves: shapes differ, {tuple(w_old.shape)} vs {tuple(w_new.shape)}")
+    kept = list(w_news) if kept is None else list(kept)
+    for w_old, w_new, w_kept in zip(w_olds, w_news, kept, strict=True):
+        if not w_old.shape == w_new.shape == w_kept.shape:
+            raise ValueError(f"code_moves: shapes differ, {tuple(w_old.shape)} vs {tuple(w_new.shape)}"
+                             + ("" if w_kept.shape == w_new.shape else f" vs kept {tuple(w_kept.shape)}"))
     device = w_olds[0].device
     p = grid_params(fmt, True, torch.float32, device)
     s = scale_tensors(scales, torch.float32, device)
     with torch.no_grad():
-        counts = _MOVES(list(w_olds), list(w_news), s, p,
+        counts = _MOVES(list(w_olds), list(w_news), kept, s, p,
                         code_params(fmt, device), *family(fmt))
     at_least = torch.cat([counts[:, :1], counts[:, 3:], counts.new_zeros(len(w_olds), 1)], dim=1)
     return {"changed": counts[:, 1], "stalled": counts[:, 2], "histogram": at_least[:, :-1] - at_least[:, 1:]}

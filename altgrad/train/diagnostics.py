@@ -118,9 +118,17 @@ class Diagnostics:
     and replayed (`ReplayedCall`, keyed by what they read that can move: `backward_reads`,
     `update_reads`): a diagnostic step then launches two graphs where it launched every kernel of
     the calls between. Their outputs are then the graphs' own tensors, which the next diagnostic
-    step overwrites."""
+    step overwrites.
 
-    def __init__(self, model: nn.Module, grad_format: FormatSpec, replay: bool = False):
+    With `stored_in_format` (`quant.master_weights: format`) the quantized weights are re-quantized
+    after the update, stochastically where `quant.weight_rounding` says so, and what is stored is
+    what the next step starts from: their bit-stall and code moves are read off the stored weights
+    (a stochastic rounding moves part of the updates that round to nearest would lose). Then
+    `keep_update`, between the update and the re-quantizing, keeps the raw update, which tells an
+    updated weight from one the optimizer left alone."""
+
+    def __init__(self, model: nn.Module, grad_format: FormatSpec, replay: bool = False,
+                 stored_in_format: bool = False):
         self.linears: dict[str, nn.Linear] = {
             short_name(n): model.get_submodule(n) for n in linear_layers(model)
         }
@@ -131,6 +139,8 @@ class Diagnostics:
                                       dtype=torch.float32, device=self._device())
         self._counters = [m.stats[r].counted for m in self.quantized.values() for r in ROLES]
         self._before: list[torch.Tensor] = []  # `snapshot`'s copies, allocated on first use
+        self.stored_in_format = stored_in_format
+        self._updated: list[torch.Tensor] = []  # `keep_update`'s copies (quantized layers), likewise
         self.grad_format = grad_format
         self.collecting = False
         self._kurtosis: dict[str, torch.Tensor] = {}
@@ -149,9 +159,9 @@ class Diagnostics:
         return [*self._kurtosis, *self._kurtosis.values(), *(w.grad for w in self._weights), *self._before]
 
     def update_reads(self) -> list[object]:
-        """What `after_update` reads: the snapshot, and each quantized layer's policy (its formats
-        decide which kernels run)."""
-        return [*self._before, *(m.policy for m in self.quantized.values())]
+        """What `after_update` reads: the snapshot, the kept update, and each quantized layer's
+        policy (its formats decide which kernels run)."""
+        return [*self._before, *self._updated, *(m.policy for m in self.quantized.values())]
 
     def after_backward(self) -> Metrics:
         """What is measured between the backward and the update: the activation and gradient
@@ -243,24 +253,42 @@ class Diagnostics:
             self._before = [torch.empty_like(w) for w in weights]
         torch._foreach_copy_(self._before, weights)
 
+    @torch.no_grad()
+    def keep_update(self) -> None:
+        """Weights stored in their format: copy each quantized weight as the optimizer left it,
+        before the re-quantizing rounds it, into buffers kept for the purpose (`update_metrics`)."""
+        weights = [m.weight.detach() for m in self.quantized.values()]
+        if not self._updated:
+            self._updated = [torch.empty_like(w) for w in weights]
+        torch._foreach_copy_(self._updated, weights)
+
     def update_metrics(self) -> tuple[Metrics, dict[str, torch.Tensor]]:
         """Bit-stall over the quantized layers' moved weights since `snapshot`; zero-update
         fraction over all.
 
         Also returns each quantized layer's code-move histogram (`code_moves`), for bit tracking.
-        The code moves are one compiled call per weight format.
+        The code moves are one compiled call per weight format. Weights stored in their format
+        move by their stored codes (`code_moves`' `kept`: the weights now, the update kept apart).
         """
         if not self._before:
             raise RuntimeError("Diagnostics.update_metrics compares the weights with a snapshot: call snapshot first")
+        if self.stored_in_format and self.quantized and not self._updated:
+            raise RuntimeError("Diagnostics.update_metrics of weights stored in their format needs the raw "
+                               "update: call keep_update before re-quantizing the weights")
         before = dict(zip(self.linears, self._before, strict=True))
+        updated = dict(zip(self.quantized, self._updated, strict=True)) if self.stored_in_format else {}
         by_format = by_weight_format(self.quantized)
         out: Metrics = {}
         histograms: dict[str, torch.Tensor] = {}
         stalled, changed = [], []
         for fmt, names in by_format.items():
-            layers = [self.quantized[n] for n in names]
-            moves = code_moves_all([before[n] for n in names], [m.weight for m in layers], fmt,
-                                   [m.weight_scale for m in layers])
+            weights = [self.quantized[n].weight for n in names]
+            scales = [self.quantized[n].weight_scale for n in names]
+            olds = [before[n] for n in names]
+            if updated:
+                moves = code_moves_all(olds, [updated[n] for n in names], fmt, scales, kept=weights)
+            else:
+                moves = code_moves_all(olds, weights, fmt, scales)
             out[layer_metric_names(BIT_STALL_RATE, tuple(names))] = moves["stalled"] / moves["changed"].clamp_min(1)
             histograms.update(zip(names, moves["histogram"].unbind(), strict=True))
             stalled.append(moves["stalled"])

@@ -161,9 +161,11 @@ class Trainer:
         k = cfg.optim.partition_clip_k
         self.clipper = PartitionClipper(self.layers, k, cfg.quant.scaling.history_len) if k and self.layers else None
         self.nan_origin = NanOrigin(self.layers, self.model)
+        self.stores_weights_in_format = cfg.quant.master_weights == "format"  # re-quantized after each update
         # the diagnostics' calls outside the step graph are replayed where the step graph is
         replay = isinstance(self.forward, StepGraph) and self.forward.replays_on(self.device)
-        self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format), replay)
+        self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format), replay,
+                                       stored_in_format=self.stores_weights_in_format)
         self.shadow = FP32Shadow(self.model.config, self.device) if t.shadow_every else None
         self.monitor = StabilityMonitor(cfg.stability, stall_shifts=stall_halts_learning(cfg))
         self.checkpoints = CheckpointManager(self.run_dir, t.keep_last)
@@ -267,13 +269,15 @@ class Trainer:
 
         # the update
         self.optimizer.step()
+        if self.stores_weights_in_format:
+            if diag:
+                self.diagnostics.keep_update()  # which weights the update changed, before rounding
+            self._requantize_weights()
         bits = None
         if diag:
-            update, moves = self.diagnostics.after_update()  # the raw update, before re-quantizing
+            update, moves = self.diagnostics.after_update()  # the update, as the weights store it
             m.update(update)
             self.diagnostics.end()
-        if self.cfg.quant.master_weights == "format":
-            self._requantize_weights()
         if diag and self.bit_tracker is not None:
             bits = self.bit_tracker.observe(moves)
         self.optimizer.zero_grad(set_to_none=True)
