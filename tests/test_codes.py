@@ -145,8 +145,13 @@ def test_code_moves_of_weights_stored_in_their_format_count_the_stored_codes(nam
     # to nearest nearly all of these updates stall; stochastically a good share moves a code
     nearest = code_moves(w_old, w_new, f, s)
     assert int(got["stalled"]) < 0.9 * int(nearest["stalled"]) and histogram[1] > 0
-    # kept = w_new is the plain call; a kept of another shape is refused
+    # kept = w_new, or w_new stored to nearest (at any scale), is the plain call
     assert all(torch.equal(code_moves(w_old, w_new, f, s, kept=w_new)[k], v) for k, v in nearest.items())
+    for scale in (s, torch.tensor(0.375), torch.tensor(1.37 * 2.0**5)):
+        plain = code_moves(w_old, w_new, f, scale)
+        stored = code_moves(w_old, w_new, f, scale, kept=quantize(w_new, f, scale))
+        assert all(torch.equal(stored[k], v) for k, v in plain.items()), float(scale)
+    # a kept of another shape is refused
     with pytest.raises(ValueError, match="shapes differ"):
         code_moves_all([w_old], [w_new], f, [s], kept=[w_new[1:]])
 

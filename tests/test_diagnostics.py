@@ -60,6 +60,25 @@ def test_update_metrics_need_a_snapshot(path):
         Diagnostics(mixed_model(), FORMATS["e5m2"]).update_metrics()
 
 
+def test_weights_stored_in_their_format_need_the_kept_update_unless_none_is_quantized(path, make_config, tmp_path):
+    """Weights stored in their format are compared through the raw update `keep_update` keeps:
+    without it, a clear error. A model with no quantized layer has nothing to keep, and a run whose
+    precision keeps every layer high trains with its weights 'stored in their format' as before."""
+    diagnostics = Diagnostics(mixed_model(), FORMATS["e5m2"], stored_in_format=True)
+    diagnostics.snapshot()
+    with pytest.raises(RuntimeError, match="call keep_update before re-quantizing"):
+        diagnostics.update_metrics()
+    plain = Diagnostics(nn.Sequential(nn.Linear(16, 16)), FORMATS["e5m2"], stored_in_format=True)
+    plain.snapshot()
+    plain.keep_update()
+    assert per_name(plain.update_metrics()[0])["quant/bit_stall_rate"].item() == 0.0
+    from altgrad.train import Trainer
+
+    trainer = Trainer(make_config("quant.master_weights=format", "quant.precision=[{pattern: '*', format: bf16}]",
+                                  "train.shadow_every=0"), tmp_path)
+    assert not trainer.layers and trainer.train_step(1).metrics["quant/bit_stall_rate"] == 0.0
+
+
 @pytest.mark.parametrize("last_roles", [ROLES, ("input", "weight")])
 def test_diagnostics_quant_metrics_per_layer_and_overall(path, last_roles):
     """Overflow / underflow rates and codes used, from every layer's counters at once, equal the

@@ -240,8 +240,9 @@ def code_moves(w_old: torch.Tensor, w_new: torch.Tensor, fmt: str | FormatSpec,
 
 def code_moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], fmt: str | FormatSpec,
                    scales: list[Scale], kept: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """`code_moves` of many weights of one format (each with its own scale) in one compiled call
-    (a call costs ~0.1-0.3 ms of host time): `changed` and `stalled` [n], `histogram` [n, bins]."""
+    """`code_moves` of many weights of one format (each with its own scale, and `kept` one per
+    weight where given) in one compiled call (a call costs ~0.1-0.3 ms of host time): `changed` and
+    `stalled` [n], `histogram` [n, bins]."""
     fmt = get_format(fmt)
     kept = list(w_news) if kept is None else list(kept)
     for w_old, w_new, w_kept in zip(w_olds, w_news, kept, strict=True):

@@ -3,6 +3,8 @@
 An element stalls when its update is non-zero but Q(w + delta) == Q(w). This is not the same as
 |delta| < ULP/2: at a binade edge the ULP below is half the ULP above, at the top the format
 saturates, and ties go to the even code -- only the quantizer itself gets all of those right.
+The training diagnostics count the same on device (`codes.code_moves`), where weights stored in
+their format take Q to be the rounding that stored them, stochastic where the run says so.
 All results are tensors on the input's device (no host sync).
 """
 

@@ -258,6 +258,8 @@ class Diagnostics:
         """Weights stored in their format: copy each quantized weight as the optimizer left it,
         before the re-quantizing rounds it, into buffers kept for the purpose (`update_metrics`)."""
         weights = [m.weight.detach() for m in self.quantized.values()]
+        if not weights:  # (a precision that keeps every layer high)
+            return
         if not self._updated:
             self._updated = [torch.empty_like(w) for w in weights]
         torch._foreach_copy_(self._updated, weights)
@@ -276,7 +278,7 @@ class Diagnostics:
             raise RuntimeError("Diagnostics.update_metrics of weights stored in their format needs the raw "
                                "update: call keep_update before re-quantizing the weights")
         before = dict(zip(self.linears, self._before, strict=True))
-        updated = dict(zip(self.quantized, self._updated, strict=True)) if self.stored_in_format else {}
+        updated = dict(zip(self.quantized, self._updated, strict=True)) if self.stored_in_format else None
         by_format = by_weight_format(self.quantized)
         out: Metrics = {}
         histograms: dict[str, torch.Tensor] = {}
@@ -285,7 +287,7 @@ class Diagnostics:
             weights = [self.quantized[n].weight for n in names]
             scales = [self.quantized[n].weight_scale for n in names]
             olds = [before[n] for n in names]
-            if updated:
+            if updated is not None:
                 moves = code_moves_all(olds, [updated[n] for n in names], fmt, scales, kept=weights)
             else:
                 moves = code_moves_all(olds, weights, fmt, scales)
