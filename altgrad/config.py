@@ -227,6 +227,11 @@ class QuantConfig(StrictModel):
     def is_baseline(self) -> bool:
         return self.format == BASELINE
 
+    @property
+    def stores_weights_in_format(self) -> bool:
+        """The weights are the format's values, re-quantized after every update (no fp32 copy)."""
+        return self.master_weights == "format"
+
     @model_validator(mode="before")
     @classmethod
     def _grad_scaling_inherits_scaling(cls, data: Any) -> Any:
@@ -241,12 +246,12 @@ class QuantConfig(StrictModel):
 
     @model_validator(mode="after")
     def _format_mode_needs_a_format(self) -> QuantConfig:
-        if self.master_weights == "format" and self.is_baseline:
+        if self.stores_weights_in_format and self.is_baseline:
             raise ValueError(
                 "master_weights='format' stores weights in an 8-bit format; the bf16 baseline has "
                 "none. Use master_weights='fp32' or pick a format"
             )
-        if self.master_weights == "format" and not self.roles.weight:
+        if self.stores_weights_in_format and not self.roles.weight:
             raise ValueError(
                 "master_weights='format' stores weights in the weight role's format, but roles.weight "
                 "is off. Switch roles.weight on or use master_weights='fp32'"

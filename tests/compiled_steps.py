@@ -29,8 +29,7 @@ SUMMED_BY_FUNCTIONS = {**SUMMED, "grad/l2": 1e-4, "grad/snr": 1e-4}
 # Every quantized layer adds kernels to the step graph's C++ compile, so few layers are quantized:
 # two format families (E?M0 with its tie fix-up; e5m2, whose unscaled overflow becomes inf) in one
 # model, and stochastic rounding with format-stored weights, re-quantized stochastically too (their
-# bit-stall reads the stored codes), on one layer. The other layers are in
-# the graph unquantized.
+# bit-stall reads the stored codes), on one layer. The other layers are in the graph unquantized.
 MIXED = ("quant.format=e4m3", "quant.precision=[{pattern: lm_head, format: e7m0}, "
          "{pattern: '*.attn.c_proj', format: e5m2}]")
 STOCHASTIC = ("quant.format=e3m4", "quant.rounding=stochastic", "quant.master_weights=format",

@@ -247,8 +247,8 @@ def code_moves_all(w_olds: list[torch.Tensor], w_news: list[torch.Tensor], fmt: 
     kept = list(w_news) if kept is None else list(kept)
     for w_old, w_new, w_kept in zip(w_olds, w_news, kept, strict=True):
         if not w_old.shape == w_new.shape == w_kept.shape:
-            raise ValueError(f"code_moves: shapes differ, {tuple(w_old.shape)} vs {tuple(w_new.shape)}"
-                             + ("" if w_kept.shape == w_new.shape else f" vs kept {tuple(w_kept.shape)}"))
+            shapes = " vs ".join(str(tuple(w.shape)) for w in (w_old, w_new, w_kept))
+            raise ValueError(f"code_moves: shapes differ (old, new, kept), {shapes}")
     device = w_olds[0].device
     p = grid_params(fmt, True, torch.float32, device)
     s = scale_tensors(scales, torch.float32, device)

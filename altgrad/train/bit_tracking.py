@@ -6,8 +6,8 @@ fixed seeded sample of weights (their trajectory across steps). The histogram co
 `Diagnostics.update_metrics` (`code_moves` in the layer's current weight format and scale, the grid
 the forward pass uses, like the bit-stall rate: the raw update rounded to nearest, or where weights
 are stored in their format, the codes they store); the sample codes are those of the weights as
-stored after the step. Everything is one device tensor, read in
-the trainer's one host sync, then written as one row per diagnostic step to `bit_positions.jsonl`.
+stored after the step. Everything is one device tensor, read in the trainer's one host sync, then
+written as one row per diagnostic step to `bit_positions.jsonl`.
 With `replay` (on CUDA), `observe` is recorded as a CUDA graph and replayed (`ReplayedCall`), as
 the diagnostics' other calls are.
 """

@@ -51,7 +51,7 @@ def stall_halts_learning(run: RunConfig) -> bool:
     their format. With fp32 master weights the master keeps accumulating the updates its 8-bit view
     rounds away, so a stalled view still learns (docs/design.md, "Bit-stall is not breakage"): a
     sweep's stopper leaves it alone, and no layer of it shifts format for stalling."""
-    return not run.quant.is_baseline and run.quant.master_weights == "format"
+    return run.quant.stores_weights_in_format  # (never the baseline: `QuantConfig` refuses it)
 
 
 @dataclass

@@ -161,11 +161,10 @@ class Trainer:
         k = cfg.optim.partition_clip_k
         self.clipper = PartitionClipper(self.layers, k, cfg.quant.scaling.history_len) if k and self.layers else None
         self.nan_origin = NanOrigin(self.layers, self.model)
-        self.stores_weights_in_format = cfg.quant.master_weights == "format"  # re-quantized after each update
         # the diagnostics' calls outside the step graph are replayed where the step graph is
         replay = isinstance(self.forward, StepGraph) and self.forward.replays_on(self.device)
         self.diagnostics = Diagnostics(self.model, get_format(cfg.quant.grad_format), replay,
-                                       stored_in_format=self.stores_weights_in_format)
+                                       stored_in_format=cfg.quant.stores_weights_in_format)
         self.shadow = FP32Shadow(self.model.config, self.device) if t.shadow_every else None
         self.monitor = StabilityMonitor(cfg.stability, stall_shifts=stall_halts_learning(cfg))
         self.checkpoints = CheckpointManager(self.run_dir, t.keep_last)
@@ -269,7 +268,7 @@ class Trainer:
 
         # the update
         self.optimizer.step()
-        if self.stores_weights_in_format:
+        if self.cfg.quant.stores_weights_in_format:
             if diag:
                 self.diagnostics.keep_update()  # which weights the update changed, before rounding
             self._requantize_weights()

@@ -246,7 +246,7 @@ class SweepSettings(StrictModel):
         (`fixed_fields`), and stored-in-format weights, which bf16 has none to store in."""
         out = [f"base.{path} is not used: {key} sets it in every trial"
                for path, key in self.fixed_fields().items() if self.sets_in_base(path)]
-        if BASELINE in self.trained_formats() and self.base_run.quant.master_weights == "format":
+        if BASELINE in self.trained_formats() and self.base_run.quant.stores_weights_in_format:
             out.append(f"base.quant.master_weights is format, but {BASELINE} has no 8-bit format to store "
                        f"weights in: its trials run with master_weights fp32 (the quantized ones with format)")
         return out
