@@ -19,7 +19,7 @@ from altgrad.quant.codes import (
 )
 from altgrad.quant.kernels import scale_tensors
 from altgrad.quant.stall import stiffness
-from altgrad.quant.step import TensorStats
+from altgrad.quant.step import STATS_RUNS, STATS_SAMPLE, TensorStats
 
 ALL = sorted(FORMATS)
 ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "e3m4": ml_dtypes.float8_e3m4}
@@ -63,10 +63,13 @@ def test_encode_with_a_scale_is_encode_of_the_scaled_values(name, path):
 
 
 @pytest.mark.parametrize("name", ["e4m3", "e7m0", "e2m5"])
-@pytest.mark.parametrize("n", [BINCOUNT_MIN_CODES // 4, 4 * BINCOUNT_MIN_CODES])  # scatter, bincount
+# scatter, bincount, and a tensor counted on a sample of STATS_RUNS runs (a strided view)
+@pytest.mark.parametrize("n", [BINCOUNT_MIN_CODES // 4, 4 * BINCOUNT_MIN_CODES, 3 * STATS_SAMPLE + 5])
 def test_the_code_histogram_counts_each_code(name, n, path):
     """The counters' 256-code histogram, on either side of the size where it changes method, is
-    the count of gfloat's codes of quantize(x * s), with overflow and underflow counted too."""
+    the count of gfloat's codes of quantize(x * s), with overflow and underflow counted too. A
+    tensor over STATS_SAMPLE elements counts STATS_RUNS runs of STATS_SAMPLE / STATS_RUNS
+    contiguous elements, one at the start of each STATS_RUNS-th of it."""
     f = FORMATS[name]
     x = torch.cat([torch.tensor([f.max * 4, 0.0]), random_values(f, n=n, seed=5)])
     x = x[x.isfinite()][:n]
@@ -74,8 +77,11 @@ def test_the_code_histogram_counts_each_code(name, n, path):
     stats = TensorStats()
     stats.observe(x, quantize(x, f, s), f, s)
     (overflow, underflow, elements), histogram = (t.tolist() for t in stats.counts())
+    if n > STATS_SAMPLE:
+        run, period = STATS_SAMPLE // STATS_RUNS, n // STATS_RUNS
+        x = torch.cat([x[k * period:k * period + run] for k in range(STATS_RUNS)])
     want = torch.bincount(gfloat_codes(f, x * s).long(), minlength=CODE_COUNT)
-    assert histogram == want.tolist() and elements == n
+    assert histogram == want.tolist() and elements == min(n, STATS_SAMPLE)
     assert overflow == int(((x * s).abs() > f.max).sum()) > 0
     assert underflow == int(((x != 0) & (quantize(x, f, s) == 0)).sum())
 

@@ -61,8 +61,10 @@ class TensorStats(nn.Module):
     def observe(self, x: torch.Tensor, q: torch.Tensor, fmt: FormatSpec, scale: torch.Tensor) -> None:
         """Count x and q = quantize(x, fmt, scale), sampled."""
         p = grid_params(fmt, True, torch.float32, x.device)
-        self.counted.add_(_COUNT(sample(x), sample(q), scale.detach().float(), p, code_params(fmt, x.device),
-                                 *family(fmt)))
+        # A sample's runs copied into one flat tensor first: flattened inside the compiled call,
+        # the view was gathered element by element there (docs/design.md, the quantizer counters).
+        x, q = sample(x).reshape(-1), sample(q).reshape(-1)
+        self.counted.add_(_COUNT(x, q, scale.detach().float(), p, code_params(fmt, x.device), *family(fmt)))
 
     def reset(self) -> None:
         self.counted.zero_()
