@@ -619,10 +619,42 @@ def test_a_seed_that_was_stopped_stays_in_its_cell_which_is_not_compared(tmp_pat
     f = compute_findings(records)
     cell = f.cells["e5m2", "adamw", "all", ()]
     assert cell.short == () and cell.best.n == 3 and cell.ratio.n == 3 and cell.broke and cell.stops == (stop,)
-    assert cell.vs_bf16 == "not compared (seeds stopped at different steps)" and cell.family_wise is None
+    assert cell.vs_bf16.startswith(f"not compared (broke: {stop}") and cell.family_wise is None
+    assert cell.vs_bf16.endswith("; seeds stopped at different steps)")
     assert f.cells["e4m3", "adamw", "all", ()].family_wise.family == 1
     text = write_report(records, tmp_path).read_text()
-    assert "| not compared (seeds stopped at different steps) | — |" in text
+    assert f"| {cell.vs_bf16} | — |" in text
+
+
+def diverged(seed: int, factor: float, stop_at: int = 30) -> TrialRecord:
+    """An e4m3 seed that ASHA stopped at `stop_at`: from its second evaluation on its val loss is
+    `factor` × bf16's."""
+    t = trial("e4m3", seed=seed, steps=stop_at)
+    for row in t.history:
+        if row["val/step"] > 1:
+            row["val/loss"] = factor * curve(row["val/step"], 1.0)
+    return replace(t, stop_reason="asha", summary={**t.summary, "best_val_loss": curve(1, 1.0),
+                                                       "stop_reason": "asha"})
+
+
+def test_a_cell_whose_seeds_broke_together_says_how_far_behind_they_stopped(tmp_path):
+    """Seeds ASHA stopped at the same step after diverging: their best val loss may predate the
+    divergence (a real sweep's: the first evaluation's, 1.07x bf16's, where the loss at the stop was
+    3.9x), so read as a ratio it can pass for a small effect ("worse, a lead for more seeds"). The
+    cell is not compared: it says the val loss at each seed's last evaluation against bf16's there,
+    and stays out of the Holm family."""
+    factors = [2.0, 2.2, 2.6]
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *(diverged(s, k) for s, k in enumerate(factors)),
+               *seeded("e5m2", [1.01, 1.02, 1.03])]
+    f = compute_findings(records)
+    cell = f.cells["e4m3", "adamw", "all", ()]
+    assert cell.broke and not cell.mixed_budgets and cell.steps == 30
+    mean, hw = hand_interval(factors)
+    assert cell.at_stop.mean == pytest.approx(mean) and cell.at_stop.half_width == pytest.approx(hw)
+    assert cell.vs_bf16 == (f"not compared (broke: asha; val loss at its last evaluation {mean:.2f} ± {hw:.2f} "
+                            "(n = 3, paired) × bf16's there)")
+    assert cell.family_wise is None and f.cells["e5m2", "adamw", "all", ()].family_wise.family == 1
+    assert f"| {cell.vs_bf16} | — | asha |" in write_report(records, tmp_path).read_text()
 
 
 def test_missing_optimizer_baseline_is_borrowed_and_noted():

@@ -96,9 +96,12 @@ DEFINITIONS = f"""\
   over seeds with a 95 % Student-t interval (mean ± t(0.975, n−1)·s/√n); one seed: "n = 1, no
   interval". **Steps**: the last evaluation any of its trials reached. A seed of the cell still
   running short of that is left out of the cell's numbers until it gets there, and said; one that
-  was stopped (NaN, bit-stall, ASHA) stays, the cell is marked broken, and if its seeds stopped at
-  different steps its × bf16 is not read ("not compared") nor counted in the Holm family. A bf16
-  seed whose last evaluation came before the cell's steps is no baseline of it, and is said.
+  was stopped (NaN, bit-stall, ASHA) stays, and the cell is marked broken. A broken cell's × bf16
+  is shown but not read ("not compared") nor counted in the Holm family: a seed's best val loss
+  is its best before it broke, perhaps its first evaluation, so instead the table gives each seed's
+  val loss at its last evaluation over its bf16 seed's at that step (paired, mean ± t interval),
+  how far behind it was when it stopped. A bf16 seed whose last evaluation came before the cell's
+  steps is no baseline of it, and is said.
 - **× bf16**: per seed, the cell's best val loss divided by bf16's (same optimizer, same seed, same
   values of the extra axes that apply to bf16) over the same budget (bf16's evaluations up to the
   cell's steps), then the mean of these per-seed ratios with its t interval ("paired"). When the
@@ -432,6 +435,9 @@ class Cell:
     short: tuple[int, ...] = ()  # unfinished seeds short of `steps`: left out of its numbers
     short_baseline: tuple[int, ...] = ()  # bf16 seeds evaluated short of `steps`: no baseline of it
     family_wise: FamilyWise | None = None  # of `ratio`, over every cell's × bf16
+    # Where a seed broke: each seed's val loss at its last evaluation over its bf16 seed's at that
+    # step, which says how far behind it was when it stopped (its best may predate the breaking).
+    at_stop: Comparison | None = None
     NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
 
     @property
@@ -486,10 +492,18 @@ class Cell:
     @property
     def vs_bf16(self) -> str:
         """"better" / "worse" when the × bf16 interval excludes 1, else "indistinguishable"; "not
-        compared" where its seeds broke at different steps."""
+        compared" where a seed broke (its best val loss is its best before it broke, perhaps its
+        first evaluation, not a measure of the format: the loss where it stopped is said instead),
+        or where its seeds stopped at different steps."""
+        why = []
+        if self.broke:
+            at = self.at_stop
+            there = (f"; val loss at its last evaluation {at.text(2)} × {BASELINE}'s there"
+                     if at is not None and math.isfinite(at.mean) else "")
+            why.append(f"broke: {', '.join(self.stops)}{there}")
         if self.mixed_budgets:
-            return "not compared (seeds stopped at different steps)"
-        return reading(self.ratio, self.NULL, "better", "worse")
+            why.append("seeds stopped at different steps")
+        return f"not compared ({'; '.join(why)})" if why else reading(self.ratio, self.NULL, "better", "worse")
 
 
 @dataclass(frozen=True)
@@ -522,7 +536,7 @@ class SweetSpot:
             caveat = f"; not family-wise for {', '.join(self.not_family_wise)}" if self.not_family_wise else ""
             return f"{BASELINE} (every format is worse{caveat})"
         caveat = f" (better than {BASELINE}, not family-wise)" if self.not_family_wise else ""
-        return f"{self.leader.name} at {self.leader.ratio.text(3)}× {BASELINE}{caveat}"
+        return f"{self.leader.name} at {self.leader.ratio.text(3)} × {BASELINE}{caveat}"
 
 
 @dataclass(frozen=True)
@@ -746,8 +760,23 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
         why = [_short_text(name, cut, steps) for name, cut in ((label, short), (BASELINE, short_bf16)) if cut]
         if why:
             ratio = replace(ratio, note="; ".join(n for n in (*why, ratio.note) if n))
+    at_stop = (_at_stop([t for t in trials if t.seed not in short], baseline, label)
+               if any(broke(t) for t in trials) else None)
     return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also,
-                short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)))
+                short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)), at_stop=at_stop)
+
+
+def _at_stop(trials: Sequence[TrialRecord], baseline: Sequence[TrialRecord], label: str) -> Comparison:
+    """Each seed's val loss at its last evaluation × its bf16 seed's at the same step (`Cell.at_stop`;
+    non-finite where bf16 did not evaluate there or the loss had gone non-finite)."""
+    by_seed = {t.seed: dict(zip(*t.val_series(), strict=True)) for t in baseline}
+    cell, base = {}, {}
+    for t in trials:
+        steps, values = t.val_series()
+        if steps:
+            cell[t.seed] = values[-1]
+            base[t.seed] = by_seed.get(t.seed, {}).get(steps[-1], math.nan)
+    return ratio_interval(cell, base, labels=(label, BASELINE))
 
 
 def furthest_eval(trials: Iterable[TrialRecord]) -> int:
@@ -912,7 +941,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         trials = tuple(r for r in quantized if (r.format, r.optimizer, r.precision, axes_key(r)) == key)
         also = tuple(sorted((a for a, m in aliases.items() if m == key[0]), key=format_key))
         cells[key] = _make_cell(key, trials, bf16.get(key[1], []), also)
-    compared = [k for k, c in cells.items() if not c.mixed_budgets]  # the × bf16 family
+    compared = [k for k, c in cells.items() if not (c.broke or c.mixed_budgets)]  # the × bf16 family
     adjusted = dict(zip(compared, family_wise([(cells[k].ratio, Cell.NULL) for k in compared]), strict=True))
     cells = {k: replace(c, family_wise=adjusted.get(k)) for k, c in cells.items()}
 
