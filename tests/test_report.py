@@ -1320,3 +1320,18 @@ def test_publishing_checks_the_readme_and_the_experiment_before_writing_anything
     assert capsys.readouterr().err.startswith(f"error: {exp}: cannot read the experiment: ")
     assert readme.read_text() == in_order
     assert not (exp / "report").exists() and not (tmp_path / publish.IMAGES).exists()
+
+
+def test_the_heatmap_draws_bf16_s_level_in_the_middle_colour_whatever_the_range(tmp_path):
+    """× bf16 = 1 is the colour map's middle and each side its own colours: a range wider below 1
+    than above (a format 17 % better) must not draw a cell no different from bf16 in the "worse"
+    half, as a scale from the data's minimum to its maximum did."""
+    from matplotlib import colormaps
+
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e3m4", [0.82, 0.83, 0.84]),
+               *seeded("e4m3", [0.999, 1.0, 1.001]), *seeded("e5m2", [1.02, 1.03, 1.04])]
+    heat = plot_heatmap(compute_findings(records), "adamw", (), tmp_path / "heat.png")
+    (shades,) = heat.shades.values()  # rows e3m4, e4m3, e5m2; one column (all)
+    np.testing.assert_allclose(shades[1, 0], colormaps["RdYlGn_r"](0.5))
+    better, worse = shades[0, 0], shades[2, 0]
+    assert better[1] > better[0] and worse[0] > worse[1]  # green above red, red above green

@@ -16,6 +16,7 @@ from matplotlib import colormaps
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.collections import PathCollection, PolyCollection
+from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
@@ -91,6 +92,7 @@ class Plot:
     title: str
     lines: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]  # (panel, label) -> x, y
     images: dict[str, np.ndarray]  # panel -> heatmap values (NaN where nothing finite)
+    shades: dict[str, np.ndarray]  # panel -> the heatmap's colours as drawn, RGBA per cell
     collapses: dict[str, list[float]]  # panel -> steps of the collapse markers
     bands: dict[tuple[str, str], tuple[np.ndarray, np.ndarray, np.ndarray]]  # (panel, label) -> x, lo, hi
     texts: dict[str, list[str]]  # panel -> the annotations written on it, in drawing order
@@ -114,7 +116,7 @@ def _save(fig: Figure, path: Path) -> Plot:
     """Draw, save, and read every plotted array back from the figure's artists."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    lines, images, collapses, bands, texts, thresholds, limits = {}, {}, {}, {}, {}, {}, {}
+    lines, images, shades, collapses, bands, texts, thresholds, limits = {}, {}, {}, {}, {}, {}, {}, {}
     for ax in fig.axes:
         panel = ax.get_title()
         limits[panel] = (ax.get_xlim(), ax.get_ylim())
@@ -135,10 +137,11 @@ def _save(fig: Figure, path: Path) -> Plot:
                                                   np.asarray(line.get_ydata(), float))
         for image in ax.images:
             images[panel] = np.ma.filled(np.ma.asarray(image.get_array(), float), np.nan)
+            shades[panel] = image.to_rgba(image.get_array())
         if ax.texts:
             texts[panel] = [t.get_text() for t in ax.texts]
-    return Plot(path, fig.get_suptitle() or fig.axes[0].get_title(), lines, images, collapses, bands, texts,
-                thresholds, limits)
+    return Plot(path, fig.get_suptitle() or fig.axes[0].get_title(), lines, images, shades, collapses, bands,
+                texts, thresholds, limits)
 
 
 def _collapse_mark(ax: Axes, r: TrialRecord, since: float = -math.inf) -> None:
@@ -335,6 +338,15 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
     return _save(fig, path)
 
 
+def ratio_norm(ratio: np.ndarray) -> TwoSlopeNorm:
+    """The heatmap's colour scale: × bf16 = 1 at the colour map's middle whatever the range, so
+    that green is better and red worse; each side spans its own data, at least 0.1 from 1 (at
+    most 2× above)."""
+    finite = ratio[np.isfinite(ratio)]
+    return TwoSlopeNorm(vcenter=1.0, vmin=min(float(finite.min(initial=1.0)), 0.9),
+                        vmax=float(np.clip(finite.max(initial=1.1), 1.1, 2.0)))
+
+
 def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
     """× bf16 over format × precision, annotated `ratio ± half-width` ("format shift" where a seed
     shifted layers to another format before an evaluation). Only usable cells are coloured: grey hatched = no trial, no
@@ -346,10 +358,8 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
     fig = Figure(figsize=(max(1.8 + 1.5 * len(precisions), 6.4), max(1.2 + 0.6 * len(formats), 2.4)),
                  layout="constrained")
     ax = fig.subplots()
-    finite = ratio[np.isfinite(ratio)]  # colour range: at least 1 ± 0.1 around bf16, at most 2×
     image = ax.imshow(np.ma.masked_invalid(ratio), cmap=colormaps["RdYlGn_r"].with_extremes(bad="lightgrey"),
-                      aspect="auto", vmin=min(finite.min(initial=1.0), 0.9),
-                      vmax=float(np.clip(finite.max(initial=1.1), 1.1, 2.0)))
+                      aspect="auto", norm=ratio_norm(ratio))
     for i, row in enumerate(cells):
         for j, cell in enumerate(row):
             if math.isfinite(ratio[i, j]):
