@@ -450,6 +450,15 @@ def nested(path: str, value: Any) -> dict[str, Any]:
     return out
 
 
+def flattened(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`nested`'s inverse over a whole document: {"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}."""
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        path = f"{prefix}{key}"
+        out.update(flattened(value, f"{path}.") if isinstance(value, dict) and value else {path: value})
+    return out
+
+
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     """Recursively merge `update` into a copy of `base` (lists and scalars are replaced)."""
     out = copy.deepcopy(base)

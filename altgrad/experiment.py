@@ -53,7 +53,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from altgrad.config import StabilityConfig, read_yaml, utf8_text
+from altgrad.config import StabilityConfig, flattened, read_yaml, utf8_text
 from altgrad.metrics import STEP, VAL_LOSS, VAL_STEP
 from altgrad.precision import BASELINE
 
@@ -177,6 +177,9 @@ class TrialRecord:
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     # Whether what the run does not quantize computed in bf16 autocast (CUDA), not fp32; None: unknown.
     autocast: bool | None = None
+    # The run settings its format sets on top of the sweep's base (`grid.format_overrides`), by
+    # dotted path: its numbers are then the format's with these settings, not the format's alone.
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.stop_reason is None:
@@ -334,6 +337,9 @@ def _load_experiment(exp_dir: Path, shown: str | Path | None) -> list[TrialRecor
     records = [measured[p["key"]] if not p.get("same_as") else _alias(measured[p["same_as"]], p)
                for p in sweep["points"]]
     records += [_trial_record(exp_dir, tid, trials[tid], stops.get(tid), shown) for tid in by_key.values()]
+    by_format = ((sweep.get("config") or {}).get("grid") or {}).get("format_overrides") or {}
+    for r in records:
+        r.overrides = flattened(by_format.get(r.format) or {})
     return records
 
 

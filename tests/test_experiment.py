@@ -30,6 +30,22 @@ def test_load_experiment(experiment):
     assert records[4].error == "RuntimeError: boom"
 
 
+def test_a_trial_carries_the_settings_its_format_set_on_top_of_the_base(experiment):
+    """`grid.format_overrides` (the sweep's config) reaches each of its format's records as dotted
+    paths, what the report says a cell of that format ran with; other formats carry none, and so
+    does an experiment whose sweep file has no config."""
+    sweep_file = experiment / "sweep_state" / SWEEP_FILE
+    sweep = json.loads(sweep_file.read_text())
+    assert all(r.overrides == {} for r in load_experiment(experiment))
+    overrides = {"e4m3": {"optim": {"lr": 3.0}}, "e7m0": {"quant": {"master_weights": "format",
+                                                                    "grad_scaling": {"mode": "none"}}}}
+    sweep_file.write_text(json.dumps({**sweep, "config": {"grid": {"format_overrides": overrides}}}))
+    by_format = {r.format: r.overrides for r in load_experiment(experiment)}
+    assert by_format["e4m3"] == {"optim.lr": 3.0}
+    assert by_format["e7m0"] == {"quant.master_weights": "format", "quant.grad_scaling.mode": "none"}
+    assert all(o == {} for f, o in by_format.items() if f not in overrides)
+
+
 def test_what_a_trial_computed_in_comes_from_its_summary_else_its_config(experiment):
     """`autocast` (what the report calls its bf16 baseline's compute): the summary's when it says,
     else the config's device and setting (a run from before summaries said it)."""

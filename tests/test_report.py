@@ -1335,3 +1335,36 @@ def test_the_heatmap_draws_bf16_s_level_in_the_middle_colour_whatever_the_range(
     np.testing.assert_allclose(shades[1, 0], colormaps["RdYlGn_r"](0.5))
     better, worse = shades[0, 0], shades[2, 0]
     assert better[1] > better[0] and worse[0] > worse[1]  # green above red, red above green
+
+
+def test_a_format_s_own_settings_are_said_where_its_numbers_are_read(tmp_path):
+    """A format that ran with settings of its own (`grid.format_overrides`, here a learning rate)
+    is compared with bf16 at the base's: the notes say so by format, and the verdict names them."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.01, 1.02, 1.03]),
+               *seeded("e4m3", [1.0, 1.01, 1.02])]
+    for r in records:
+        if r.format == "e5m2":
+            r.overrides = {"optim.lr": 0.001, "quant.master_weights": "format"}
+    f = compute_findings(records)
+    (said,) = [n for n in f.notes if n.startswith("**Settings by format**")]
+    assert "e5m2 ran with `optim.lr` = 0.001, `quant.master_weights` = format" in said and "e4m3" not in said
+    assert "e5m2 / all / adamw (with `optim.lr` = 0.001, `quant.master_weights` = format)" in f.verdict.line
+    assert said in write_report(records, tmp_path).read_text()
+    assert not [n for n in compute_findings(seeded("bf16", [1.0]) + seeded("e5m2", [1.0])).notes
+                if "Settings by format" in n]
+
+
+def test_better_than_bf16_under_an_optimizer_that_took_adamw_s_bf16_steps_points_at_the_optimizer():
+    """manifold's bf16 trials are adamw's training (no format's ULPs to step in): a manifold cell
+    better than bf16 holds the optimizer's own effect, so its note points at manifold − adamw with
+    its numbers, not at the format's roles, which stays the advice for an adamw cell."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("bf16", [1.0, 1.0, 1.0], "manifold"),
+               *seeded("e5m2", [1.0, 1.01, 1.02]), *seeded("e5m2", [0.82, 0.83, 0.84], "manifold"),
+               *seeded("e4m3", [0.90, 0.91, 0.92])]
+    f = compute_findings(records)
+    (manifold,) = [n for n in f.notes if n.startswith("e5m2 / all / manifold trained better")]
+    (delta,) = [d for d in f.deltas if d.b.format == "e5m2"]
+    assert "took `adamw`'s steps" in manifold and f"manifold − adamw there is {delta.diff.text(4)}" in manifold
+    assert "forward-only" not in manifold
+    (adamw,) = [n for n in f.notes if n.startswith("e4m3 / all / adamw trained better")]
+    assert "forward-only quantization" in adamw

@@ -10,6 +10,7 @@ of its kind (`FamilyWise`).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -461,6 +462,11 @@ class Cell:
         return tuple(sorted({s for t in self.trials if (s := t.stop_reason) not in (None, StopReason.COMPLETED)}))
 
     @property
+    def overrides(self) -> dict[str, Any]:
+        """The settings its format ran with on top of the sweep's base (`TrialRecord.overrides`)."""
+        return self.trials[0].overrides if self.trials else {}
+
+    @property
     def shifted(self) -> tuple[int, ...]:
         """Seeds whose run shifted a layer to another format before an evaluation: its numbers are
         not the format's alone (`TrialRecord.shifted_before_eval`)."""
@@ -676,6 +682,24 @@ class Findings:
         return mean_interval(seed_values(baseline_trials(self.baselines.get(optimizer, []), axes)).values())
 
 
+def overrides_text(overrides: dict[str, Any]) -> str:
+    """`optim.lr` = 3, `quant.master_weights` = format: a format's settings on top of the base."""
+    return ", ".join(f"`{k}` = {axis_value_text(v) if isinstance(v, bool | int | float | str) else json.dumps(v)}"
+                     for k, v in sorted(overrides.items()))
+
+
+def _overrides_note(records: Iterable[TrialRecord]) -> list[str]:
+    """The note naming the settings each format set on top of the base (none: no note)."""
+    by_format = {r.format: r.overrides for r in records if r.overrides}
+    if not by_format:
+        return []
+    ran = "; ".join(f"{fmt} ran with {overrides_text(o)}" for fmt, o in
+                    sorted(by_format.items(), key=lambda kv: format_key(kv[0])))
+    return [f"**Settings by format** (`grid.format_overrides`): {ran}. Such a format's cells compare it, "
+            f"with these settings, against {BASELINE} with the base's: a difference is the format's and its "
+            "settings' together, not the format's alone."]
+
+
 def tie_reason(names: Sequence[str], no_interval: Sequence[str]) -> str:
     """Why the names of a tie are one group ("intervals overlap", "no interval for e4m3: not
     tested"): a tie says only that nothing separates them, which with two seeds (t(0.975, 1) =
@@ -729,6 +753,32 @@ def _baseline_compute(bf16: list[TrialRecord]) -> tuple[str, list[str]]:
         f"**{BASELINE} here is the model in fp32**: bf16 autocast runs on CUDA only, so on this device the "
         f"baseline, and what every run leaves unquantized (attention, norms, softmax, loss), computed in fp32. "
         f"Every × {BASELINE} compares a format with fp32 compute."]
+
+
+def _lent_steps(bf16: dict[str, list[TrialRecord]]) -> set[str]:
+    """The optimizers other than `adamw` whose bf16 baseline is `adamw`'s training: borrowed, or
+    equal to it seed for seed (`manifold`, which has no format's ULPs to step in there)."""
+    standard = bf16.get(STANDARD)
+    return {o for o, trials in bf16.items() if o != STANDARD and standard is not None
+            and (trials is standard or _same_losses(trials, standard))}
+
+
+def _better_than_bf16(c: Cell, lent: bool, deltas: list[Difference]) -> str:
+    """The note on a cell that trained better than bf16 beyond its interval. Where its optimizer's
+    bf16 baseline is AdamW's training (`lent`), × bf16 holds the optimizer's own effect as well
+    as the format's, and the ablation to read is manifold − adamw, not the format's roles."""
+    where = f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''}"
+    head = (f"{where} trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text(3)}; "
+            f"{c.family_wise.text if c.family_wise else 'no family'}). ")
+    if lent:
+        d = next((d for d in deltas if d.b is c), None)
+        read = (f"{d.what} there is {d.diff.text(4)} ({d.verdict}; {d.family_wise.text})" if d and d.family_wise
+                else f"compare it with {c.format} / {c.precision} / {STANDARD}")
+        return head + (f"Its {BASELINE} baseline took `{STANDARD}`'s steps, so this ratio holds `{c.optimizer}`'s own "
+                       f"effect as well as the format's: {read}.")
+    return head + ("Published FP8 results run slightly worse than 16-bit, so treat this as an anomaly until an "
+                   "ablation explains it, e.g. forward-only quantization: `--set \"grid.axes={quant.roles."
+                   "grad_output: [true, false]}\"`.")
 
 
 def _same_losses(a: list[TrialRecord], b: list[TrialRecord]) -> bool:
@@ -853,6 +903,8 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
     cell = min(pool, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD,
                                     axes_order.get(c.axes, 0)))
     where = " / ".join(x for x in (cell.name, cell.precision, cell.optimizer, axes_text(cell.axes)) if x)
+    if cell.overrides:
+        where += f" (with {overrides_text(cell.overrides)})"
     if cell.broke:
         return Verdict(False, cell, f"{where} stopped: {', '.join(cell.stops)}")
     if cell.shifted:
@@ -931,7 +983,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     precisions = _ordered(r.precision for r in (quantized or measured))
     axes = tuple(dict.fromkeys(axes_key(r) for r in quantized))  # in grid order (records are)
     axes_order = {ax: i for i, ax in enumerate(axes)}
-    notes: list[str] = []
+    notes: list[str] = _overrides_note(started)
     bf16 = _baselines(measured, optimizers, notes)
     baseline_name, compute_notes = _baseline_compute([t for trials in bf16.values() for t in trials])
     notes += compute_notes
@@ -972,18 +1024,15 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
                   "and the verdict." if r.shifted_before_eval else
                   "No evaluation came after it, so nothing the run measured changed; the cell stands.")
               for r in quantized if r.format_shifts]
-    notes += [f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''} "
-              f"trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text(3)}; "
-              f"{c.family_wise.text}). Published "
-              "FP8 results run slightly worse than 16-bit, so treat this as an anomaly until an ablation "
-              "explains it, e.g. forward-only quantization: `--set \"grid.axes={quant.roles.grad_output: "
-              "[true, false]}\"`." for c in cells.values() if c.full_budget and c.vs_bf16 == "better"]
-    deltas = [d for (f, o, p, ax), c in cells.items() if o == STANDARD
-              and (m := cells.get((f, MANIFOLD, p, ax))) is not None
-              and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None]
+    deltas = _with_family_wise([d for (f, o, p, ax), c in cells.items() if o == STANDARD
+                                and (m := cells.get((f, MANIFOLD, p, ax))) is not None
+                                and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None])
+    lent = _lent_steps(bf16)
+    notes += [_better_than_bf16(c, c.optimizer in lent, deltas)
+              for c in cells.values() if c.full_budget and c.vs_bf16 == "better"]
     fidelity = [g for c in cells.values() if (g := _fidelity(c, bf16.get(c.optimizer, []))) is not None]
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
-                    _with_family_wise(deltas), _with_family_wise(_axis_effects(cells, axes)),
+                    deltas, _with_family_wise(_axis_effects(cells, axes)),
                     replace(_verdict(cells, bool(bf16), axes_order), baseline=baseline_name),
                     _missing(records, missing or []), notes, _with_family_wise(fidelity),
                     warnings_raised(measured))
