@@ -1073,13 +1073,13 @@ def test_a_stopped_seed_does_not_end_its_cells_loss_curve(tmp_path):
     records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.0, 1.01]),
                trial("e5m2", seed=2, scale=1.02, nan_from=31, **by_pass)]
     plot = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png")
-    x, _ = plot.lines["precision: all", "e5m2"]
+    x, _ = plot.lines["precision: all", "e5m2 (broke: nan)"]
     assert x[-1] < 31
-    alone = {label: xy for (panel, label), xy in plot.lines.items() if label.startswith("e5m2 s")}
-    assert set(alone) == {"e5m2 s0 alone", "e5m2 s1 alone"}
+    alone = {label: xy for (panel, label), xy in plot.lines.items() if label.startswith("e5m2 (broke: nan) s")}
+    assert set(alone) == {"e5m2 (broke: nan) s0 alone", "e5m2 (broke: nan) s1 alone"}
     for seed in (0, 1):
         steps, values = records[3 + seed].val_series()
-        ax, ay = alone[f"e5m2 s{seed} alone"]
+        ax, ay = alone[f"e5m2 (broke: nan) s{seed} alone"]
         assert ax[0] == x[-1] and ax[-1] == STEPS
         np.testing.assert_array_equal(ay, [v for s, v in zip(steps, values, strict=True) if s >= x[-1]])
     assert not [label for _, label in plot.lines if label.startswith("bf16 s")]  # all of bf16 in its band
@@ -1368,3 +1368,15 @@ def test_better_than_bf16_under_an_optimizer_that_took_adamw_s_bf16_steps_points
     assert "forward-only" not in manifold
     (adamw,) = [n for n in f.notes if n.startswith("e4m3 / all / adamw trained better")]
     assert "forward-only quantization" in adamw
+
+
+def test_a_cell_stopped_for_trailing_bf16_is_drawn_as_broken_not_as_a_healthy_curve(tmp_path):
+    """Seeds ASHA stopped at step 20 of 60 (finite losses, no collapse to mark) end their curve there
+    like a run that finished early: the legend says the format broke and a mark on the top edge,
+    apart from the collapses', stands at each stop, in the whole run's panel and not the second
+    half's."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]),
+               *(diverged(s, k, stop_at=20) for s, k in enumerate([1.2, 1.3, 1.4])), *seeded("e5m2", [1.0, 1.01, 1.02])]
+    plot = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png")
+    assert ("precision: all", "e4m3 (broke: asha)") in plot.lines and ("precision: all", "e5m2") in plot.lines
+    assert plot.stops == {"precision: all": [20, 20, 20]} and not plot.collapses

@@ -35,7 +35,9 @@ PLOT_SECTIONS = (
      "step every seed evaluated; past it, each seed that went further alone (dotted); "
      "bf16 dashed black in every panel, over its seeds that reached its furthest evaluation (the "
      "tables judge each cell's baseline against that cell's own steps; a bf16 seed that stopped short "
-     "is drawn on its own, dotted black); an \"x\" on the top edge marks a step where a trial collapsed. "
+     "is drawn on its own, dotted black); a format whose seeds broke says so in the legend (\"broke: "
+     "asha\"), and on the top edge an \"x\" marks a step where a trial collapsed (non-finite), a \"▼\" "
+     "where one that broke otherwise (ASHA, bit-stall) was stopped. "
      "Top: the whole run; below: its second half, on the scale of the losses of the trials that did not "
      "break."),
     ("stability", "Stability signals over steps",

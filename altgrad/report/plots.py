@@ -81,6 +81,7 @@ STABILITY_ROWS = (
     StabilityRow(SHADOW_COS_MEAN, "cosine to FP32 gradients", {"": SHADOW_COS_MEAN}),
 )
 ALONE = " alone"  # a seed's loss curve past the steps every seed of its group evaluated
+STOP_MARKER = "v"  # where a trial that broke without collapsing was stopped (ASHA, bit-stall)
 BAND = " seeds"  # a format's band from its lowest to its highest seed
 LEGEND_WIDTH = 1.0  # inches right of the panels for a figure's legend, so it covers no data
 THRESHOLD_LABEL = "_threshold"  # "_": matplotlib keeps it out of the legend
@@ -94,6 +95,7 @@ class Plot:
     images: dict[str, np.ndarray]  # panel -> heatmap values (NaN where nothing finite)
     shades: dict[str, np.ndarray]  # panel -> the heatmap's colours as drawn, RGBA per cell
     collapses: dict[str, list[float]]  # panel -> steps of the collapse markers
+    stops: dict[str, list[float]]  # panel -> steps of the marks where a broken trial was stopped
     bands: dict[tuple[str, str], tuple[np.ndarray, np.ndarray, np.ndarray]]  # (panel, label) -> x, lo, hi
     texts: dict[str, list[str]]  # panel -> the annotations written on it, in drawing order
     thresholds: dict[str, list[float]]  # panel -> the levels of its threshold guides
@@ -116,13 +118,14 @@ def _save(fig: Figure, path: Path) -> Plot:
     """Draw, save, and read every plotted array back from the figure's artists."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    lines, images, shades, collapses, bands, texts, thresholds, limits = {}, {}, {}, {}, {}, {}, {}, {}
+    lines, images, shades, collapses, stops, bands, texts, thresholds, limits = {}, {}, {}, {}, {}, {}, {}, {}, {}
     for ax in fig.axes:
         panel = ax.get_title()
         limits[panel] = (ax.get_xlim(), ax.get_ylim())
         for marks in ax.collections:
             if isinstance(marks, PathCollection):
-                collapses.setdefault(panel, []).extend(marks.get_offsets()[:, 0].tolist())
+                into = stops if marks.get_gid() == STOP_MARKER else collapses
+                into.setdefault(panel, []).extend(marks.get_offsets()[:, 0].tolist())
             elif isinstance(marks, PolyCollection) and marks.get_paths() and not marks.get_label().startswith("_"):
                 vertices = marks.get_paths()[0].vertices  # the outline: lo forwards, hi back
                 x = np.unique(vertices[:, 0])
@@ -140,18 +143,20 @@ def _save(fig: Figure, path: Path) -> Plot:
             shades[panel] = image.to_rgba(image.get_array())
         if ax.texts:
             texts[panel] = [t.get_text() for t in ax.texts]
-    return Plot(path, fig.get_suptitle() or fig.axes[0].get_title(), lines, images, shades, collapses, bands,
-                texts, thresholds, limits)
+    return Plot(path, fig.get_suptitle() or fig.axes[0].get_title(), lines, images, shades, collapses, stops,
+                bands, texts, thresholds, limits)
 
 
-def _collapse_mark(ax: Axes, r: TrialRecord, since: float = -math.inf) -> None:
-    """An "x" on the top edge at the step where a trial collapsed (visible however far it went),
-    if that is not before `since`: a panel showing only later steps leaves it out (unclipped, it
-    would land over the panel beside it)."""
+def _stop_mark(ax: Axes, r: TrialRecord, since: float = -math.inf) -> None:
+    """On the top edge (visible however far the curve went), an "x" at the step where a trial
+    collapsed, or a STOP_MARKER where one that broke otherwise was stopped (ASHA, bit-stall): its
+    curve ends there, not where a healthy run's would. Left out before `since`: a panel showing
+    only later steps (unclipped, the mark would land over the panel beside it)."""
     step, collapsed = stop_step(r)
-    if collapsed and step is not None and step >= since:
-        ax.scatter([step], [0.96], transform=ax.get_xaxis_transform(), marker="x", s=60,
-                   color=color(r.format), zorder=3, clip_on=False)
+    if step is not None and step >= since and (collapsed or broke(r)):
+        ax.scatter([step], [0.96], transform=ax.get_xaxis_transform(), marker="x" if collapsed else STOP_MARKER,
+                   s=60 if collapsed else 40, color=color(r.format), zorder=3, clip_on=False,
+                   gid=None if collapsed else STOP_MARKER)
 
 
 def _curve(ax: Axes, r: TrialRecord, steps: list[int], values: list[float], what: str = "") -> None:
@@ -200,7 +205,7 @@ def _mean_curve(ax: Axes, fmt: str, trials: list[TrialRecord], label: str, since
         if len(trials) > 1 and any(s > end and math.isfinite(v) for s, v in beyond):
             x, y = zip(*beyond, strict=True)
             ax.plot(x, _gaps(y), color=color(fmt), label=f"{label} s{t.seed}{ALONE}", ls=":", lw=0.9)
-        _collapse_mark(ax, t, since)
+        _stop_mark(ax, t, since)
 
 
 def _facets(findings: Findings) -> list[tuple[str, AxesKey]]:
@@ -231,7 +236,8 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
     for (whole, zoom), precision in zip(grid.T, precisions, strict=True):
         groups = [(BASELINE, BASELINE, bf16)] if bf16 else []
         # a cell's seeds as its numbers take them: one cut short would end the band where it stopped
-        groups += [(c.format, c.name, [t for t in c.trials if t.seed not in c.short])
+        groups += [(c.format, f"{c.name} (broke: {', '.join(c.stops)})" if c.broke else c.name,
+                    [t for t in c.trials if t.seed not in c.short])
                    for c in sorted(findings.cells.values(), key=lambda c: format_key(c.format))
                    if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)]
         last = furthest_eval(t for _, _, trials in groups for t in trials)
@@ -250,7 +256,7 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
             for ax, since in ((whole, -math.inf), (zoom, half)):
                 ax.plot(steps, _gaps(values), color=color(BASELINE), ls=":", lw=0.9,
                         label=f"{BASELINE} s{t.seed}: {t.stop_reason} at step {stop_step(t)[0]}, not the reference")
-                _collapse_mark(ax, t, since)
+                _stop_mark(ax, t, since)
         whole.set(title=f"precision: {precision}", xlabel="step")
         zoom.set(title=f"precision: {precision}, steps {half}-{last}", xlabel="step")
         if last > half:
@@ -289,6 +295,11 @@ def _loss_legend(panels: Iterable[Axes]) -> list[Artist]:
         curves.append(Patch(color="black", alpha=0.15, lw=0, label="lowest to highest seed"))
     if any(label.endswith(ALONE) for label in handles):
         curves.append(Line2D([], [], color="black", ls=":", lw=0.9, label=f"a seed{ALONE}"))
+    marks = {m.get_gid() for ax in panels for m in ax.collections if isinstance(m, PathCollection)}
+    if None in marks:
+        curves.append(Line2D([], [], color="black", marker="x", ls="", label="collapsed (non-finite)"))
+    if STOP_MARKER in marks:
+        curves.append(Line2D([], [], color="black", marker=STOP_MARKER, ls="", label="stopped: broke"))
     return curves
 
 
@@ -316,7 +327,7 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
                     _curve(ax, r, steps, values, what)
                     passes.add(what)
                 if drawn:
-                    _collapse_mark(ax, r)
+                    _stop_mark(ax, r)
                     plotted.add(r.format)
             if row.symlog:
                 ax.set_yscale("symlog", linthresh=1e-4)
