@@ -307,8 +307,22 @@ def test_collapse_step_and_site_inferred_from_metrics():
     (failure,) = f.failures
     assert (failure.trial.format, failure.trial.precision, failure.stop_reason) == ("e7m0", "all", "nan")
     assert (failure.step, failure.collapsed, failure.where) == (37, True, "forward (non-finite loss)")
-    assert failure.evidence == "loss non-finite at step 37; quant/overflow_rate = 0.251 > 0.01"
+    assert failure.evidence == "loss non-finite at step 37; quant/overflow_rate = 0.251 > 0.01 at step 37"
     assert spot(f, "all").group == ()  # a format that collapsed is no sweet spot, whatever its loss
+
+
+def test_the_failure_site_is_the_strongest_signal_of_the_whole_run_not_of_its_last_rows():
+    """A run that diverged from forward overflow at its start (0.6 at step 2, 60x the threshold)
+    and was stopped at step 40 with only backward underflow left (0.03) failed in the forward pass:
+    the rows before the stop show the symptom, the cause came first."""
+    record = trial("e4m3", summary={"stop_reason": "asha"}, steps=40)
+    for row in record.history:
+        row["quant/forward_overflow_rate"] = 0.6 if row["step"] == 2 else 0.0
+        row["quant/backward_underflow_rate"] = 0.03 if row["step"] > 30 else 0.0
+    record.stop_reason = "asha"
+    (failure,) = compute_findings([trial("bf16"), record]).failures
+    assert failure.where == "forward overflow"
+    assert failure.evidence == "quant/forward_overflow_rate = 0.6 > 0.01 at step 2"
 
 
 @pytest.mark.parametrize(
@@ -1004,7 +1018,7 @@ def test_failure_sites_and_guides_use_each_runs_own_thresholds(tmp_path):
         r.stop_reason = r.summary.get("stop_reason")
     f = compute_findings(records)
     sites = {fail.trial.seed: (fail.where, fail.evidence) for fail in f.failures}
-    assert sites[0] == ("forward overflow", "quant/forward_overflow_rate = 0.05 > 0.01")
+    assert sites[0] == ("forward overflow", "quant/forward_overflow_rate = 0.05 > 0.01 at step 1")
     assert sites[1] == ("—", "no signal above threshold")
     plot = plot_stability(f, "adamw", (), tmp_path / "stability.png")
     assert plot.thresholds["all: quant/overflow_rate by pass"] == [0.01, 0.1]

@@ -66,7 +66,7 @@ VERDICT_FORMAT, VERDICT_PRECISION, VERDICT_TOLERANCE = "e5m2", "all", 0.10
 # `collapse_where`), a stall in the optimizer; the signals (`signals`) name more precise sites.
 WHERE = {"forward": "forward (non-finite loss)", "backward": "backward (non-finite gradient)",
          "optimizer": "optimizer stall"}
-WINDOW = 5  # logged rows up to the stop that are searched for signals
+WINDOW = 5  # logged rows up to the stop that are read for a non-finite loss or gradient
 
 
 def signals(stability: StabilityConfig) -> tuple[tuple[str, float, str], ...]:
@@ -140,8 +140,9 @@ DEFINITIONS = f"""\
   if k != "optimizer")}); a `bit_stall` stop is an optimizer stall; otherwise the last {WINDOW}
   logged rows up to that step are read: a non-finite loss means the forward pass broke, a
   non-finite gradient with a finite loss means the backward pass did; else the
-  signal furthest above its threshold names the site ({", ".join(f"{k} → {s}" for k, _, s in
-  _DEFAULT_SIGNALS)}); "—" when none is. Every threshold is the run's own `stability` setting
+  signal furthest above its threshold at any logged step up to the stop names the site, with
+  that step ({", ".join(f"{k} → {s}" for k, _, s in _DEFAULT_SIGNALS)}); "—" when none is. A run
+  that diverged often shows its cause early and only its symptoms near the stop. Every threshold is the run's own `stability` setting
   (its config.yaml; by default {", ".join(f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)});
   the evidence names the one that applied.
 - **Warnings**: the events a run raises and trains on (SPEC §5), per grid point and kind: a
@@ -300,8 +301,9 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
     if r.unreadable:
         return "unknown", f"its files could not be read: {r.unreadable}"
     step, _ = stop_step(r)
-    rows = [row for row in r.history if step is None or row[STEP] <= step][-WINDOW:]
-    signal = _strongest_signal(rows, r.stability)
+    upto = [row for row in r.history if step is None or row[STEP] <= step]
+    rows = upto[-WINDOW:]
+    signal = _strongest_signal(upto, r.stability)
     also = f"; {signal[1]}" if signal else ""
     if r.summary.get("collapse_where") in WHERE:
         return WHERE[r.summary["collapse_where"]], "recorded by the trainer" + also
@@ -321,12 +323,15 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
 
 
 def _strongest_signal(rows: list[dict[str, float]], stability: StabilityConfig) -> tuple[str, str] | None:
-    """(where, evidence) of the signal furthest above its threshold (by ratio), if any is."""
+    """(where, evidence) of the signal furthest above its threshold (by ratio) in any of `rows`,
+    with the step where it was (its first, if several), if any is. All the rows up to the stop: a
+    run that diverged may have shown its cause at the start and only symptoms near the stop."""
     best: tuple[float, str, str] | None = None
     for key, threshold, site in signals(stability):
-        value = max((v for v in (_metric(row, key) for row in rows) if math.isfinite(v)), default=0.0)
+        found = [(v, int(row[STEP])) for row in rows if math.isfinite(v := _metric(row, key))]
+        value, at = max(found, key=lambda vs: (vs[0], -vs[1]), default=(0.0, 0))
         if value > threshold and (best is None or value / threshold > best[0]):
-            best = (value / threshold, site, f"{key} = {value:.3g} > {threshold:g}")
+            best = (value / threshold, site, f"{key} = {value:.3g} > {threshold:g} at step {at}")
     return best[1:] if best else None
 
 
