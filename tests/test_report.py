@@ -416,7 +416,12 @@ def test_gradients_off_fp32_are_said_even_where_the_loss_ties(tmp_path):
     summary = f.fidelity_summary()
     assert len(summary) == 1
     e3m4 = fid["e3m4"].cosine.text(3)
-    assert summary[0] == (f"all, adamw: closest to FP32: e3m4 {e3m4} ≈ e4m3 ≈ e5m2 (intervals overlap); further: "
+    def yet(fmt: str) -> str:  # closest, yet its own cosine − bf16 below 0
+        return f"; yet {fmt} lower than bf16" + ("" if fid[fmt].family_wise.holds else ", not family-wise")
+
+    assert fid["e5m2"].diff.lo < 0 < fid["e5m2"].diff.hi  # the third of the tie is not apart from bf16
+    assert summary[0] == (f"all, adamw: closest to FP32: e3m4 {e3m4} ≈ e4m3 ≈ e5m2 (intervals overlap"
+                          f"{yet('e3m4')}{yet('e4m3')}); further: "
                           f"e6m1 {fid['e6m1'].cosine.text(3)} (− bf16 not family-wise), "
                           f"e7m0 {fid['e7m0'].cosine.text(3)}; loss not separated from bf16's for e7m0")
 
@@ -456,7 +461,9 @@ def test_gradient_cosine_ranks_healthy_full_budgets_and_pairs_each_seed_over_its
     assert (fid["e7m0"].nonfinite, fid["e7m0"].shadow_steps) == (1, 3 * len(EVAL_STEPS))
     assert fid["e0m7"].cosine.n == 0 and "{0, 1, 2} not finite" in fid["e0m7"].diff.note
     assert fid["e7m0"].family_wise.holds
-    assert f.fidelity_summary() == [f"all, adamw: closest to FP32: e4m3 {fid['e4m3'].cosine.text(3)}; further: "
+    assert fid["e4m3"].diff.hi < 0 and fid["e4m3"].family_wise.holds
+    assert f.fidelity_summary() == [f"all, adamw: closest to FP32: e4m3 {fid['e4m3'].cosine.text(3)} (yet e4m3 "
+                                    "lower than bf16); further: "
                                     f"e7m0 {fid['e7m0'].cosine.text(3)}; loss not separated from bf16's for e7m0"]
     text = write_report(records, tmp_path).read_text()
     assert "| e5m2 | adamw | all | — | 60 | 0 of 18 |" in text and "| nan |" in text
@@ -1394,3 +1401,29 @@ def test_a_cell_stopped_for_trailing_bf16_is_drawn_as_broken_not_as_a_healthy_cu
     plot = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png")
     assert ("precision: all", "e4m3 (broke: asha)") in plot.lines and ("precision: all", "e5m2") in plot.lines
     assert plot.stops == {"precision: all": [20, 20, 20]} and not plot.collapses
+
+
+def test_a_gradient_tie_says_which_member_s_own_cosine_bf16_s_separates():
+    """Like a sweet spot tied with bf16: e4m3 leads the formats closest to FP32 and e5m2 ties with
+    it, yet e4m3's own cosine − bf16 lies below 0; the line says so rather than read as "all as
+    close as they come"."""
+    records = [*(trial("bf16", seed=s, cos=c) for s, c in enumerate([0.999, 0.998, 0.999])),
+               *(trial("e4m3", seed=s, cos=c) for s, c in enumerate([0.990, 0.991, 0.989])),
+               *(trial("e5m2", seed=s, cos=c) for s, c in enumerate([0.999, 0.95, 0.99]))]
+    f = compute_findings(records)
+    (line,) = f.fidelity_summary()
+    g = next(g for g in f.fidelity if g.cell.format == "e4m3")
+    assert g.diff.hi < 0 and "closest to FP32: e4m3" in line and "≈ e5m2" in line
+    assert "(intervals overlap; yet e4m3 lower than bf16" in line and "yet e5m2" not in line
+
+
+def test_a_cells_gradient_cosine_is_not_compared_where_its_seeds_stopped_at_different_steps():
+    """As its × bf16: a cell whose seeds stopped at different steps has a cosine − bf16 whose spread
+    is the budgets' as much as the seeds'; it is not called, nor counted in the Holm family."""
+    broke = replace(trial("e5m2", seed=2, scale=1.25, steps=30), stop_reason="asha")
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.0, 1.001]), broke,
+               *seeded("e4m3", [1.01, 1.02, 1.03])]
+    f = compute_findings(records)
+    mixed, other = (next(g for g in f.fidelity if g.cell.format == fmt) for fmt in ("e5m2", "e4m3"))
+    assert mixed.verdict == "not compared (seeds stopped at different steps)" and mixed.family_wise is None
+    assert other.family_wise.family == 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any, ClassVar, TypeVar
@@ -164,10 +164,12 @@ DEFINITIONS = f"""\
   accumulated. A shadow step with a non-finite cosine (a non-finite gradient has no direction) is
   left out of the mean and counted in the table; a trial without a finite one has no cosine (left
   out, and said). **Cosine − bf16**: per seed, the cell's minus bf16's over the same steps, mean ±
-  t interval; "lower" when the interval lies below 0. **Closest to FP32** (per layer precision,
+  t interval; "lower" when the interval lies below 0; "not compared" (and out of the Holm family)
+  where the cell's seeds stopped at different steps, as its × bf16. **Closest to FP32** (per layer precision,
   optimizer and extra-axis values, among the quantized cells eligible for the sweet spot; bf16,
   the reference of every cosine − bf16, is not ranked): the highest gradient cosine
-  and every cell whose interval overlaps it, the sweet spot's rule; the others are **further**,
+  and every cell whose interval overlaps it, the sweet spot's rule, and as there a member whose
+  own cosine − bf16 excludes 0 is said ("yet e4m3 lower than bf16"); the others are **further**,
   their intervals wholly below the leader's. A format can be further while its loss does not
   separate from bf16's: its gradients are measurably off, and at this budget the loss did not
   tell.
@@ -592,6 +594,11 @@ class GradientFidelity:
 
     @property
     def verdict(self) -> str:
+        """"lower" / "higher" when the interval excludes 0; "not compared" where the cell's seeds
+        stopped at different steps (each seed's window then differs: its spread is the budgets'),
+        as its × bf16 is not."""
+        if self.cell.mixed_budgets:
+            return "not compared (seeds stopped at different steps)"
         return reading(self.diff, self.NULL, "lower", "higher")
 
 
@@ -670,8 +677,12 @@ class Findings:
                              key=lambda g: -g.cosine.mean)
             parts = [f"closest to FP32: {closest[0]} {group[closest[0]].cosine.text(3)}"
                      + "".join(f" ≈ {n}" for n in closest[1:])]
-            if len(closest) > 1:
-                parts[0] += f" ({tie_reason(closest, [n for n in closest if group[n].cosine.half_width is None])})"
+            # as a sweet spot's tie with bf16 says: a member whose own cosine − bf16 excludes 0
+            apart = [f"yet {n} {g.verdict} than {BASELINE}" + ("" if holds(g.family_wise) else ", not family-wise")
+                     for n in closest if (g := group[n]).diff.excludes(g.NULL)]
+            why = [tie_reason(closest, [n for n in closest if group[n].cosine.half_width is None])] * (len(closest) > 1)
+            if why or apart:
+                parts[0] += f" ({'; '.join([*why, *apart])})"
             if further:
                 parts.append("further: " + ", ".join(
                     f"{g.cell.name} {g.cosine.text(3)}"
@@ -1039,14 +1050,17 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
                     deltas, _with_family_wise(_axis_effects(cells, axes)),
                     replace(_verdict(cells, bool(bf16), axes_order), baseline=baseline_name),
-                    _missing(records, missing or []), notes, _with_family_wise(fidelity),
+                    _missing(records, missing or []), notes,
+                    _with_family_wise(fidelity, left_out=lambda g: g.cell.mixed_budgets),
                     warnings_raised(measured))
 
 
-def _with_family_wise(diffs: list[Compared]) -> list[Compared]:
-    """The comparisons of one table, each with its `FamilyWise` over the table."""
-    adjusted = family_wise([(d.diff, d.NULL) for d in diffs])
-    return [replace(d, family_wise=fw) for d, fw in zip(diffs, adjusted, strict=True)]
+def _with_family_wise(diffs: list[Compared], left_out: Callable[[Compared], bool] = lambda d: False) -> list[Compared]:
+    """The comparisons of one table, each with its `FamilyWise` over the table; those `left_out`
+    (not compared) are out of the family and have none."""
+    inside = [d for d in diffs if not left_out(d)]
+    adjusted = dict(zip(map(id, inside), family_wise([(d.diff, d.NULL) for d in inside]), strict=True))
+    return [replace(d, family_wise=adjusted.get(id(d))) for d in diffs]
 
 
 def _axis_effects(cells: dict[tuple[str, str, str, AxesKey], Cell], axes: tuple[AxesKey, ...]) -> list[Difference]:
