@@ -1427,3 +1427,16 @@ def test_a_cells_gradient_cosine_is_not_compared_where_its_seeds_stopped_at_diff
     mixed, other = (next(g for g in f.fidelity if g.cell.format == fmt) for fmt in ("e5m2", "e4m3"))
     assert mixed.verdict == "not compared (seeds stopped at different steps)" and mixed.family_wise is None
     assert other.family_wise.family == 1
+
+
+def test_a_manifold_difference_not_taken_is_said_with_why(tmp_path):
+    """manifold − adamw needs both sides at full budget: a format whose manifold seeds broke has
+    none, and the section says which and why instead of leaving the row out unsaid."""
+    stopped = [replace(trial("e4m3", "manifold", seed=s, steps=30), stop_reason="asha") for s in range(3)]
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.0, 1.01, 1.02]),
+               *seeded("e5m2", [0.98, 0.99, 1.0], "manifold"), *seeded("e4m3", [1.0, 1.01, 1.02]), *stopped]
+    f = compute_findings(records)
+    assert [d.a.format for d in f.deltas] == ["e5m2"]
+    assert f.deltas_left_out() == ["e4m3 / all (manifold: asha)"]
+    assert "Not compared, a side short of its full budget: e4m3 / all (manifold: asha)." in \
+        write_report(records, tmp_path).read_text()

@@ -22,6 +22,7 @@ from altgrad.experiment import (
     BROKEN_STOPS,
     UNFINISHED,
     EventKind,
+    RunStatus,
     StopReason,
     TrialRecord,
     TrialStatus,
@@ -691,6 +692,20 @@ class Findings:
                 if hidden := [g.cell.name for g in further if not g.cell.ratio.excludes(g.cell.NULL)]:
                     parts.append(f"loss not separated from {BASELINE}'s for {', '.join(hidden)}")
             out.append(f"{where_text(*where)}: {'; '.join(parts)}")
+        return out
+
+    def deltas_left_out(self) -> list[str]:
+        """The cells run with both optimizers whose manifold − adamw is not taken, as `e4m3 / all
+        (adamw: asha; manifold: asha)`: a side did not run its full budget (`_difference`)."""
+        taken = {(d.a.format, d.a.precision, d.a.axes) for d in self.deltas}
+        out = []
+        for (fmt, optimizer, precision, axes), a in self.cells.items():
+            b = self.cells.get((fmt, MANIFOLD, precision, axes))
+            if optimizer != STANDARD or b is None or (fmt, precision, axes) in taken:
+                continue
+            short = "; ".join(f"{c.optimizer}: {', '.join(c.stops) or (RunStatus.RUNNING if c.running else 'short')}"
+                              for c in (a, b) if not c.full_budget)
+            out.append(f"{a.name} / {where_text(precision, '', axes)} ({short})")
         return out
 
     def baseline_best(self, optimizer: str, axes: AxesKey = ()) -> Interval:

@@ -206,6 +206,8 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
         "## Manifold vs standard optimizer",
         _differences(f.deltas, f"n/a: needs both `{STANDARD}` and `{MANIFOLD}` at full budget on the same "
                                f"format and precision (ran: {', '.join(f.optimizers)})."),
+        *([f"Not compared, a side short of its full budget: {', '.join(f.deltas_left_out())}."]
+          if f.deltas_left_out() else []),
     ]
     if f.axis_effects:
         sections += ["## Extra grid axes", _differences(f.axis_effects, "")]
