@@ -558,6 +558,7 @@ def test_mixed_seed_sets_still_render_and_say_why(tmp_path):
 def test_equivalent_formats_are_one_measurement(tmp_path):
     """An alias record (e1m6, same_as e0m7's trial) is listed under both names, counted once."""
     e0m7 = seeded("e0m7", [1.1, 1.12])
+    e0m7[0].events = [{"step": 3, "kind": "underflow_warn", "message": "underflow 2 % > 1 %"}]
     aliases = [replace(r, key=f"e1m6-{r.seed}", format="e1m6", same_as=r.key or r.trial_id) for r in e0m7]
     for r in e0m7:
         r.key = r.trial_id
@@ -565,8 +566,10 @@ def test_equivalent_formats_are_one_measurement(tmp_path):
     f = compute_findings(records)
     assert f.aliases == {"e1m6": "e0m7"} and f.formats == ("e0m7", "e1m6")
     assert list(f.cells) == [("e0m7", "adamw", "all", ())] and f.cells["e0m7", "adamw", "all", ()].name == "e0m7 ≡ e1m6"
+    assert f.measured_name("e0m7") == "e0m7 ≡ e1m6" and f.measured_name("bf16") == "bf16"
     text = write_report(records, tmp_path).read_text()
     assert "**One measurement, two names:** e1m6 was not run" in text
+    assert "| e0m7 ≡ e1m6 | adamw | all | — | underflow | {0} of 2 | 3 | 1 |" in text  # the warnings, as the cells
     heat = plot_heatmap(f, "adamw", (), tmp_path / "heat.png")
     texts = heat.texts["Best val loss / bf16 — optimizer adamw"]
     assert texts[1].endswith("≡ e0m7") and texts[0].split("\n")[:2] == texts[1].split("\n")[:2]

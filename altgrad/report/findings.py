@@ -694,6 +694,11 @@ class Findings:
             out.append(f"{where_text(*where)}: {'; '.join(parts)}")
         return out
 
+    def measured_name(self, fmt: str) -> str:
+        """A measured format's name with the equivalent formats its trials stand for (`e0m7 ≡ e1m6`),
+        as its cells are named."""
+        return " ≡ ".join((fmt, *sorted((a for a, m in self.aliases.items() if m == fmt), key=format_key)))
+
     def deltas_left_out(self) -> list[str]:
         """The cells run with both optimizers whose manifold − adamw is not taken, as `e4m3 / all
         (adamw: asha; manifold: asha)`: a side did not run its full budget (`_difference`)."""

@@ -338,7 +338,8 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
             ax.grid(alpha=0.3)
         panels[0].set_ylabel(row.label, fontsize=8)
     if plotted:  # one entry per format (its seeds share its colour) and per pass style, beside the panels
-        handles = [Line2D([], [], color=color(f), lw=1.0, label=f) for f in sorted(plotted, key=format_key)]
+        handles = [Line2D([], [], color=color(f), lw=1.0, label=findings.measured_name(f))
+                   for f in sorted(plotted, key=format_key)]
         handles += [Line2D([], [], color="black", lw=1.0, ls=PASS_STYLES[what], label=what)
                     for what in PASS_STYLES if what in passes and what]
         fig.legend(handles=handles, loc="center right", fontsize=7,
