@@ -484,8 +484,16 @@ def driver_alive(driver: dict[str, Any]) -> bool:
     if driver.get("host") != socket.gethostname():
         return time.time() - float(driver.get("beat", 0)) < STALE_S
     try:
-        os.kill(int(driver["pid"]), 0)
-    except (KeyError, ProcessLookupError, ValueError):
+        return pid_alive(int(driver["pid"]))
+    except (KeyError, ValueError):
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
     except PermissionError:
         return True

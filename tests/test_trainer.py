@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
+import subprocess
+import sys
 import time
 from typing import get_args
 
@@ -27,7 +30,12 @@ from altgrad.run_model import build_model
 from altgrad.scaling_policy import AmaxAlgo, ScalingMode
 from altgrad.train import Trainer
 from altgrad.train import trainer as trainer_module
-from altgrad.train.checkpoint import CheckpointError, step_checkpoints
+from altgrad.train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    orphaned_writes,
+    step_checkpoints,
+)
 
 # The trainer's behaviour, on eager kernels: compiling them cold costs minutes here, and the
 # compiled kernels and step graph are checked against eager in test_kernels (and through `path`).
@@ -480,6 +488,30 @@ def test_checkpoint_retention_and_corrupt_fallback(make_config, tmp_path):
         (p / CHECKPOINT_FILE).write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=CHECKPOINT_FILE):
         Trainer(make_config(*overrides), tmp_path).fit(resume=tmp_path)
+
+
+def test_a_checkpoint_writer_killed_mid_write_leaves_no_folder_behind(tmp_path):
+    """kill -9 while a checkpoint is written (a spot instance's end) leaves the writer's temporary
+    folder, a checkpoint's worth of disk that nothing renames: the next checkpoint a run saves
+    removes it. A folder another live process is still writing stays."""
+    root = tmp_path / "checkpoints"
+    writer = ("import sys, time, torch; from pathlib import Path; from altgrad.train.checkpoint import save_checkpoint;"
+              "torch.save = lambda *a, **k: (print('writing', flush=True), time.sleep(600));"
+              "save_checkpoint(Path(sys.argv[1]) / 'step_{:08d}'.format(int(sys.argv[2])), {})")
+    killed = subprocess.Popen([sys.executable, "-c", writer, str(root), "18"], stdout=subprocess.PIPE, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", writer, str(root), "24"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout.readline() == "writing\n" and alive.stdout.readline() == "writing\n"
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        left = sorted(p.name for p in root.iterdir())
+        assert left == [f".step_00000018.tmp-{killed.pid}", f".step_00000024.tmp-{alive.pid}"]
+        assert [p.name for p in orphaned_writes(root)] == [left[0]]
+        CheckpointManager(tmp_path, keep_last=2).save(30, {"step": 30, "model": {}}, val_loss=None)
+        assert sorted(p.name for p in root.iterdir()) == [left[1], "step_00000030"]
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 def test_kurtosis_matches_its_definition(path):

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from altgrad.experiment import BEST_FILE, CHECKPOINT_FILE, CHECKPOINTS_DIR
+from altgrad.experiment import BEST_FILE, CHECKPOINT_FILE, CHECKPOINTS_DIR, pid_alive
 
 STEP_PREFIX = "step_"
 ANOMALY_PREFIX = "anomaly_step_"
+WRITING = ".tmp-"  # a checkpoint being written: `.<name>.tmp-<writer's pid>`, renamed when whole
 
 
 class CheckpointError(RuntimeError):
@@ -30,9 +31,10 @@ def checkpoint_name(step: int, prefix: str = STEP_PREFIX) -> str:
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
-    """Write `state` to `directory/checkpoint.pt` atomically: a killed writer leaves no torn file."""
+    """Write `state` to `directory/checkpoint.pt` atomically: a killed writer leaves no torn file,
+    only its temporary folder (`orphaned_writes`)."""
     directory = Path(directory)
-    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    tmp = directory.with_name(f".{directory.name}{WRITING}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with open(tmp / CHECKPOINT_FILE, "wb") as f:
@@ -58,6 +60,19 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or "step" not in state or "model" not in state:
         raise CheckpointError(f"checkpoint {file} is not an AltGrad checkpoint (no step/model)")
     return state
+
+
+def orphaned_writes(ckpt_root: Path) -> list[Path]:
+    """The temporary folders of checkpoint writers on this host that are gone (killed mid-write,
+    a spot instance's kill -9): each holds a checkpoint's worth of disk that nothing will rename."""
+    if not ckpt_root.is_dir():
+        return []
+    found = []
+    for p in ckpt_root.glob(f".*{WRITING}*"):
+        pid = p.name.rsplit(WRITING, 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            found.append(p)
+    return sorted(found)
 
 
 def step_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -119,3 +134,5 @@ class CheckpointManager:
         for p in step_checkpoints(self.root):
             if p.name not in keep:
                 shutil.rmtree(p, ignore_errors=True)
+        for p in orphaned_writes(self.root):
+            shutil.rmtree(p, ignore_errors=True)
