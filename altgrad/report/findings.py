@@ -143,9 +143,9 @@ DEFINITIONS = f"""\
   non-finite gradient with a finite loss means the backward pass did; else the
   signal furthest above its threshold at any logged step up to the stop names the site, with
   that step ({", ".join(f"{k} → {s}" for k, _, s in _DEFAULT_SIGNALS)}); "—" when none is. A run
-  that diverged often shows its cause early and only its symptoms near the stop. Every threshold is the run's own `stability` setting
-  (its config.yaml; by default {", ".join(f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)});
-  the evidence names the one that applied.
+  that diverged often shows its cause early and only its symptoms near the stop. Every threshold
+  is the run's own `stability` setting (its config.yaml; by default {", ".join(
+  f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)}); the evidence names the one that applied.
 - **Warnings**: the events a run raises and trains on (SPEC §5), per grid point and kind: a
   non-finite step skipped, overflow, underflow or bit-stall above its warning level, activation
   kurtosis above its level, the val loss rising `divergence_patience` evaluations in a row.
@@ -166,9 +166,9 @@ DEFINITIONS = f"""\
   left out of the mean and counted in the table; a trial without a finite one has no cosine (left
   out, and said). **Cosine − bf16**: per seed, the cell's minus bf16's over the same steps, mean ±
   t interval; "lower" when the interval lies below 0; "not compared" (and out of the Holm family)
-  where the cell's seeds stopped at different steps, as its × bf16. **Closest to FP32** (per layer precision,
-  optimizer and extra-axis values, among the quantized cells eligible for the sweet spot; bf16,
-  the reference of every cosine − bf16, is not ranked): the highest gradient cosine
+  where the cell's seeds stopped at different steps, as its × bf16. **Closest to FP32** (per
+  layer precision, optimizer and extra-axis values, among the quantized cells eligible for the
+  sweet spot; bf16, the reference of every cosine − bf16, is not ranked): the highest gradient cosine
   and every cell whose interval overlaps it, the sweet spot's rule, and as there a member whose
   own cosine − bf16 excludes 0 is said ("yet e4m3 lower than bf16"); the others are **further**,
   their intervals wholly below the leader's. A format can be further while its loss does not
