@@ -451,11 +451,12 @@ def nested(path: str, value: Any) -> dict[str, Any]:
 
 
 def flattened(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`nested`'s inverse over a whole document: {"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}."""
+    """`nested`'s inverse over a whole document: {"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}. An
+    empty section sets nothing (as `deep_merge` reads it) and yields nothing."""
     out: dict[str, Any] = {}
     for key, value in doc.items():
         path = f"{prefix}{key}"
-        out.update(flattened(value, f"{path}.") if isinstance(value, dict) and value else {path: value})
+        out.update(flattened(value, f"{path}.") if isinstance(value, dict) else {path: value})
     return out
 
 

@@ -37,11 +37,11 @@ def test_a_trial_carries_the_settings_its_format_set_on_top_of_the_base(experime
     sweep_file = experiment / "sweep_state" / SWEEP_FILE
     sweep = json.loads(sweep_file.read_text())
     assert all(r.overrides == {} for r in load_experiment(experiment))
-    overrides = {"e4m3": {"optim": {"lr": 3.0}}, "e7m0": {"quant": {"master_weights": "format",
-                                                                    "grad_scaling": {"mode": "none"}}}}
+    overrides = {"e4m3": {"optim": {"lr": 3.0}, "train": {}}, "e7m0": {"quant": {"master_weights": "format",
+                                                                                  "grad_scaling": {"mode": "none"}}}}
     sweep_file.write_text(json.dumps({**sweep, "config": {"grid": {"format_overrides": overrides}}}))
     by_format = {r.format: r.overrides for r in load_experiment(experiment)}
-    assert by_format["e4m3"] == {"optim.lr": 3.0}
+    assert by_format["e4m3"] == {"optim.lr": 3.0}  # an empty section sets nothing
     assert by_format["e7m0"] == {"quant.master_weights": "format", "quant.grad_scaling.mode": "none"}
     assert all(o == {} for f, o in by_format.items() if f not in overrides)
 

@@ -27,7 +27,7 @@ from altgrad.experiment import (
     load_experiment,
 )
 from altgrad.report import cli, compute_findings, write_report
-from altgrad.report.plots import plot_heatmap, plot_loss, plot_stability
+from altgrad.report.plots import plot_heatmap, plot_loss, plot_stability, ratio_norm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -643,7 +643,8 @@ def test_a_seed_that_was_stopped_stays_in_its_cell_which_is_not_compared(tmp_pat
     f = compute_findings(records)
     cell = f.cells["e5m2", "adamw", "all", ()]
     assert cell.short == () and cell.best.n == 3 and cell.ratio.n == 3 and cell.broke and cell.stops == (stop,)
-    assert cell.vs_bf16.startswith(f"not compared (broke: {stop}") and cell.family_wise is None
+    assert cell.vs_bf16.startswith(f"not compared (broke before the final evaluation: {stop}")
+    assert cell.broke_early and cell.family_wise is None
     assert cell.vs_bf16.endswith("; seeds stopped at different steps)")
     assert f.cells["e4m3", "adamw", "all", ()].family_wise.family == 1
     text = write_report(records, tmp_path).read_text()
@@ -675,8 +676,8 @@ def test_a_cell_whose_seeds_broke_together_says_how_far_behind_they_stopped(tmp_
     assert cell.broke and not cell.mixed_budgets and cell.steps == 30
     mean, hw = hand_interval(factors)
     assert cell.at_stop.mean == pytest.approx(mean) and cell.at_stop.half_width == pytest.approx(hw)
-    assert cell.vs_bf16 == (f"not compared (broke: asha; val loss at its last evaluation {mean:.2f} ± {hw:.2f} "
-                            "(n = 3, paired) × bf16's there)")
+    assert cell.vs_bf16 == (f"not compared (broke before the final evaluation: asha; val loss at its last "
+                            f"evaluation {mean:.2f} ± {hw:.2f} (n = 3, paired) × bf16's there)")
     assert cell.family_wise is None and f.cells["e5m2", "adamw", "all", ()].family_wise.family == 1
     assert f"| {cell.vs_bf16} | — | asha |" in write_report(records, tmp_path).read_text()
 
@@ -1097,13 +1098,13 @@ def test_a_stopped_seed_does_not_end_its_cells_loss_curve(tmp_path):
     records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.0, 1.01]),
                trial("e5m2", seed=2, scale=1.02, nan_from=31, **by_pass)]
     plot = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png")
-    x, _ = plot.lines["precision: all", "e5m2 (broke: nan)"]
+    x, _ = plot.lines["precision: all", "e5m2"]
     assert x[-1] < 31
-    alone = {label: xy for (panel, label), xy in plot.lines.items() if label.startswith("e5m2 (broke: nan) s")}
-    assert set(alone) == {"e5m2 (broke: nan) s0 alone", "e5m2 (broke: nan) s1 alone"}
+    alone = {label: xy for (panel, label), xy in plot.lines.items() if label.startswith("e5m2 s")}
+    assert set(alone) == {"e5m2 s0 alone", "e5m2 s1 alone"}
     for seed in (0, 1):
         steps, values = records[3 + seed].val_series()
-        ax, ay = alone[f"e5m2 (broke: nan) s{seed} alone"]
+        ax, ay = alone[f"e5m2 s{seed} alone"]
         assert ax[0] == x[-1] and ax[-1] == STEPS
         np.testing.assert_array_equal(ay, [v for s, v in zip(steps, values, strict=True) if s >= x[-1]])
     assert not [label for _, label in plot.lines if label.startswith("bf16 s")]  # all of bf16 in its band
@@ -1123,7 +1124,7 @@ def test_the_second_half_marks_only_its_own_collapses(tmp_path):
     assert not any(panel.endswith("steps 30-60") for panel in plot.collapses)
     assert plot.limits["precision: mlp, steps 30-60"][0] == (30, 60)  # on bf16's losses there
     broken = plot_loss(compute_findings(records[-2:]), "adamw", (), tmp_path / "broken.png")
-    assert broken.texts == {"precision: mlp, steps 30-60": ["every trial broke"]}
+    assert broken.texts == {"precision: mlp": ["broke: e5m2 (nan)"], "precision: mlp, steps 30-60": ["every trial broke"]}
     assert broken.limits["precision: mlp, steps 30-60"][0] == (30, 60)
 
 
@@ -1359,6 +1360,9 @@ def test_the_heatmap_draws_bf16_s_level_in_the_middle_colour_whatever_the_range(
     np.testing.assert_allclose(shades[1, 0], colormaps["RdYlGn_r"](0.5))
     better, worse = shades[0, 0], shades[2, 0]
     assert better[1] > better[0] and worse[0] > worse[1]  # green above red, red above green
+    # one distance from 1, one depth of colour on either side (not each side scaled to its extreme)
+    norm = ratio_norm(np.array([0.83, 1.0, 1.03]))
+    assert norm(0.9) - 0.5 == pytest.approx(0.5 - norm(1.1)) and 0.5 < norm(1.03) < 0.6
 
 
 def test_a_format_s_own_settings_are_said_where_its_numbers_are_read(tmp_path):
@@ -1396,13 +1400,15 @@ def test_better_than_bf16_under_an_optimizer_that_took_adamw_s_bf16_steps_points
 
 def test_a_cell_stopped_for_trailing_bf16_is_drawn_as_broken_not_as_a_healthy_curve(tmp_path):
     """Seeds ASHA stopped at step 20 of 60 (finite losses, no collapse to mark) end their curve there
-    like a run that finished early: the legend says the format broke and a mark on the top edge,
+    like a run that finished early: the panel says the format broke, and why (in the panel: the
+    legend is the figure's, one entry a format whatever the precision), and a mark on the top edge,
     apart from the collapses', stands at each stop, in the whole run's panel and not the second
     half's."""
     records = [*seeded("bf16", [1.0, 1.0, 1.0]),
                *(diverged(s, k, stop_at=20) for s, k in enumerate([1.2, 1.3, 1.4])), *seeded("e5m2", [1.0, 1.01, 1.02])]
     plot = plot_loss(compute_findings(records), "adamw", (), tmp_path / "loss.png")
-    assert ("precision: all", "e4m3 (broke: asha)") in plot.lines and ("precision: all", "e5m2") in plot.lines
+    assert ("precision: all", "e4m3") in plot.lines and ("precision: all", "e5m2") in plot.lines
+    assert plot.texts["precision: all"] == ["broke: e4m3 (asha)"]
     assert plot.stops == {"precision: all": [20, 20, 20]} and not plot.collapses
 
 
@@ -1441,5 +1447,52 @@ def test_a_manifold_difference_not_taken_is_said_with_why(tmp_path):
     f = compute_findings(records)
     assert [d.a.format for d in f.deltas] == ["e5m2"]
     assert f.deltas_left_out() == ["e4m3 / all (manifold: asha)"]
-    assert "Not compared, a side short of its full budget: e4m3 / all (manifold: asha)." in \
+    assert "Not compared, a side broke or ran short: e4m3 / all (manifold: asha)." in \
         write_report(records, tmp_path).read_text()
+
+
+def test_a_seed_stopped_at_the_final_evaluation_measured_the_budget_and_is_compared():
+    """bit-stall stopped every seed at step 60 of 60, after the last evaluation: each best val loss
+    covers the whole budget, so the cell is compared with bf16 as any other (its stops still say
+    why, and the sweet spot still wants an unbroken cell)."""
+    stalled = [replace(t, stop_reason="bit_stall") for t in seeded("e7m0", [0.95, 0.96, 0.97])]
+    f = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *stalled])
+    cell = f.cells["e7m0", "adamw", "all", ()]
+    assert cell.broke and not cell.broke_early and cell.at_stop is None
+    assert cell.vs_bf16 == "better" and cell.family_wise.family == 1 and cell.stops == ("bit_stall",)
+    assert spot(f, "all").group == ()  # broke: not eligible
+
+
+def test_the_loss_at_the_stop_pairs_a_seed_only_with_bf16_s_loss_at_its_step():
+    """e4m3 1.3x bf16 throughout, seed 0 stopped at step 20, seed 1 at step 50, where bf16's seed 1
+    (stopped at 30) has no evaluation: seed 1 is left out, not divided unpaired by a loss at
+    another step (which read 1.09x)."""
+    records = [trial("bf16", seed=0), trial("bf16", seed=1, steps=30),
+               replace(trial("e4m3", seed=0, scale=1.3, steps=20), stop_reason="asha"),
+               replace(trial("e4m3", seed=1, scale=1.3, steps=50), stop_reason="asha")]
+    cell = compute_findings(records).cells["e4m3", "adamw", "all", ()]
+    assert cell.at_stop.n == 1 and cell.at_stop.mean == pytest.approx(1.3)
+
+
+def test_a_stall_during_the_warm_up_is_no_failure_site():
+    """The learning-rate warm-up's first steps stall by construction (bit-stall 0.9 at step 1): a
+    trial stopped at step 40 with nothing above its thresholds since is "—", not an optimizer stall
+    at step 1; overflow at step 1 is still found."""
+    record = trial("e5m2", summary={"stop_reason": "asha"}, steps=40)
+    for row in record.history:
+        row["quant/bit_stall_rate"] = 0.9 if row["step"] == 1 else 0.1
+    record.stop_reason = "asha"
+    assert compute_findings([trial("bf16"), record]).failures[0].where == "—"
+    record.history[0]["quant/forward_overflow_rate"] = 0.5
+    (failure,) = compute_findings([trial("bf16"), record]).failures
+    assert failure.where == "forward overflow" and failure.evidence.endswith("= 0.5 > 0.01 at step 1")
+
+
+def test_bf16_s_own_settings_are_said_apart_from_the_formats():
+    records = [*seeded("bf16", [1.0, 1.0]), *seeded("e5m2", [1.01, 1.02])]
+    for r in records:
+        r.overrides = {"optim.lr": 0.01} if r.format == "bf16" else {"optim.lr": 0.002}
+    notes = compute_findings(records).notes
+    assert any(n.startswith("**Settings by format**") and "e5m2 ran with `optim.lr` = 0.002" in n
+               and "against bf16 with its own (below)" in n and "bf16 ran" not in n for n in notes)
+    assert "**bf16 ran with settings of its own** (`grid.format_overrides`): `optim.lr` = 0.01." in " ".join(notes)

@@ -47,6 +47,11 @@ from altgrad.tune.trial_spec import trial_limits, trial_run_config
     (["asha.tolerance=false"], "asha.tolerance: a number, not false"),
     (["asha.metric=train/foo"], "asha.metric: 'train/foo' is not in every report of a trial"),
     (["asha.metric=quant/bit_stall_rate"], "asha.metric: 'quant/bit_stall_rate' is not in every report"),
+    # what the report says a format ran with must be what it ran with: no setting the grid replaces
+    (["grid.format_overrides={e4m3: {optim: {name: manifold}}}"],
+     "format_overrides.e4m3: 'optim.name' is set by the grid (grid.optimizers)"),
+    (["grid.format_overrides={e4m3: {optim: {lr: 1.0e-3}}}", "grid.axes={optim.lr: [2.0e-3, 4.0e-3]}"],
+     "format_overrides.e4m3: 'optim.lr' is also an extra axis (grid.axes)"),
 ])
 def test_malformed_config_exits_2_naming_the_field(overrides, field, tmp_path, capsys):
     args = ["--storage-path", str(tmp_path / "store"), "--set", "preset=cpu"]

@@ -98,12 +98,13 @@ DEFINITIONS = f"""\
   over seeds with a 95 % Student-t interval (mean ± t(0.975, n−1)·s/√n); one seed: "n = 1, no
   interval". **Steps**: the last evaluation any of its trials reached. A seed of the cell still
   running short of that is left out of the cell's numbers until it gets there, and said; one that
-  was stopped (NaN, bit-stall, ASHA) stays, and the cell is marked broken. A broken cell's × bf16
-  is shown but not read ("not compared") nor counted in the Holm family: a seed's best val loss
-  is its best before it broke, perhaps its first evaluation, so instead the table gives each seed's
-  val loss at its last evaluation over its bf16 seed's at that step (paired, mean ± t interval),
-  how far behind it was when it stopped. A bf16 seed whose last evaluation came before the cell's
-  steps is no baseline of it, and is said.
+  was stopped (NaN, bit-stall, ASHA) stays, and the cell is marked broken. Where a seed broke
+  before the final evaluation (bf16's furthest), the cell's × bf16 is shown but not read ("not
+  compared") nor counted in the Holm family: that seed's best val loss is its best before it
+  broke, perhaps its first evaluation, so instead the table gives each seed's val loss at its last
+  evaluation over its bf16 seed's at that step (paired, over the seeds where both are finite; mean
+  ± t interval), how far behind it was when it stopped. A bf16 seed whose last evaluation came
+  before the cell's steps is no baseline of it, and is said.
 - **× bf16**: per seed, the cell's best val loss divided by bf16's (same optimizer, same seed, same
   values of the extra axes that apply to bf16) over the same budget (bf16's evaluations up to the
   cell's steps), then the mean of these per-seed ratios with its t interval ("paired"). When the
@@ -141,9 +142,11 @@ DEFINITIONS = f"""\
   if k != "optimizer")}); a `bit_stall` stop is an optimizer stall; otherwise the last {WINDOW}
   logged rows up to that step are read: a non-finite loss means the forward pass broke, a
   non-finite gradient with a finite loss means the backward pass did; else the
-  signal furthest above its threshold at any logged step up to the stop names the site, with
-  that step ({", ".join(f"{k} → {s}" for k, _, s in _DEFAULT_SIGNALS)}); "—" when none is. A run
-  that diverged often shows its cause early and only its symptoms near the stop. Every threshold
+  signal furthest above its threshold names the site, with its step ({", ".join(
+  f"{k} → {s}" for k, _, s in _DEFAULT_SIGNALS)}); "—" when none is. Overflow and underflow are read
+  at every logged step up to the stop (a run that diverged often shows its cause early and only its
+  symptoms near the stop); a stall (bit-stall, zero updates), a state, in those last rows (the
+  learning-rate warm-up's first steps stall by construction). Every threshold
   is the run's own `stability` setting (its config.yaml; by default {", ".join(
   f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)}); the evidence names the one that applied.
 - **Warnings**: the events a run raises and trains on (SPEC §5), per grid point and kind: a
@@ -166,7 +169,8 @@ DEFINITIONS = f"""\
   left out of the mean and counted in the table; a trial without a finite one has no cosine (left
   out, and said). **Cosine − bf16**: per seed, the cell's minus bf16's over the same steps, mean ±
   t interval; "lower" when the interval lies below 0; "not compared" (and out of the Holm family)
-  where the cell's seeds stopped at different steps, as its × bf16. **Closest to FP32** (per
+  where the cell's seeds stopped at different steps (its spread is then the budgets'; a cell
+  whose seeds broke together stays: each is compared over the steps it ran). **Closest to FP32** (per
   layer precision, optimizer and extra-axis values, among the quantized cells eligible for the
   sweet spot; bf16, the reference of every cosine − bf16, is not ranked): the highest gradient cosine
   and every cell whose interval overlaps it, the sweet spot's rule, and as there a member whose
@@ -306,7 +310,7 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
     step, _ = stop_step(r)
     upto = [row for row in r.history if step is None or row[STEP] <= step]
     rows = upto[-WINDOW:]
-    signal = _strongest_signal(upto, r.stability)
+    signal = _strongest_signal(upto, rows, r.stability)
     also = f"; {signal[1]}" if signal else ""
     if r.summary.get("collapse_where") in WHERE:
         return WHERE[r.summary["collapse_where"]], "recorded by the trainer" + also
@@ -325,12 +329,16 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
     return signal if signal else ("—", "no signal above threshold")
 
 
-def _strongest_signal(rows: list[dict[str, float]], stability: StabilityConfig) -> tuple[str, str] | None:
-    """(where, evidence) of the signal furthest above its threshold (by ratio) in any of `rows`,
-    with the step where it was (its first, if several), if any is. All the rows up to the stop: a
-    run that diverged may have shown its cause at the start and only symptoms near the stop."""
+def _strongest_signal(upto: list[dict[str, float]], last: list[dict[str, float]],
+                      stability: StabilityConfig) -> tuple[str, str] | None:
+    """(where, evidence) of the signal furthest above its threshold (by ratio), with the step where
+    it was (its first, if several), if any is. Overflow and underflow are events, read in all the
+    rows `upto` the stop: a run that diverged may have shown its cause at the start and only
+    symptoms near the stop. A stall (bit-stall, updates left unchanged) is a state, read in the
+    `last` rows: the learning-rate warm-up's first steps stall by construction."""
     best: tuple[float, str, str] | None = None
     for key, threshold, site in signals(stability):
+        rows = last if site == WHERE["optimizer"] else upto
         found = [(v, int(row[STEP])) for row in rows if math.isfinite(v := _metric(row, key))]
         value, at = max(found, key=lambda vs: (vs[0], -vs[1]), default=(0.0, 0))
         if value > threshold and (best is None or value / threshold > best[0]):
@@ -444,8 +452,10 @@ class Cell:
     short: tuple[int, ...] = ()  # unfinished seeds short of `steps`: left out of its numbers
     short_baseline: tuple[int, ...] = ()  # bf16 seeds evaluated short of `steps`: no baseline of it
     family_wise: FamilyWise | None = None  # of `ratio`, over every cell's × bf16
-    # Where a seed broke: each seed's val loss at its last evaluation over its bf16 seed's at that
-    # step, which says how far behind it was when it stopped (its best may predate the breaking).
+    # A seed broke before the final evaluation: its best val loss may predate the breaking, so the
+    # cell's × bf16 is not read; `at_stop` is each seed's val loss at its last evaluation over its
+    # bf16 seed's at that step, how far behind it was when it stopped.
+    broke_early: bool = False
     at_stop: Comparison | None = None
     NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
 
@@ -506,15 +516,15 @@ class Cell:
     @property
     def vs_bf16(self) -> str:
         """"better" / "worse" when the × bf16 interval excludes 1, else "indistinguishable"; "not
-        compared" where a seed broke (its best val loss is its best before it broke, perhaps its
-        first evaluation, not a measure of the format: the loss where it stopped is said instead),
-        or where its seeds stopped at different steps."""
+        compared" where a seed broke before the final evaluation (its best val loss is its best
+        before it broke, perhaps its first evaluation, not a measure of the format: the loss where
+        it stopped is said instead), or where its seeds stopped at different steps."""
         why = []
-        if self.broke:
+        if self.broke_early:
             at = self.at_stop
             there = (f"; val loss at its last evaluation {at.text(2)} × {BASELINE}'s there"
                      if at is not None and math.isfinite(at.mean) else "")
-            why.append(f"broke: {', '.join(self.stops)}{there}")
+            why.append(f"broke before the final evaluation: {', '.join(self.stops)}{there}")
         if self.mixed_budgets:
             why.append("seeds stopped at different steps")
         return f"not compared ({'; '.join(why)})" if why else reading(self.ratio, self.NULL, "better", "worse")
@@ -701,7 +711,7 @@ class Findings:
 
     def deltas_left_out(self) -> list[str]:
         """The cells run with both optimizers whose manifold − adamw is not taken, as `e4m3 / all
-        (adamw: asha; manifold: asha)`: a side did not run its full budget (`_difference`)."""
+        (adamw: asha; manifold: asha)`: a side broke or ran short (`_difference`)."""
         taken = {(d.a.format, d.a.precision, d.a.axes) for d in self.deltas}
         out = []
         for (fmt, optimizer, precision, axes), a in self.cells.items():
@@ -727,13 +737,19 @@ def overrides_text(overrides: dict[str, Any]) -> str:
 def _overrides_note(records: Iterable[TrialRecord]) -> list[str]:
     """The note naming the settings each format set on top of the base (none: no note)."""
     by_format = {r.format: r.overrides for r in records if r.overrides}
-    if not by_format:
-        return []
-    ran = "; ".join(f"{fmt} ran with {overrides_text(o)}" for fmt, o in
-                    sorted(by_format.items(), key=lambda kv: format_key(kv[0])))
-    return [f"**Settings by format** (`grid.format_overrides`): {ran}. Such a format's cells compare it, "
-            f"with these settings, against {BASELINE} with the base's: a difference is the format's and its "
-            "settings' together, not the format's alone."]
+    baseline = by_format.pop(BASELINE, None)
+    notes = []
+    if by_format:
+        ran = "; ".join(f"{fmt} ran with {overrides_text(o)}" for fmt, o in
+                        sorted(by_format.items(), key=lambda kv: format_key(kv[0])))
+        against = f"{BASELINE} with its own (below)" if baseline else f"{BASELINE} with the base's"
+        notes.append(f"**Settings by format** (`grid.format_overrides`): {ran}. Such a format's cells compare "
+                     f"it, with these settings, against {against}: a difference is the format's and its "
+                     "settings' together, not the format's alone.")
+    if baseline:
+        notes.append(f"**{BASELINE} ran with settings of its own** (`grid.format_overrides`): "
+                     f"{overrides_text(baseline)}. Every × {BASELINE} divides by that run.")
+    return notes
 
 
 def tie_reason(names: Sequence[str], no_interval: Sequence[str]) -> str:
@@ -846,23 +862,29 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
         why = [_short_text(name, cut, steps) for name, cut in ((label, short), (BASELINE, short_bf16)) if cut]
         if why:
             ratio = replace(ratio, note="; ".join(n for n in (*why, ratio.note) if n))
-    at_stop = (_at_stop([t for t in trials if t.seed not in short], baseline, label)
-               if any(broke(t) for t in trials) else None)
+    # A seed that broke before the final evaluation (bf16's furthest, else the cell's own) has a
+    # best val loss that may predate the breaking; one stopped at or after it measured the budget.
+    final = furthest_eval(baseline) or steps
+    cut = any(broke(t) and (last_eval(t) or 0) < final for t in trials)
+    at_stop = _at_stop([t for t in trials if t.seed not in short], baseline, label) if cut else None
     return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also,
-                short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)), at_stop=at_stop)
+                short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)), broke_early=cut,
+                at_stop=at_stop)
 
 
-def _at_stop(trials: Sequence[TrialRecord], baseline: Sequence[TrialRecord], label: str) -> Comparison:
-    """Each seed's val loss at its last evaluation × its bf16 seed's at the same step (`Cell.at_stop`;
-    non-finite where bf16 did not evaluate there or the loss had gone non-finite)."""
+def _at_stop(trials: Sequence[TrialRecord], baseline: Sequence[TrialRecord], label: str) -> Comparison | None:
+    """Each seed's val loss at its last evaluation × its bf16 seed's at the same step, over the
+    seeds where both are finite (`Cell.at_stop`): paired, or nothing. Seeds without such a partner
+    (bf16 did not evaluate there, or the loss had gone non-finite) are left out, not compared
+    unpaired: that would divide losses at different steps."""
     by_seed = {t.seed: dict(zip(*t.val_series(), strict=True)) for t in baseline}
     cell, base = {}, {}
     for t in trials:
         steps, values = t.val_series()
-        if steps:
-            cell[t.seed] = values[-1]
-            base[t.seed] = by_seed.get(t.seed, {}).get(steps[-1], math.nan)
-    return ratio_interval(cell, base, labels=(label, BASELINE))
+        partner = by_seed.get(t.seed, {}).get(steps[-1], math.nan) if steps else math.nan
+        if math.isfinite(partner) and math.isfinite(values[-1]):
+            cell[t.seed], base[t.seed] = values[-1], partner
+    return ratio_interval(cell, base, labels=(label, BASELINE)) if cell else None
 
 
 def furthest_eval(trials: Iterable[TrialRecord]) -> int:
@@ -1029,7 +1051,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         trials = tuple(r for r in quantized if (r.format, r.optimizer, r.precision, axes_key(r)) == key)
         also = tuple(sorted((a for a, m in aliases.items() if m == key[0]), key=format_key))
         cells[key] = _make_cell(key, trials, bf16.get(key[1], []), also)
-    compared = [k for k, c in cells.items() if not (c.broke or c.mixed_budgets)]  # the × bf16 family
+    compared = [k for k, c in cells.items() if not (c.broke_early or c.mixed_budgets)]  # the × bf16 family
     adjusted = dict(zip(compared, family_wise([(cells[k].ratio, Cell.NULL) for k in compared]), strict=True))
     cells = {k: replace(c, family_wise=adjusted.get(k)) for k, c in cells.items()}
 

@@ -35,9 +35,9 @@ PLOT_SECTIONS = (
      "step every seed evaluated; past it, each seed that went further alone (dotted); "
      "bf16 dashed black in every panel, over its seeds that reached its furthest evaluation (the "
      "tables judge each cell's baseline against that cell's own steps; a bf16 seed that stopped short "
-     "is drawn on its own, dotted black); a format whose seeds broke says so in the legend (\"broke: "
-     "asha\"), and on the top edge an \"x\" marks a step where a trial collapsed (non-finite), a \"▼\" "
-     "where one that broke otherwise (ASHA, bit-stall) was stopped. "
+     "is drawn on its own, dotted black); a panel names its formats whose seeds broke, with why "
+     "(\"broke: e4m3 (asha)\"), and on the top edge an \"x\" marks a step where a trial collapsed "
+     "(non-finite), a \"▼\" where one that broke otherwise (ASHA, bit-stall) was stopped. "
      "Top: the whole run; below: its second half, on the scale of the losses of the trials that did not "
      "break."),
     ("stability", "Stability signals over steps",
@@ -45,7 +45,8 @@ PLOT_SECTIONS = (
      "backward dashed; dash-dotted: both passes, a run logged before the rates by pass), the fraction "
      "of gradient elements that are zero (mean over layers), the fraction of weights a step left "
      "unchanged, and cosine to the FP32 shadow gradients, one line per trial; dotted lines are the "
-     "thresholds the failure table reads."),
+     "thresholds the failure table reads; on the top edge an \"x\" marks a collapse, a \"▼\" where a "
+     "trial that broke otherwise was stopped."),
 )
 
 
@@ -108,7 +109,7 @@ def _failures(f: Findings) -> str:
         return f"No trial has failed so far; {len(f.missing)} not finished (see \"What is missing\")."
     if not f.failures:
         return "Every trial completed without a collapse."
-    rows = [[name(x.trial), x.trial.format, x.trial.optimizer, x.trial.precision,
+    rows = [[name(x.trial), f.measured_name(x.trial.format), x.trial.optimizer, x.trial.precision,
              axes_text(tuple(sorted(x.trial.axes.items()))) or "—", x.trial.seed,
              x.stop_reason, "—" if x.step is None else f"{x.step} ({'collapse' if x.collapsed else 'stop'})",
              x.where, x.evidence]
@@ -206,7 +207,7 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
         "## Manifold vs standard optimizer",
         _differences(f.deltas, f"n/a: needs both `{STANDARD}` and `{MANIFOLD}` at full budget on the same "
                                f"format and precision (ran: {', '.join(f.optimizers)})."),
-        *([f"Not compared, a side short of its full budget: {', '.join(f.deltas_left_out())}."]
+        *([f"Not compared, a side broke or ran short: {', '.join(f.deltas_left_out())}."]
           if f.deltas_left_out() else []),
     ]
     if f.axis_effects:

@@ -16,7 +16,7 @@ from matplotlib import colormaps
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.collections import PathCollection, PolyCollection
-from matplotlib.colors import TwoSlopeNorm
+from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
@@ -236,10 +236,13 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
     for (whole, zoom), precision in zip(grid.T, precisions, strict=True):
         groups = [(BASELINE, BASELINE, bf16)] if bf16 else []
         # a cell's seeds as its numbers take them: one cut short would end the band where it stopped
-        groups += [(c.format, f"{c.name} (broke: {', '.join(c.stops)})" if c.broke else c.name,
-                    [t for t in c.trials if t.seed not in c.short])
-                   for c in sorted(findings.cells.values(), key=lambda c: format_key(c.format))
-                   if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)]
+        cells = [c for c in sorted(findings.cells.values(), key=lambda c: format_key(c.format))
+                 if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)]
+        groups += [(c.format, c.name, [t for t in c.trials if t.seed not in c.short]) for c in cells]
+        if broken := [f"{c.name} ({', '.join(c.stops)})" for c in cells if c.broke]:
+            # in the panel: the legend, figure-wide, names a format once for every precision
+            whole.text(0.01, 0.01, f"broke: {'; '.join(broken)}", transform=whole.transAxes, fontsize=7,
+                       ha="left", va="bottom", bbox={"facecolor": "white", "alpha": 0.7, "lw": 0})
         last = furthest_eval(t for _, _, trials in groups for t in trials)
         half, late = last // 2, []
         for fmt, label, trials in groups:
@@ -350,13 +353,13 @@ def plot_stability(findings: Findings, optimizer: str, axes: AxesKey, path: Path
     return _save(fig, path)
 
 
-def ratio_norm(ratio: np.ndarray) -> TwoSlopeNorm:
+def ratio_norm(ratio: np.ndarray) -> Normalize:
     """The heatmap's colour scale: × bf16 = 1 at the colour map's middle whatever the range, so
-    that green is better and red worse; each side spans its own data, at least 0.1 from 1 (at
-    most 2× above)."""
+    that green is better and red worse, and one distance from 1 the same depth of colour on either
+    side: 1 ± the data's furthest distance from 1, at least 0.1, at most 1."""
     finite = ratio[np.isfinite(ratio)]
-    return TwoSlopeNorm(vcenter=1.0, vmin=min(float(finite.min(initial=1.0)), 0.9),
-                        vmax=float(np.clip(finite.max(initial=1.1), 1.1, 2.0)))
+    half = float(np.clip(np.abs(finite - 1.0).max(initial=0.0), 0.1, 1.0))
+    return Normalize(vmin=1.0 - half, vmax=1.0 + half)
 
 
 def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:

@@ -33,6 +33,7 @@ from altgrad.config import (
     apply_overrides,
     deep_merge,
     describe_validation_error,
+    flattened,
     format_name,
     leaf_field,
     nested,
@@ -336,8 +337,15 @@ class GridSettings(StrictModel):
             )
         _unique(self.precisions, "precision")
         _unique(self.seeds or [], "seed")  # a repeated seed would be the same trial twice
-        for fmt in self.format_overrides:  # may name formats outside this grid (e.g. --smoke's)
+        for fmt, overrides in self.format_overrides.items():  # may name formats outside this grid (--smoke's)
             format_name(fmt)
+            # what a format's trials ran with is then what the report says they ran with
+            for path in flattened(overrides):
+                if path in FIXED_AXES:
+                    raise ValueError(f"format_overrides.{fmt}: {path!r} is set by the grid ({FIXED_AXES[path]})")
+                if path in self.axes:
+                    raise ValueError(f"format_overrides.{fmt}: {path!r} is also an extra axis (grid.axes), "
+                                     "whose values would replace it")
         return self
 
     @property
