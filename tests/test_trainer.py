@@ -490,6 +490,25 @@ def test_checkpoint_retention_and_corrupt_fallback(make_config, tmp_path):
         Trainer(make_config(*overrides), tmp_path).fit(resume=tmp_path)
 
 
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(make_config, tmp_path, capsys):
+    """--resume of a run stopped before its first checkpoint (a kill at step 3 of a 5-step interval)
+    has nothing to continue from: it trains the run again in its own directory, with its own config,
+    and ends as the run that never stopped, row for row."""
+    overrides = ("quant.format=e4m3", "train.max_steps=8", "train.checkpoint_interval=5", "train.eval_interval=4")
+    Trainer(make_config(*overrides), tmp_path / "whole").fit()
+
+    def stop(metrics, ckpt):
+        if metrics["step"] == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        Trainer(make_config(*overrides), tmp_path / "cut").fit(report=stop)
+    assert not step_checkpoints(tmp_path / "cut" / "checkpoints") and len(rows(tmp_path / "cut")) == 3
+    assert main(["train", "--resume", str(tmp_path / "cut"), "--quiet"]) == 0
+    assert "no checkpoint yet (stopped before its first): training it again from step 0" in capsys.readouterr().err
+    assert rows(tmp_path / "cut") == rows(tmp_path / "whole")
+
+
 def test_a_checkpoint_writer_killed_mid_write_leaves_no_folder_behind(tmp_path):
     """kill -9 while a checkpoint is written (a spot instance's end) leaves the writer's temporary
     folder, a checkpoint's worth of disk that nothing renames: the next checkpoint a run saves

@@ -22,7 +22,7 @@ from altgrad.metrics import (
     VAL_LOSS,
     VAL_STEP,
 )
-from altgrad.train.checkpoint import CheckpointError
+from altgrad.train.checkpoint import CheckpointError, resume_candidates
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from altgrad.train.trainer import Trainer
 
     run_dir = None
+    resume = args.resume  # where training continues from: a run dir, or None (from step 0)
     claimed = False  # whether this run made run_dir: removed again if nothing was written to it
     try:
         if args.resume is not None:
@@ -54,6 +55,12 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_config(args.resume / CONFIG_FILE, args.overrides)
             check_layer_policy(cfg)  # `--set` may name new rules
             run_dir = args.resume
+            if not resume_candidates(run_dir):
+                # stopped before its first checkpoint: continuing is starting over, and the steps
+                # it had logged come out the same again (batches and inits are functions of the seed)
+                print(f"{run_dir}: no checkpoint yet (stopped before its first): training it again from "
+                      "step 0 with its own config", file=sys.stderr)
+                resume = None
         else:
             cfg = load_config(args.config, args.overrides)
             check_layer_policy(cfg)
@@ -62,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(cfg, run_dir)
         summary = trainer.fit(
             report=None if args.quiet else ProgressPrinter(cfg.train.max_steps),
-            resume=args.resume,
+            resume=resume,
         )
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
