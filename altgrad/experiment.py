@@ -250,6 +250,13 @@ def axis_value_text(value: Any) -> str:
     return text.replace("/", "_")
 
 
+def overrides_text(overrides: dict[str, Any]) -> str:
+    """`optim.lr` = 3, `quant.master_weights` = format: a format's settings on top of a sweep's
+    base (`TrialRecord.overrides`, dotted paths), as the dry run and the report write them."""
+    return ", ".join(f"`{k}` = {axis_value_text(v) if isinstance(v, bool | int | float | str) else json.dumps(v)}"
+                     for k, v in sorted(overrides.items()))
+
+
 def exact_g(x: float, digits: int) -> str:
     """`x` in `g` notation with at least `digits` significant digits, and as many more as it takes
     to read back as `x` (names built from numbers must tell every two numbers apart)."""

@@ -46,6 +46,17 @@ def test_scaling_none_runs_both_twins(capsys, tmp_path):
     assert "e1m6-adamw-all-mode=delayed-s42" in out and "= e0m7-adamw-all-mode=delayed-s42" in out
 
 
+def test_the_dry_run_says_each_format_s_own_settings(capsys):
+    """A format run with settings of its own (grid.format_overrides) is said before the sweep runs,
+    as the report says it after; an empty section (no setting) and a format outside the grid are not."""
+    out = dry_run(capsys, "--smoke", "--set", "grid.formats=[bf16, e4m3, e5m2]", "--set",
+                  "grid.format_overrides={e4m3: {optim: {lr: 0.001}, quant: {master_weights: format}}, e5m2: {},"
+                  " e7m0: {optim: {lr: 0.1}}}")
+    assert "settings by format (grid.format_overrides): e4m3: `optim.lr` = 0.001, " \
+           "`quant.master_weights` = format\n" in out
+    assert "settings by format" not in dry_run(capsys, "--smoke")
+
+
 def test_extra_axes_in_the_grid(capsys, tmp_path):
     out = dry_run(capsys, "--smoke", "--set", "grid.seeds=[1, 2]",
                   "--set", "grid.axes={quant.rounding: [nearest, stochastic], optim.lr: [0.001, 0.002]}")

@@ -10,7 +10,6 @@ of its kind (`FamilyWise`).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,6 +27,7 @@ from altgrad.experiment import (
     TrialStatus,
     axis_names,
     axis_value_text,
+    overrides_text,
 )
 from altgrad.metrics import (
     BACKWARD_OVERFLOW_RATE,
@@ -726,12 +726,6 @@ class Findings:
     def baseline_best(self, optimizer: str, axes: AxesKey = ()) -> Interval:
         """bf16's best val loss over its whole run, as compared with `optimizer`'s trials."""
         return mean_interval(seed_values(baseline_trials(self.baselines.get(optimizer, []), axes)).values())
-
-
-def overrides_text(overrides: dict[str, Any]) -> str:
-    """`optim.lr` = 3, `quant.master_weights` = format: a format's settings on top of the base."""
-    return ", ".join(f"`{k}` = {axis_value_text(v) if isinstance(v, bool | int | float | str) else json.dumps(v)}"
-                     for k, v in sorted(overrides.items()))
 
 
 def _overrides_note(records: Iterable[TrialRecord]) -> list[str]:

@@ -16,8 +16,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from altgrad.config import ConfigError, RunConfig, deep_merge, nested
-from altgrad.experiment import axis_names, axis_value_text
+from altgrad.config import ConfigError, RunConfig, deep_merge, flattened, nested
+from altgrad.experiment import axis_names, axis_value_text, overrides_text
 from altgrad.precision import BASELINE, policy_rules
 from altgrad.quant.equivalence import quantize_identically
 from altgrad.run_model import check_layer_policy
@@ -216,6 +216,9 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
         lines.append(f"early stopping at rungs (steps {rungs or 'none'}) on {a.metric}: only broken "
                      f"trials stop (non-finite, or more than {100 * a.tolerance:g} % behind {BASELINE} of "
                      "the same optimizer and seed; in a grid without it, the rung's best)")
+    if overridden := {f: flat for f, o in grid.format_overrides.items() if f in grid.formats and (flat := flattened(o))}:
+        lines.append("settings by format (grid.format_overrides): " + "; ".join(
+            f"{f}: {overrides_text(o)}" for f, o in overridden.items()))
     if cfg.stopper.enabled:
         s = cfg.base_run.stability
         lines.append(f"stability stopper: {s.nan_patience} NaN steps in a row, or bit-stall >= "
