@@ -1489,6 +1489,8 @@ def test_a_stall_during_the_warm_up_is_no_failure_site():
 
 
 def test_bf16_s_own_settings_are_said_apart_from_the_formats():
+    """bf16 run with settings of its own is every ratio's divisor: the notes say so apart from the
+    formats' settings, and the verdict line names both sides'."""
     records = [*seeded("bf16", [1.0, 1.0]), *seeded("e5m2", [1.01, 1.02])]
     for r in records:
         r.overrides = {"optim.lr": 0.01} if r.format == "bf16" else {"optim.lr": 0.002}
@@ -1496,3 +1498,5 @@ def test_bf16_s_own_settings_are_said_apart_from_the_formats():
     assert any(n.startswith("**Settings by format**") and "e5m2 ran with `optim.lr` = 0.002" in n
                and "against bf16 with its own (below)" in n and "bf16 ran" not in n for n in notes)
     assert "**bf16 ran with settings of its own** (`grid.format_overrides`): `optim.lr` = 0.01." in " ".join(notes)
+    assert ("e5m2 / all / adamw (with `optim.lr` = 0.002), against bf16 with `optim.lr` = 0.01"
+            in compute_findings(records).verdict.line)

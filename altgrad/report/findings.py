@@ -943,10 +943,10 @@ def _tie_and_bf16(tied: list[Cell], leader: Cell | None) -> tuple[str, ...]:
             *([f"yet {', '.join(level)} indistinguishable from {BASELINE}"] if level else []))
 
 
-def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: bool,
+def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], bf16: dict[str, list[TrialRecord]],
              axes_order: dict[AxesKey, int]) -> Verdict:
     candidates = [c for c in cells.values() if c.format == VERDICT_FORMAT or VERDICT_FORMAT in c.also]
-    if not has_baseline:
+    if not bf16:
         return Verdict(False, None, f"no {BASELINE} baseline with a finite loss")
     if not candidates:
         return Verdict(False, None, f"no {VERDICT_FORMAT} trial")
@@ -957,6 +957,8 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], has_baseline: boo
     where = " / ".join(x for x in (cell.name, cell.precision, cell.optimizer, axes_text(cell.axes)) if x)
     if cell.overrides:
         where += f" (with {overrides_text(cell.overrides)})"
+    if base := next((t.overrides for t in bf16.get(cell.optimizer, []) if t.overrides), None):
+        where += f", against {BASELINE} with {overrides_text(base)}"
     if cell.broke:
         return Verdict(False, cell, f"{where} stopped: {', '.join(cell.stops)}")
     if cell.shifted:
@@ -1085,7 +1087,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     fidelity = [g for c in cells.values() if (g := _fidelity(c, bf16.get(c.optimizer, []))) is not None]
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
                     deltas, _with_family_wise(_axis_effects(cells, axes)),
-                    replace(_verdict(cells, bool(bf16), axes_order), baseline=baseline_name),
+                    replace(_verdict(cells, bf16, axes_order), baseline=baseline_name),
                     _missing(records, missing or []), notes,
                     _with_family_wise(fidelity, left_out=lambda g: g.cell.mixed_budgets),
                     warnings_raised(measured))
