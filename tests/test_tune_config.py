@@ -50,6 +50,8 @@ from altgrad.tune.trial_spec import trial_limits, trial_run_config
     # what the report says a format ran with must be what it ran with: no setting the grid replaces
     (["grid.format_overrides={e4m3: {optim: {name: manifold}}}"],
      "format_overrides.e4m3: 'optim.name' is set by the grid (grid.optimizers)"),
+    (["grid.format_overrides={bf16: {quant: {master_weights: format}}}"],
+     "format_overrides.bf16: 'quant.master_weights' is set by the grid (bf16 stores no weights in a format)"),
     (["grid.format_overrides={e4m3: {optim: {lr: 1.0e-3}}}", "grid.axes={optim.lr: [2.0e-3, 4.0e-3]}"],
      "format_overrides.e4m3: 'optim.lr' is also an extra axis (grid.axes)"),
 ])

@@ -514,6 +514,12 @@ class Cell:
         return not self.steps and not self.broke
 
     @property
+    def compared(self) -> bool:
+        """Whether its × bf16 is read (called and counted in the Holm family): not where a seed broke
+        before the final evaluation, nor where its seeds stopped at different steps (`vs_bf16`)."""
+        return not (self.broke_early or self.mixed_budgets)
+
+    @property
     def vs_bf16(self) -> str:
         """"better" / "worse" when the × bf16 interval excludes 1, else "indistinguishable"; "not
         compared" where a seed broke before the final evaluation (its best val loss is its best
@@ -527,7 +533,7 @@ class Cell:
             why.append(f"broke before the final evaluation: {', '.join(self.stops)}{there}")
         if self.mixed_budgets:
             why.append("seeds stopped at different steps")
-        return f"not compared ({'; '.join(why)})" if why else reading(self.ratio, self.NULL, "better", "worse")
+        return reading(self.ratio, self.NULL, "better", "worse") if self.compared else f"not compared ({'; '.join(why)})"
 
 
 @dataclass(frozen=True)
@@ -608,9 +614,14 @@ class GradientFidelity:
         """"lower" / "higher" when the interval excludes 0; "not compared" where the cell's seeds
         stopped at different steps (each seed's window then differs: its spread is the budgets'),
         as its × bf16 is not."""
-        if self.cell.mixed_budgets:
+        if not self.compared:
             return "not compared (seeds stopped at different steps)"
         return reading(self.diff, self.NULL, "lower", "higher")
+
+    @property
+    def compared(self) -> bool:
+        """Whether its cosine − bf16 is read and counted in the Holm family (`verdict`)."""
+        return not self.cell.mixed_budgets
 
 
 @dataclass(frozen=True)
@@ -815,10 +826,10 @@ def _better_than_bf16(c: Cell, lent: bool, deltas: list[Difference]) -> str:
     as the format's, and the ablation to read is manifold − adamw, not the format's roles."""
     where = f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''}"
     head = (f"{where} trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text(3)}; "
-            f"{c.family_wise.text if c.family_wise else 'no family'}). ")
+            f"{c.family_wise.text}). ")
     if lent:
         d = next((d for d in deltas if d.b is c), None)
-        read = (f"{d.what} there is {d.diff.text(4)} ({d.verdict}; {d.family_wise.text})" if d and d.family_wise
+        read = (f"{d.what} there is {d.diff.text(4)} ({d.verdict}; {d.family_wise.text})" if d
                 else f"compare it with {c.format} / {c.precision} / {STANDARD}")
         return head + (f"Its {BASELINE} baseline took `{STANDARD}`'s steps, so this ratio holds `{c.optimizer}`'s own "
                        f"effect as well as the format's: {read}.")
@@ -1047,7 +1058,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         trials = tuple(r for r in quantized if (r.format, r.optimizer, r.precision, axes_key(r)) == key)
         also = tuple(sorted((a for a, m in aliases.items() if m == key[0]), key=format_key))
         cells[key] = _make_cell(key, trials, bf16.get(key[1], []), also)
-    compared = [k for k, c in cells.items() if not (c.broke_early or c.mixed_budgets)]  # the × bf16 family
+    compared = [k for k, c in cells.items() if c.compared]  # the × bf16 family
     adjusted = dict(zip(compared, family_wise([(cells[k].ratio, Cell.NULL) for k in compared]), strict=True))
     cells = {k: replace(c, family_wise=adjusted.get(k)) for k, c in cells.items()}
 
@@ -1089,7 +1100,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
                     deltas, _with_family_wise(_axis_effects(cells, axes)),
                     replace(_verdict(cells, bf16, axes_order), baseline=baseline_name),
                     _missing(records, missing or []), notes,
-                    _with_family_wise(fidelity, left_out=lambda g: g.cell.mixed_budgets),
+                    _with_family_wise(fidelity, left_out=lambda g: not g.compared),
                     warnings_raised(measured))
 
 

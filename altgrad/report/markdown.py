@@ -196,6 +196,7 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
            out_dir: Path, title: str = "AltGrad report") -> str:
     """The whole report.md text; image links are relative to `out_dir`."""
     f = findings
+    left_out = f.deltas_left_out()
     sections = [
         f"# {title}", f"**{f.verdict.line}**", _overview(records, f),
         *(["## Notes and anomalies", "\n".join(f"- {n}" for n in f.notes)] if f.notes else []),
@@ -207,8 +208,7 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
         "## Manifold vs standard optimizer",
         _differences(f.deltas, f"n/a: needs both `{STANDARD}` and `{MANIFOLD}` at full budget on the same "
                                f"format and precision (ran: {', '.join(f.optimizers)})."),
-        *([f"Not compared, a side broke or ran short: {', '.join(f.deltas_left_out())}."]
-          if f.deltas_left_out() else []),
+        *([f"Not compared, a side broke or ran short: {', '.join(left_out)}."] if left_out else []),
     ]
     if f.axis_effects:
         sections += ["## Extra grid axes", _differences(f.axis_effects, "")]

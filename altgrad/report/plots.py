@@ -81,6 +81,7 @@ STABILITY_ROWS = (
     StabilityRow(SHADOW_COS_MEAN, "cosine to FP32 gradients", {"": SHADOW_COS_MEAN}),
 )
 ALONE = " alone"  # a seed's loss curve past the steps every seed of its group evaluated
+COLLAPSE_MARKER = "x"  # where a trial collapsed (non-finite)
 STOP_MARKER = "v"  # where a trial that broke without collapsing was stopped (ASHA, bit-stall)
 BAND = " seeds"  # a format's band from its lowest to its highest seed
 LEGEND_WIDTH = 1.0  # inches right of the panels for a figure's legend, so it covers no data
@@ -148,15 +149,15 @@ def _save(fig: Figure, path: Path) -> Plot:
 
 
 def _stop_mark(ax: Axes, r: TrialRecord, since: float = -math.inf) -> None:
-    """On the top edge (visible however far the curve went), an "x" at the step where a trial
-    collapsed, or a STOP_MARKER where one that broke otherwise was stopped (ASHA, bit-stall): its
+    """On the top edge (visible however far the curve went), a COLLAPSE_MARKER at the step where a
+    trial collapsed, or a STOP_MARKER where one that broke otherwise was stopped (ASHA, bit-stall): its
     curve ends there, not where a healthy run's would. Left out before `since`: a panel showing
     only later steps (unclipped, the mark would land over the panel beside it)."""
     step, collapsed = stop_step(r)
     if step is not None and step >= since and (collapsed or broke(r)):
-        ax.scatter([step], [0.96], transform=ax.get_xaxis_transform(), marker="x" if collapsed else STOP_MARKER,
-                   s=60 if collapsed else 40, color=color(r.format), zorder=3, clip_on=False,
-                   gid=None if collapsed else STOP_MARKER)
+        marker = COLLAPSE_MARKER if collapsed else STOP_MARKER  # also its gid, which `_save` sorts by
+        ax.scatter([step], [0.96], transform=ax.get_xaxis_transform(), marker=marker, s=60 if collapsed else 40,
+                   color=color(r.format), zorder=3, clip_on=False, gid=marker)
 
 
 def _curve(ax: Axes, r: TrialRecord, steps: list[int], values: list[float], what: str = "") -> None:
@@ -299,8 +300,8 @@ def _loss_legend(panels: Iterable[Axes]) -> list[Artist]:
     if any(label.endswith(ALONE) for label in handles):
         curves.append(Line2D([], [], color="black", ls=":", lw=0.9, label=f"a seed{ALONE}"))
     marks = {m.get_gid() for ax in panels for m in ax.collections if isinstance(m, PathCollection)}
-    if None in marks:
-        curves.append(Line2D([], [], color="black", marker="x", ls="", label="collapsed (non-finite)"))
+    if COLLAPSE_MARKER in marks:
+        curves.append(Line2D([], [], color="black", marker=COLLAPSE_MARKER, ls="", label="collapsed (non-finite)"))
     if STOP_MARKER in marks:
         curves.append(Line2D([], [], color="black", marker=STOP_MARKER, ls="", label="stopped: broke"))
     return curves

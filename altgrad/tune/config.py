@@ -341,8 +341,9 @@ class GridSettings(StrictModel):
             format_name(fmt)
             # what a format's trials ran with is then what the report says they ran with
             for path in flattened(overrides):
-                if path in FIXED_AXES:
-                    raise ValueError(f"format_overrides.{fmt}: {path!r} is set by the grid ({FIXED_AXES[path]})")
+                if path in FIXED_AXES or (fmt == BASELINE and path == "quant.master_weights"):
+                    by = FIXED_AXES.get(path, f"{BASELINE} stores no weights in a format")
+                    raise ValueError(f"format_overrides.{fmt}: {path!r} is set by the grid ({by})")
                 if path in self.axes:
                     raise ValueError(f"format_overrides.{fmt}: {path!r} is also an extra axis (grid.axes), "
                                      "whose values would replace it")
