@@ -188,7 +188,7 @@ DEFINITIONS = f"""\
 """
 
 AxesKey = tuple[tuple[str, Any], ...]  # an extra-axis assignment, sorted by dotted path
-Compared = TypeVar("Compared", "Difference", "GradientFidelity")  # a comparison of a table (`family_wise`)
+Compared = TypeVar("Compared", "Cell", "Difference", "GradientFidelity")  # a comparison of a table (`family_wise`)
 
 
 def format_key(name: str) -> tuple[int, str]:
@@ -778,23 +778,29 @@ def _ordered(values: Iterable[str], key=None) -> tuple[str, ...]:
 
 
 def _baselines(records: list[TrialRecord], optimizers: tuple[str, ...],
-               notes: list[str]) -> dict[str, list[TrialRecord]]:
-    """The bf16 trials each optimizer is compared with: its own, else `adamw`'s (else the first)."""
+               notes: list[str]) -> tuple[dict[str, list[TrialRecord]], set[str]]:
+    """The bf16 trials each optimizer is compared with: its own, else `adamw`'s (else the first);
+    and the optimizers other than `adamw` whose bf16 baseline is `adamw`'s training: borrowed, or
+    equal to it seed for seed (`manifold`, which has no format's ULPs to step in there)."""
     own: dict[str, list[TrialRecord]] = {}
     for r in records:
         if r.format == BASELINE and math.isfinite(r.best_val_loss()):
             own.setdefault(r.optimizer, []).append(r)
     lender = STANDARD if STANDARD in own else next(iter(sorted(own)), None)
+    borrowed = set()
     for opt in optimizers:
         if opt not in own and lender is not None:
             notes.append(f"`{opt}` has no {BASELINE} trial with a finite loss: its × {BASELINE} uses the `{lender}` "
                          "baseline.")
+            borrowed.add(opt)
         elif opt != lender and lender is not None and _same_losses(own[opt], own[lender]):
             why = (f" {BASELINE} quantizes no weight, so `{MANIFOLD}` takes `{STANDARD}`'s steps there (it measures "
                    "a step in a format's ULPs)." if (opt, lender) == (MANIFOLD, STANDARD) else "")
             notes.append(f"`{opt}`'s {BASELINE} trials equal `{lender}`'s, seed for seed (best val loss, to the last "
                          f"bit): one measurement twice, not two that agree.{why}")
-    return {opt: own.get(opt) or own[lender] for opt in optimizers if opt in own or lender is not None}
+            borrowed.add(opt)
+    baselines = {opt: own.get(opt) or own[lender] for opt in optimizers if opt in own or lender is not None}
+    return baselines, borrowed if lender == STANDARD else set()
 
 
 def _baseline_compute(bf16: list[TrialRecord]) -> tuple[str, list[str]]:
@@ -810,14 +816,6 @@ def _baseline_compute(bf16: list[TrialRecord]) -> tuple[str, list[str]]:
         f"**{BASELINE} here is the model in fp32**: bf16 autocast runs on CUDA only, so on this device the "
         f"baseline, and what every run leaves unquantized (attention, norms, softmax, loss), computed in fp32. "
         f"Every × {BASELINE} compares a format with fp32 compute."]
-
-
-def _lent_steps(bf16: dict[str, list[TrialRecord]]) -> set[str]:
-    """The optimizers other than `adamw` whose bf16 baseline is `adamw`'s training: borrowed, or
-    equal to it seed for seed (`manifold`, which has no format's ULPs to step in there)."""
-    standard = bf16.get(STANDARD)
-    return {o for o, trials in bf16.items() if o != STANDARD and standard is not None
-            and (trials is standard or _same_losses(trials, standard))}
 
 
 def _better_than_bf16(c: Cell, lent: bool, deltas: list[Difference]) -> str:
@@ -1049,7 +1047,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     axes = tuple(dict.fromkeys(axes_key(r) for r in quantized))  # in grid order (records are)
     axes_order = {ax: i for i, ax in enumerate(axes)}
     notes: list[str] = _overrides_note(started)
-    bf16 = _baselines(measured, optimizers, notes)
+    bf16, lent = _baselines(measured, optimizers, notes)
     baseline_name, compute_notes = _baseline_compute([t for trials in bf16.values() for t in trials])
     notes += compute_notes
 
@@ -1058,9 +1056,8 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
         trials = tuple(r for r in quantized if (r.format, r.optimizer, r.precision, axes_key(r)) == key)
         also = tuple(sorted((a for a, m in aliases.items() if m == key[0]), key=format_key))
         cells[key] = _make_cell(key, trials, bf16.get(key[1], []), also)
-    compared = [k for k, c in cells.items() if c.compared]  # the × bf16 family
-    adjusted = dict(zip(compared, family_wise([(cells[k].ratio, Cell.NULL) for k in compared]), strict=True))
-    cells = {k: replace(c, family_wise=adjusted.get(k)) for k, c in cells.items()}
+    cells = dict(zip(cells, _with_family_wise(list(cells.values()), left_out=lambda c: not c.compared,
+                                              measured=lambda c: c.ratio), strict=True))  # the × bf16 family
 
     spots = []
     for p in precisions:
@@ -1092,7 +1089,6 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     deltas = _with_family_wise([d for (f, o, p, ax), c in cells.items() if o == STANDARD
                                 and (m := cells.get((f, MANIFOLD, p, ax))) is not None
                                 and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None])
-    lent = _lent_steps(bf16)
     notes += [_better_than_bf16(c, c.optimizer in lent, deltas)
               for c in cells.values() if c.full_budget and c.vs_bf16 == "better"]
     fidelity = [g for c in cells.values() if (g := _fidelity(c, bf16.get(c.optimizer, []))) is not None]
@@ -1104,11 +1100,13 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
                     warnings_raised(measured))
 
 
-def _with_family_wise(diffs: list[Compared], left_out: Callable[[Compared], bool] = lambda d: False) -> list[Compared]:
-    """The comparisons of one table, each with its `FamilyWise` over the table; those `left_out`
-    (not compared) are out of the family and have none."""
+def _with_family_wise(diffs: list[Compared], left_out: Callable[[Compared], bool] = lambda d: False,
+                      measured: Callable[[Compared], Comparison] = lambda d: d.diff) -> list[Compared]:
+    """The comparisons of one table, each with its `FamilyWise` over the table (of the interval
+    `measured`, against the comparison's `NULL`); those `left_out` (not compared) are out of the
+    family and have none."""
     inside = [d for d in diffs if not left_out(d)]
-    adjusted = dict(zip(map(id, inside), family_wise([(d.diff, d.NULL) for d in inside]), strict=True))
+    adjusted = dict(zip(map(id, inside), family_wise([(measured(d), d.NULL) for d in inside]), strict=True))
     return [replace(d, family_wise=adjusted.get(id(d))) for d in diffs]
 
 
