@@ -82,9 +82,10 @@ def storage_errors() -> tuple[type[Exception], ...]:
 
 def cannot(what: str, error: Exception) -> str:
     """`cannot <what>: <why>`, on one line: pyarrow's reasons can run to dozens of lines (HDFS lists
-    every libjvm it looked for)."""
+    every libjvm it looked for), and GCS's status ends in an `error_info={...}` that repeats the
+    message in its metadata (~1,000 characters in all)."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
-    return f"cannot {what}: {lines[0]}"
+    return f"cannot {what}: {lines[0].split(' error_info={', 1)[0]}"
 
 
 def _read(relative: str) -> bool:

@@ -151,6 +151,7 @@ def test_storage_that_cannot_be_reached_is_one_line_within_seconds(uri):
                           timeout=60)
     assert proc.returncode == 2 and time.monotonic() - start < 30
     assert proc.stderr.splitlines()[-1].startswith(f"error: cannot read {uri}: ") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.splitlines()[-1]) < 600  # GCS's status repeated itself in its error_info: ~1,000
 
 
 def test_a_running_sweeps_state_on_gcs_keeps_pyarrows_retries(monkeypatch):
