@@ -31,7 +31,7 @@ from altgrad.experiment import (
     read_json,
 )
 from altgrad.report import Findings, compute_findings, write_report
-from altgrad.report.findings import seed_values, where_text
+from altgrad.report.records import seed_values, where_text
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 IMAGES = Path("docs/img/study")

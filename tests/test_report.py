@@ -380,7 +380,7 @@ def cosine_study() -> list[TrialRecord]:
 
 
 def test_gradient_cosine_is_the_mean_over_the_finite_shadow_steps_up_to_a_budget():
-    from altgrad.report.findings import gradient_cosine, shadow_cosines
+    from altgrad.report.records import gradient_cosine, shadow_cosines
 
     r = trial("e4m3", cos=0.9)
     assert gradient_cosine(r) == pytest.approx(0.9 - sum(EVAL_STEPS) / len(EVAL_STEPS) / 1e4)

@@ -13,16 +13,12 @@ from altgrad.report.findings import (
     STANDARD,
     Cell,
     Difference,
-    FamilyWise,
     Findings,
     GradientFidelity,
-    axes_text,
-    format_key,
-    name,
-    where_text,
 )
 from altgrad.report.plots import Plot
-from altgrad.report.stats import seeds_text
+from altgrad.report.records import axes_text, format_key, name, where_text
+from altgrad.report.stats import FamilyWise, seeds_text
 
 PLOT_SECTIONS = (
     ("heatmap", "Best val loss relative to bf16",

@@ -35,9 +35,9 @@ from altgrad.metrics import (
     ZERO_UPDATE_FRAC,
 )
 from altgrad.precision import BASELINE
-from altgrad.report.findings import (
+from altgrad.report.findings import Findings
+from altgrad.report.records import (
     AxesKey,
-    Findings,
     axes_text,
     baseline_trials,
     broke,

@@ -394,3 +394,56 @@ def holm(p_values: Sequence[float]) -> list[float]:
         running = max(running, min(1.0, (m - rank) * p_values[i]))
         adjusted[i] = running
     return adjusted
+
+
+@dataclass(frozen=True)
+class FamilyWise:
+    """A comparison's two-sided p against its null, and Holm's adjustment of it over its family
+    (`holm`): whether a call made at 95 % survives the report's making many."""
+
+    p: float
+    adjusted: float
+    family: int  # the comparisons in the family that have an interval
+    called: bool  # the interval excludes the null (`Interval.excludes`)
+    alpha: float = 0.05
+
+    @property
+    def holds(self) -> bool:
+        return self.called and self.adjusted < self.alpha
+
+    @property
+    def text(self) -> str:
+        """'holds: p 0.0012, Holm 0.0096 of 8', 'not family-wise: p 0.027, Holm 0.19 of 7', or for
+        no call 'p 0.41, Holm 1 of 7'."""
+        numbers = f"p {self.p:.2g}, Holm {self.adjusted:.2g} of {self.family}"
+        if not self.called:
+            return numbers
+        return f"{'holds' if self.holds else 'not family-wise'}: {numbers}"
+
+
+def holds(fw: FamilyWise | None) -> bool:
+    """Whether a comparison's call holds family-wise; one without an interval (None) makes none."""
+    return fw is not None and fw.holds
+
+
+def family_wise(comparisons: list[tuple[Interval, float]]) -> list[FamilyWise | None]:
+    """`FamilyWise` of each (estimate, null) of one family, Holm over those with an interval; None
+    for an estimate without one."""
+    ps = [estimate.p_value(null) for estimate, null in comparisons]
+    adjusted = iter(holm([p for p in ps if p is not None]))
+    m = sum(p is not None for p in ps)
+    return [None if p is None else FamilyWise(p, next(adjusted), m, estimate.excludes(null), 1 - estimate.confidence)
+            for p, (estimate, null) in zip(ps, comparisons, strict=True)]
+
+
+def reading(estimate: Interval, null: float, below: str, above: str) -> str:
+    """`below` / `above` when the 95 % interval excludes `null` on that side (`Interval.excludes`,
+    the one rule by which the report calls a difference a difference), else "indistinguishable";
+    without an interval (one seed) nothing was tested, which is not the same as a tie."""
+    if math.isnan(estimate.mean):
+        return "not compared (no finite value)"
+    if not estimate.bounded:
+        return "not tested (no interval)"
+    if not estimate.excludes(null):
+        return "indistinguishable"
+    return below if estimate.hi < null else above
