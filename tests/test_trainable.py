@@ -162,3 +162,20 @@ def test_a_run_dir_is_fetched_whole_or_not_at_all(monkeypatch, s3_bucket, tmp_pa
 
     trainable.fetch_run_dir(bucket, f"{prefix}/none", node / "elsewhere")  # no run dir in the bucket yet
     assert not (node / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("ending, logged", [(SystemExit(0), "trial stopped by Tune"),
+                                            (SystemExit(None), "trial stopped by Tune"),
+                                            (SystemExit(3), "trial failed"),
+                                            (RuntimeError("boom"), "trial failed")])
+def test_trial_log_tells_a_stop_from_a_failure(tmp_path, ending, logged):
+    """Tune stops a trial (ASHA, the stopper) by SystemExit(0) inside `report`: its trial.log says it
+    was stopped, with no traceback; it said "ERROR trial failed" and ended in `SystemExit: 0`."""
+    from altgrad.tune.trainable import trial_log
+
+    path = tmp_path / "trial.log"
+    with pytest.raises(type(ending)), trial_log(path):
+        raise ending
+    text = path.read_text()
+    assert logged in text
+    assert ("Traceback" in text) == (logged == "trial failed")

@@ -37,7 +37,8 @@ class RunFiles:
 
     def truncate(self, path: Path, step: int) -> None:
         """Keep only the rows of `path` up to `step` (a resumed run redoes the rest). A file the run
-        never wrote stays unwritten: a resumed run's files are the uninterrupted run's."""
+        never wrote stays unwritten, so a resumed run's metrics are the uninterrupted run's; its
+        events add the resume itself (`EventKind.RESUME`)."""
         if not path.exists():
             return
         rows = [r for r in read_jsonl(path) if int(r.get(STEP, 0)) <= step]

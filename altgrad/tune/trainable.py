@@ -142,7 +142,8 @@ def fetch_run_dir(filesystem: FileSystem, source: str, destination: Path) -> Non
 
 @contextlib.contextmanager
 def trial_log(path: Path) -> Iterator[None]:
-    """Send this trial's log lines (and its traceback, if it fails) to `path`."""
+    """Send this trial's log lines (and its traceback, if it fails) to `path`. Tune stops a trial
+    (its scheduler, its stopper) by `SystemExit` inside `report`: a stop, not a failure."""
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("altgrad")
@@ -151,8 +152,11 @@ def trial_log(path: Path) -> Iterator[None]:
     logger.setLevel(logging.INFO)
     try:
         yield
-    except BaseException:
-        log.exception("trial failed")
+    except BaseException as e:
+        if isinstance(e, SystemExit) and e.code in (None, 0):
+            log.info("trial stopped by Tune")
+        else:
+            log.exception("trial failed")
         raise
     finally:
         logger.removeHandler(handler)
