@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sweep_helpers import ABLATION, ablation
 
-from altgrad.experiment import STATE_DIR, SWEEP_FILE
+from altgrad.experiment import STATE_DIR, SWEEP_FILE, SweepStatus
 
 
 def existing(tmp_path, status: str, **config_changes) -> Path:
@@ -160,18 +160,25 @@ def work_dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
     return started, elsewhere, data
 
 
+def interrupted(exp, resume_command: str) -> tuple[SweepStatus, int]:
+    """What `run_experiment` stores and returns for an experiment that Ctrl-C interrupted."""
+    from altgrad.tune.runner import write_sweep_state
+
+    write_sweep_state(exp, SweepStatus.INTERRUPTED, resume_command)
+    return SweepStatus.INTERRUPTED, signal.SIGINT
+
+
 def train_nothing(monkeypatch) -> list[set[tuple[str, str]]]:
     """The sweep entry point without data preparation, Ray or trials: each experiment it runs adds
     the data (source, data_root) its trials would train on, and is interrupted."""
     import altgrad.data
-    from altgrad.experiment import SweepStatus
     from altgrad.tune import cli
 
     trained: list[set[tuple[str, str]]] = []
 
     def run_experiment(exp, restore: bool, resume_command: str):
         trained.append({(p.run["data"]["source"], p.run["data"]["data_root"]) for p in exp.points.values()})
-        return SweepStatus.INTERRUPTED, signal.SIGINT
+        return interrupted(exp, resume_command)
 
     monkeypatch.setattr(altgrad.data, "prepare_dataset", lambda data: None)
     monkeypatch.setattr(cli, "start_ray", lambda dashboard: None)
@@ -228,3 +235,51 @@ def test_a_finished_sweep_on_s3_says_what_starts_it_again(s3_bucket, capsys):
     assert "already exists with a different config" in err and "--fresh" not in err
     assert ablation("--storage-path", storage, "--set", "preset=cpu", "--fresh") == 2
     assert "--fresh cannot move" in capsys.readouterr().err
+
+
+def test_a_bare_resume_keeps_how_the_sweep_is_watched(tmp_path, monkeypatch):
+    """`--resume` alone loads the default config file for the rest of its defaults: the stored
+    sweep's dashboard setting stays its own (the default file's turned a sweep's dashboard back on,
+    and was stored as its config); one said anew on resume (--set) is taken."""
+    import altgrad.data
+    from altgrad.tune import cli
+
+    exp = existing(tmp_path, "interrupted")
+    path = exp / STATE_DIR / SWEEP_FILE
+    doc = json.loads(path.read_text())
+    assert doc["config"]["dashboard"]["enabled"]  # the default file's
+    doc["config"]["dashboard"]["enabled"] = False
+    path.write_text(json.dumps(doc))
+    dashboards = []
+    monkeypatch.setattr(altgrad.data, "prepare_dataset", lambda data: None)
+    monkeypatch.setattr(cli, "start_ray", lambda dashboard: dashboards.append(dashboard.enabled))
+    monkeypatch.setattr(cli, "run_experiment", lambda exp, restore, resume_command: (
+        dashboards.append(exp.settings.dashboard.enabled) or interrupted(exp, resume_command)))
+    assert ablation("--storage-path", str(tmp_path), "--resume") == 128 + signal.SIGINT
+    assert dashboards == [False, False]
+    assert json.loads(path.read_text())["config"]["dashboard"]["enabled"] is False  # stored as it was
+    dashboards.clear()
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", "--resume",
+                    "--set", "dashboard.enabled=true") == 128 + signal.SIGINT
+    assert dashboards == [True, True]
+
+
+def test_a_sweep_interrupted_while_ray_starts_can_be_resumed(tmp_path, monkeypatch, capsys):
+    """Ray's start-up takes seconds after "starting sweep": the sweep is stored before it, so a kill
+    or Ctrl-C there leaves one to resume (it said "nothing to resume"), and Ctrl-C prints how."""
+    import altgrad.data
+    from altgrad.tune import cli
+
+    def ctrl_c(dashboard):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(altgrad.data, "prepare_dataset", lambda data: None)
+    monkeypatch.setattr(cli, "start_ray", ctrl_c)
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu") == 128 + signal.SIGINT
+    out = capsys.readouterr().out
+    assert "interrupted" in out and "resume with: " in out and "--resume" in out.split("resume with: ")[1]
+    stored = json.loads((tmp_path / "format_ablation" / STATE_DIR / SWEEP_FILE).read_text())
+    assert stored["status"] == SweepStatus.INTERRUPTED
+    trained = train_nothing(monkeypatch)
+    assert ablation("--storage-path", str(tmp_path), "--resume") == 128 + signal.SIGINT
+    assert len(trained) == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ from altgrad.tune.lifecycle import (
     move_aside,
     stored_sweep,
 )
-from altgrad.tune.runner import Experiment, run_experiment, start_ray
+from altgrad.tune.runner import Experiment, run_experiment, start_ray, write_sweep_state
 
 
 class SweepKind(Protocol):
@@ -75,7 +76,7 @@ def sweep_main(kind: SweepKind, default_config: Path, description: str, argv: li
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # outside Ray's own handling (data preparation, Ray start-up)
+    except KeyboardInterrupt:  # before the sweep is stored (data preparation)
         print("\ninterrupted", file=sys.stderr)
         return 130
 
@@ -140,15 +141,24 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     table = experiments[0].path if len(experiments) == 1 else join(cfg.experiment_path, "<format>")
     print(f"{'resuming' if resuming else 'starting'} sweep {cfg.name}: {total} trials in "
           f"{cfg.experiment_path}\n  trial table, any time: python -m altgrad trials {shlex.quote(table)}")
-    start_ray(cfg.dashboard)
+    # Stored before Ray starts (seconds): a sweep killed during the start-up has one to resume.
+    exp = todo[0]
+    write_sweep_state(exp, SweepStatus.RUNNING, command)
     errored = False
-    for exp in todo:
-        outcome, signum = run_experiment(exp, restore=status[exp.path] is not None, resume_command=command)
-        if outcome is SweepStatus.INTERRUPTED:
-            print(f"\nsweep {cfg.name} interrupted; Ray saved its state and every trial keeps its "
-                  f"checkpoints.\nresume with: {command}", flush=True)
-            return 128 + int(signum)
-        errored |= outcome is SweepStatus.ERRORED
+    try:
+        start_ray(cfg.dashboard)
+        for exp in todo:
+            outcome, signum = run_experiment(exp, restore=status[exp.path] is not None, resume_command=command)
+            if outcome is SweepStatus.INTERRUPTED:
+                print(f"\nsweep {cfg.name} interrupted; Ray saved its state and every trial keeps its "
+                      f"checkpoints.\nresume with: {command}", flush=True)
+                return 128 + int(signum)
+            errored |= outcome is SweepStatus.ERRORED
+    except KeyboardInterrupt:  # outside Tune's own handling: Ray's start-up, a restore
+        write_sweep_state(exp, SweepStatus.INTERRUPTED, command)
+        print(f"\nsweep {cfg.name} interrupted; every trial keeps its checkpoints.\nresume with: {command}",
+              flush=True)
+        return 128 + signal.SIGINT
     code = _finish(kind, cfg, experiments, after)
     if errored:
         print(f"some trials errored; {command} retries them from their checkpoints")

@@ -112,7 +112,10 @@ def comparable(config: dict[str, Any]) -> dict[str, Any]:
 
 def choose_config(stored: dict[str, Any], config: dict[str, Any], mode: str, explicit: bool,
                   how_to_start_over: str) -> dict[str, Any]:
-    """The config an existing experiment continues with: its own; a changed one is refused."""
+    """The config an existing experiment continues with: its own; a changed one is refused. Where
+    it is now is `config`'s; how it is watched (`NOT_COMPARED`) too where the user said it anew
+    (`explicit`: a --config or --set), else its own: a bare --resume loads the default config file,
+    whose dashboard and smoke settings are not the sweep's."""
     diff = config_diff(comparable(stored["config"]), comparable(config))
     if diff and (mode == "auto" or explicit):
         shown = "\n  ".join(diff[:12]) + ("\n  ..." if len(diff) > 12 else "")
@@ -120,7 +123,8 @@ def choose_config(stored: dict[str, Any], config: dict[str, Any], mode: str, exp
             f"experiment {config['name']} already exists with a different config:\n  {shown}\n"
             f"Continue it with its own config: --resume (without --config/--set); {how_to_start_over}"
         )
-    return {**stored["config"], **{k: config[k] for k in NOT_COMPARED if k in config}}
+    taken = NOT_COMPARED if explicit else ("storage_path",)
+    return {**stored["config"], **{k: config[k] for k in taken if k in config}}
 
 
 def check_new_location(experiment_path: str) -> None:
