@@ -145,3 +145,22 @@ def test_without_the_dashboard_ray_still_gets_a_free_port(capsys, monkeypatch):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", given["dashboard_port"]))
     assert capsys.readouterr().out == ""
+
+
+def test_tunes_warnings_about_trials_without_results_are_left_out_only_when_that_is_all_they_say():
+    """A restore, or an interrupted fit, has Tune warn about every trial not yet started (a line
+    each, 28 on a resume of a 28-trial sweep); a trial whose results cannot be read for another
+    reason is still said."""
+    import logging
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("ray.tune.analysis.experiment_analysis", logging.WARNING, __file__, 1,
+                                 message, None, None)
+
+    missing = ("- e4m3-adamw-all-s42: FileNotFoundError('Could not fetch metrics for e4m3-adamw-all-s42: "
+               "both result.json and progress.csv were not found at /x')")
+    corrupt = "- e5m2-adamw-all-s42: JSONDecodeError('Expecting value: line 1 column 1 (char 0)')"
+    assert runner.is_ray_noise(record(f"Failed to fetch metrics for 2 trial(s):\n{missing}\n{missing}"))
+    assert not runner.is_ray_noise(record(f"Failed to fetch metrics for 2 trial(s):\n{missing}\n{corrupt}"))
+    assert runner.is_ray_noise(record("Experiment has been interrupted, but the most recent state was saved."))
+    assert not runner.is_ray_noise(record("Trial e4m3 errored after 3 iterations"))

@@ -157,17 +157,18 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
     # and CSV loggers it keeps.
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     trainable = _trainable(exp)
-    if restore and _restorable(exp.path):
-        # Errored trials run again under their trial ids; the lr search's searcher counts on it
-        # (`GridThenTpe.restore`).
-        tuner = tune.Tuner.restore(exp.path, trainable=trainable, resume_errored=True)
-    else:  # never started, or killed before Ray's first snapshot: trials find their checkpoints
-        tuner = _new_tuner(exp, trainable)
-    with sigterm_stops_gracefully() as received, _without_ray_resume_hint():
-        try:
-            tuner.fit()
-        except KeyboardInterrupt:  # a second Ctrl-C during Ray's own shutdown
-            received.append(signal.SIGINT)
+    with _without_ray_noise():
+        if restore and _restorable(exp.path):
+            # Errored trials run again under their trial ids; the lr search's searcher counts on it
+            # (`GridThenTpe.restore`).
+            tuner = tune.Tuner.restore(exp.path, trainable=trainable, resume_errored=True)
+        else:  # never started, or killed before Ray's first snapshot: trials find their checkpoints
+            tuner = _new_tuner(exp, trainable)
+        with sigterm_stops_gracefully() as received:
+            try:
+                tuner.fit()
+            except KeyboardInterrupt:  # a second Ctrl-C during Ray's own shutdown
+                received.append(signal.SIGINT)
     outcome = exp.outcome()
     write_sweep_state(exp, outcome, resume_command)
     if outcome is SweepStatus.INTERRUPTED:
@@ -178,20 +179,35 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
 # How Tune's warning after an interrupted `fit()` begins; it ends "Resume experiment with:
 # Tuner.restore(...)", which would restore without the sweep's grid, scheduler state and settings.
 RAY_INTERRUPTED_PREFIX = "Experiment has been interrupted"
+# How Tune's warning begins when a restore or an interrupted `fit()` reads the results of trials
+# that have none yet (not started): one line per such trial, each a FileNotFoundError.
+RAY_NO_METRICS_PREFIX = "Failed to fetch metrics for"
+
+
+def is_ray_noise(record: logging.LogRecord) -> bool:
+    """Tune's resume hint (the sweep prints the command that resumes it instead), and its warning
+    that trials not yet started have no results, where that is all it says."""
+    message = record.getMessage()
+    if message.startswith(RAY_INTERRUPTED_PREFIX):
+        return True
+    failures = message.splitlines()[1:]
+    return message.startswith(RAY_NO_METRICS_PREFIX) and all("FileNotFoundError(" in f for f in failures)
 
 
 @contextlib.contextmanager
-def _without_ray_resume_hint() -> Iterator[None]:
-    """Tune's resume hint left out: the sweep prints the command that resumes it instead."""
-    tune_logger = logging.getLogger("ray.tune.tune")
-    def hint(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(RAY_INTERRUPTED_PREFIX)
+def _without_ray_noise() -> Iterator[None]:
+    """Tune's log lines that `is_ray_noise` names left out."""
+    loggers = [logging.getLogger(n) for n in ("ray.tune.tune", "ray.tune.analysis.experiment_analysis")]
+    def keep(record: logging.LogRecord) -> bool:
+        return not is_ray_noise(record)
 
-    tune_logger.addFilter(hint)
+    for logger in loggers:
+        logger.addFilter(keep)
     try:
         yield
     finally:
-        tune_logger.removeFilter(hint)
+        for logger in loggers:
+            logger.removeFilter(keep)
 
 
 def _restorable(path: str) -> bool:
