@@ -227,3 +227,49 @@ def test_a_searcher_saved_by_the_previous_version_resumes(tmp_path, limited):
     inner = again.searcher.searcher if limited else again.searcher
     assert [t.value for t in inner._ot_study.get_trials()][-1] == 0.0
     assert again.searcher.suggest("s1") is not None
+
+
+def test_samples_fall_where_they_can_raise_the_largest_stable_lr():
+    """Between the largest rate that trained stably and the smallest above it that did not: over
+    the whole range (1e-4 to 100) TPE's samples, with the grid's 1e-2 stable and 10 not, fell at
+    1.3e-4, 4.6e-3 and 2.0, where none could raise the answer (1e-2) or 0.67 after 2.0 failed."""
+    from ray import tune
+
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.lr_searcher import GridThenTpe
+
+    edge = 0.3  # learns below it
+    for seed in range(3):
+        search = GridThenTpe([1e-2, 10.0], seed=seed)
+        search.set_search_properties(None, None, {"lr": tune.loguniform(1e-4, 100.0)})
+        told = {}
+        for trial_id in ("g0", "g1", "s0", "s1", "s2"):
+            lr = search.suggest(trial_id)["lr"]
+            stable = max((x for x, ok in told.items() if ok), default=None)
+            if trial_id.startswith("s"):
+                above = min(x for x, ok in told.items() if not ok and x > stable)
+                assert stable < lr < above, (seed, told, lr)
+            told[lr] = lr < edge
+            search.on_trial_complete(trial_id, {STABLE_LR: lr if lr < edge else 0.0})
+
+
+def test_the_edge_bracket_on_each_side_of_the_grid():
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import create_trial
+
+    from altgrad.tune.lr_searcher import edge_bracket
+
+    space = FloatDistribution(1e-4, 100.0, log=True)
+
+    def trials(*pairs):
+        return [create_trial(params={"lr": lr}, distributions={"lr": space}, value=v) for lr, v in pairs]
+
+    def bounds(*pairs):
+        b = edge_bracket(trials(*pairs), space)
+        return b.low, b.high
+
+    assert bounds((1e-3, 1e-3), (1e-2, 0.0), (1e-1, 0.0)) == (1e-3, 1e-2)
+    assert bounds((1e-3, 0.0), (1e-2, 0.0)) == (1e-4, 1e-3)  # nothing learned: below the grid
+    assert bounds((1e-3, 1e-3), (1e-2, 1e-2)) == (1e-2, 100.0)  # nothing failed: above it
+    assert bounds((1e-3, 0.0), (1e-2, 1e-2), (1e-1, 0.0)) == (1e-2, 1e-1)  # a failure below a success
+    assert bounds((100.0, 100.0)) == (100.0, 100.0)  # the whole range learned

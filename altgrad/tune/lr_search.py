@@ -56,7 +56,8 @@ class LrSearch:
             f"lr search {cfg.name}: {len(cfg.formats)} formats × {per_format} trials = "
             f"{len(cfg.formats) * per_format} trials ({cfg.optimizer}, precision {cfg.precision})",
             f"per format: learning rates {', '.join(f'{x:g}' for x in cfg.lr.grid)} first, then "
-            f"{cfg.lr.samples} picked by Optuna in [{cfg.lr.low:g}, {cfg.lr.high:g}] (log scale)",
+            f"{cfg.lr.samples} picked by Optuna (log scale) between the largest that trained stably and the "
+            f"smallest above it that did not, within [{cfg.lr.low:g}, {cfg.lr.high:g}]",
             *describe_resources(cfg, len(cfg.formats) * per_format),
             f"formats: {', '.join(cfg.formats)}",
         ]

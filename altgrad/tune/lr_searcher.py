@@ -8,6 +8,9 @@ do not count as finished, and one seed gave every format the same random samples
 - a sample is asked for only once every grid point has finished (`suggest` answers None, "not yet",
   and Tune asks again after its next trial event): one asked while grid points still run would be
   drawn at random;
+- each sample is drawn between the largest learning rate that trained stably so far and the
+  smallest above it that did not (`edge_bracket`), where a sample can raise the answer: over the
+  whole range, TPE spent most of its few samples at the range's far ends (docs/design.md);
 - so the grid is all the start-up TPE needs: it models from its first finished trial on
   (`n_startup_trials=1`). Optuna counts only completed trials there, so with the grid's size a
   grid point that errored left every sample random; and an errored trial stands in for one that
@@ -37,6 +40,7 @@ from __future__ import annotations
 from typing import Any
 
 import optuna
+from optuna.distributions import FloatDistribution
 from optuna.samplers import TPESampler
 from optuna.trial import FrozenTrial, TrialState, create_trial
 from ray.tune.search.optuna import OptunaSearch
@@ -78,10 +82,12 @@ class GridThenTpe(OptunaSearch):
 
     def sample(self) -> dict[str, Any]:
         """TPE's next learning rate, drawn in a study of `modelled_trials` (Optuna's own study
-        keeps an errored trial open for its rerun); Optuna's study gets it as an enqueued point."""
+        keeps an errored trial open for its rerun) inside their `edge_bracket`; Optuna's study gets
+        it as an enqueued point."""
+        trials = self.modelled_trials()
         view = optuna.create_study(direction="maximize", sampler=self._sampler)  # Optuna's study's
-        view.add_trials(self.modelled_trials())
-        return view.ask(self._space).params
+        view.add_trials(trials)
+        return view.ask({**self._space, "lr": edge_bracket(trials, self._space["lr"])}).params
 
     def modelled_trials(self) -> list[FrozenTrial]:
         """What TPE's samples model: the trials Optuna was told of, then each errored one as a trial
@@ -121,3 +127,13 @@ class GridThenTpe(OptunaSearch):
         trial left them, so it dropped its rerun's result."""
         self.max_concurrent = max_concurrent
         return True
+
+
+def edge_bracket(trials: list[FrozenTrial], space: FloatDistribution) -> FloatDistribution:
+    """The learning rates where a sample can raise the largest stable one: from the largest that
+    trained stably (`sweep/stable_lr` > 0) to the smallest above it that did not, within `space`
+    (its bound on a side where no trial is)."""
+    stable = [t.params["lr"] for t in trials if (t.value or 0.0) > 0]
+    low = min(max(max(stable, default=space.low), space.low), space.high)
+    above = [t.params["lr"] for t in trials if (t.value or 0.0) <= 0 and t.params["lr"] > low]
+    return FloatDistribution(low, min(min(above, default=space.high), space.high), log=space.log)
