@@ -85,7 +85,8 @@ def cannot(what: str, error: Exception) -> str:
     every libjvm it looked for), and GCS's status ends in an `error_info={...}` that repeats the
     message in its metadata (~1,000 characters in all)."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
-    return f"cannot {what}: {lines[0].split(' error_info={', 1)[0]}"
+    reason, cut, _ = lines[0].partition(" error_info={")
+    return f"cannot {what}: {reason}{')' if cut and reason.count('(') > reason.count(')') else ''}"
 
 
 def _read(relative: str) -> bool:

@@ -239,16 +239,16 @@ def test_a_finished_sweep_on_s3_says_what_starts_it_again(s3_bucket, capsys):
 
 def test_a_bare_resume_keeps_how_the_sweep_is_watched(tmp_path, monkeypatch):
     """`--resume` alone loads the default config file for the rest of its defaults: the stored
-    sweep's dashboard setting stays its own (the default file's turned a sweep's dashboard back on,
-    and was stored as its config); one said anew on resume (--set) is taken."""
+    sweep's dashboard and smoke settings stay its own (the default file's turned a sweep's dashboard
+    back on, and were stored as its config); one said anew on resume (--set) is taken."""
     import altgrad.data
     from altgrad.tune import cli
 
     exp = existing(tmp_path, "interrupted")
     path = exp / STATE_DIR / SWEEP_FILE
     doc = json.loads(path.read_text())
-    assert doc["config"]["dashboard"]["enabled"]  # the default file's
-    doc["config"]["dashboard"]["enabled"] = False
+    assert doc["config"]["dashboard"]["enabled"] and doc["config"]["smoke"]  # the default file's
+    doc["config"]["dashboard"]["enabled"], doc["config"]["smoke"] = False, {}
     path.write_text(json.dumps(doc))
     dashboards = []
     monkeypatch.setattr(altgrad.data, "prepare_dataset", lambda data: None)
@@ -257,7 +257,8 @@ def test_a_bare_resume_keeps_how_the_sweep_is_watched(tmp_path, monkeypatch):
         dashboards.append(exp.settings.dashboard.enabled) or interrupted(exp, resume_command)))
     assert ablation("--storage-path", str(tmp_path), "--resume") == 128 + signal.SIGINT
     assert dashboards == [False, False]
-    assert json.loads(path.read_text())["config"]["dashboard"]["enabled"] is False  # stored as it was
+    stored = json.loads(path.read_text())["config"]
+    assert (stored["dashboard"]["enabled"], stored["smoke"]) == (False, {})  # stored as it was
     dashboards.clear()
     assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", "--resume",
                     "--set", "dashboard.enabled=true") == 128 + signal.SIGINT

@@ -3,6 +3,8 @@ format, from trial records alone."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from sweep_helpers import LR_SEARCH
 
@@ -57,11 +59,13 @@ def test_trial_keys_tell_close_learning_rates_apart():
     assert [trial_key({"key": "k", "lr": lr}) for lr in (0.01, 10.0, 1000.0)] == ["k-lr0.01", "k-lr10", "k-lr1e+03"]
 
 
-def test_samples_after_the_grid_are_tpes_and_differ_by_format(monkeypatch):
+def test_samples_wait_for_the_grid_then_split_the_edges_bracket(monkeypatch):
     """Each format's searcher hands out the grid first and no sample while a grid point still runs;
-    then TPE samples modelled on the grid (its random start-up sampler is not used), all of them at
-    the edge of stability, from a seed of the format's own; and a resumed trial's repeated reports
-    raise no Optuna warning."""
+    then, asked together (as a sweep asks its free slots), samples that split the bracket between
+    the largest rate that learned (0.1) and the smallest above it that did not (1.0) evenly: no
+    stretch of it left wider than a quarter (log scale) after three. An errored grid point bounds
+    nothing: e7m0's at 1.0 leaves its bracket 0.1 to 10. No sample is Optuna's random draw, and a
+    resumed trial's repeated reports raise no Optuna warning."""
     import warnings
 
     from optuna.samplers import RandomSampler
@@ -75,8 +79,9 @@ def test_samples_after_the_grid_are_tpes_and_differ_by_format(monkeypatch):
     monkeypatch.setattr(RandomSampler, "sample_independent",
                         lambda self, study, trial, name, dist: random_draws.append(name) or draw(self, study, trial, name, dist))
     cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "formats=[e4m3, e7m0]"])
-    samples = {}
-    for errored, exp in zip((None, "grid0"), LrSearch.experiments(cfg), strict=True):  # e7m0: one grid point errors
+    assert cfg.lr.grid == [1e-3, 1e-2, 1e-1, 1.0, 10.0]
+    for errored, bracket, exp in zip((None, "grid3"), ((0.1, 1.0), (0.1, 10.0)), LrSearch.experiments(cfg),
+                                     strict=True):
         search = exp.search_alg
         search.set_search_properties(None, None, exp.param_space)
         grid = {f"grid{i}": search.suggest(f"grid{i}")["lr"] for i in range(len(cfg.lr.grid))}
@@ -85,17 +90,20 @@ def test_samples_after_the_grid_are_tpes_and_differ_by_format(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             for trial_id, lr in grid.items():
-                if trial_id == errored:  # not told to Optuna; TPE models it as unstable
+                if trial_id == errored:  # not told to Optuna
                     search.on_trial_complete(trial_id, None, error=True)
                     continue
                 result = {STABLE_LR: lr if lr <= 0.1 else 0.0, "training_iteration": 1}
                 search.on_trial_result(trial_id, result)
                 search.on_trial_result(trial_id, result)  # resumed: the same iteration again
                 search.on_trial_complete(trial_id, result)
-        samples[exp.path] = [search.suggest(f"sample{i}")["lr"] for i in range(cfg.lr.samples)]
-        assert all(0.01 < x < 1.0 for x in samples[exp.path])  # at the edge: 0.1 learns, 1.0 does not
+        samples = sorted(search.suggest(f"sample{i}")["lr"] for i in range(cfg.lr.samples))
+        low, high = bracket
+        assert low < samples[0] and samples[-1] < high
+        points = [low, *samples, high]
+        widest = max(math.log(b / a) for a, b in zip(points, points[1:], strict=False))
+        assert widest <= math.log(high / low) / 4 * (1 + 1e-9)
     assert random_draws == []
-    assert len({tuple(s) for s in samples.values()}) == 2
 
 
 def test_a_search_on_s3_ends_with_the_command_that_reads_it(capsys):
@@ -118,10 +126,10 @@ def test_the_searcher_prints_no_optuna_info(capfd):
     import optuna
     from ray import tune
 
-    from altgrad.tune.lr_searcher import GridThenTpe
+    from altgrad.tune.lr_searcher import GridThenEdge
 
     optuna.logging.set_verbosity(optuna.logging.INFO)
-    search = GridThenTpe([0.01, 1.0], seed=0)
+    search = GridThenEdge([0.01, 1.0])
     search.set_search_properties(None, None, {"lr": tune.loguniform(1e-4, 10.0)})
     assert "A new study created" not in "".join(capfd.readouterr())
 
@@ -138,10 +146,10 @@ def test_an_errored_grid_point_rerun_on_resume_reaches_optuna_as_a_first_run(tmp
     from ray.tune.search import ConcurrencyLimiter, SearchGenerator
 
     from altgrad.metrics import STABLE_LR
-    from altgrad.tune.lr_searcher import GridThenTpe
+    from altgrad.tune.lr_searcher import GridThenEdge
 
     grid, stable = [0.01, 1.0, 100.0], {0.01: 0.01, 1.0: 1.0, 100.0: 0.0}
-    built = pickle.dumps(GridThenTpe(grid, seed=0))  # what tuner.pkl keeps, read back by Tuner.restore
+    built = pickle.dumps(GridThenEdge(grid))  # what tuner.pkl keeps, read back by Tuner.restore
 
     def tuned() -> SearchGenerator:  # the searcher as `tune.run` wraps it for max_concurrent_trials=2
         search = SearchGenerator(ConcurrencyLimiter(pickle.loads(built), max_concurrent=2))
@@ -165,13 +173,13 @@ def test_an_errored_grid_point_rerun_on_resume_reaches_optuna_as_a_first_run(tmp
     assert resumed.searcher.suggest("s0") is None  # g1 runs again: the grid has not finished
     done(resumed, "g1", 1.0)
     sample = resumed.searcher.suggest("s0")["lr"]
-    assert {t.params["lr"]: t.value for t in resumed.searcher.searcher.modelled_trials()} == stable
+    assert {t.params["lr"]: t.value for t in resumed.searcher.searcher.told()} == stable
 
     never_errored = tuned()
     for trial_id, lr in zip(("g0", "g1", "g2"), grid, strict=True):
         assert never_errored.searcher.suggest(trial_id)["lr"] == lr
         done(never_errored, trial_id, lr)
-    assert never_errored.searcher.suggest("s0")["lr"] == sample and 0.1 < sample < 10.0
+    assert never_errored.searcher.suggest("s0")["lr"] == sample and 1.0 < sample < 100.0
 
 
 @pytest.mark.parametrize("limited", [False, True])
@@ -186,21 +194,21 @@ def test_a_searcher_saved_by_the_previous_version_resumes(tmp_path, limited):
     from ray.tune.search import ConcurrencyLimiter, SearchGenerator
 
     from altgrad.metrics import STABLE_LR
-    from altgrad.tune.lr_searcher import GridThenTpe
+    from altgrad.tune.lr_searcher import GridThenEdge
 
-    def as_built_before(searcher: GridThenTpe) -> GridThenTpe:
+    def as_built_before(searcher: GridThenEdge) -> GridThenEdge:
         for added in ("errored", "max_concurrent"):
             vars(searcher).pop(added, None)
         searcher.asked = len(searcher._ot_trials)  # the count it kept, which this version ignores
         return searcher
 
-    def tuned(searcher: GridThenTpe) -> SearchGenerator:
+    def tuned(searcher: GridThenEdge) -> SearchGenerator:
         search = SearchGenerator(ConcurrencyLimiter(searcher, max_concurrent=2) if limited else searcher)
         search.set_search_properties(None, None, {"lr": tune.loguniform(1e-3, 1e3)})
         return search
 
-    built = pickle.dumps(as_built_before(GridThenTpe([0.01, 1.0], seed=0)))  # its tuner.pkl
-    old = tuned(GridThenTpe([0.01, 1.0], seed=0))  # its run, to the state it saved
+    built = pickle.dumps(as_built_before(GridThenEdge([0.01, 1.0])))  # its tuner.pkl
+    old = tuned(GridThenEdge([0.01, 1.0]))  # its run, to the state it saved
     assert [old.searcher.suggest(t)["lr"] for t in ("g0", "g1")] == [0.01, 1.0]
     old.on_trial_complete("g0", {STABLE_LR: 0.01})
     inner = old.searcher.searcher if limited else old.searcher
@@ -229,18 +237,17 @@ def test_a_searcher_saved_by_the_previous_version_resumes(tmp_path, limited):
     assert again.searcher.suggest("s1") is not None
 
 
-def test_samples_fall_where_they_can_raise_the_largest_stable_lr():
-    """Between the largest rate that trained stably and the smallest above it that did not: over
-    the whole range (1e-4 to 100) TPE's samples, with the grid's 1e-2 stable and 10 not, fell at
-    1.3e-4, 4.6e-3 and 2.0, where none could raise the answer (1e-2) or 0.67 after 2.0 failed."""
+def test_samples_one_at_a_time_halve_the_bracket():
+    """Each between the largest rate that trained stably and the smallest above it that did not,
+    in the middle (log scale): with the grid's 1e-2 stable and 10 not, Optuna's TPE over the whole
+    range (1e-4 to 100) sampled 1.3e-4, 4.6e-3 and 2.0, where none could raise the answer (1e-2)."""
     from ray import tune
 
     from altgrad.metrics import STABLE_LR
-    from altgrad.tune.lr_searcher import GridThenTpe
+    from altgrad.tune.lr_searcher import GridThenEdge
 
-    edge = 0.3  # learns below it
-    for seed in range(3):
-        search = GridThenTpe([1e-2, 10.0], seed=seed)
+    for edge in (0.02, 0.3, 5.0):  # learns below it
+        search = GridThenEdge([1e-2, 10.0])
         search.set_search_properties(None, None, {"lr": tune.loguniform(1e-4, 100.0)})
         told = {}
         for trial_id in ("g0", "g1", "s0", "s1", "s2"):
@@ -248,7 +255,7 @@ def test_samples_fall_where_they_can_raise_the_largest_stable_lr():
             stable = max((x for x, ok in told.items() if ok), default=None)
             if trial_id.startswith("s"):
                 above = min(x for x, ok in told.items() if not ok and x > stable)
-                assert stable < lr < above, (seed, told, lr)
+                assert math.isclose(math.log(lr / stable), math.log(above / lr)), (edge, told, lr)
             told[lr] = lr < edge
             search.on_trial_complete(trial_id, {STABLE_LR: lr if lr < edge else 0.0})
 
@@ -257,7 +264,7 @@ def test_the_edge_bracket_on_each_side_of_the_grid():
     from optuna.distributions import FloatDistribution
     from optuna.trial import create_trial
 
-    from altgrad.tune.lr_searcher import edge_bracket
+    from altgrad.tune.lr_searcher import edge_bracket, next_rate
 
     space = FloatDistribution(1e-4, 100.0, log=True)
 
@@ -265,11 +272,11 @@ def test_the_edge_bracket_on_each_side_of_the_grid():
         return [create_trial(params={"lr": lr}, distributions={"lr": space}, value=v) for lr, v in pairs]
 
     def bounds(*pairs):
-        b = edge_bracket(trials(*pairs), space)
-        return b.low, b.high
+        return edge_bracket(trials(*pairs), space)
 
     assert bounds((1e-3, 1e-3), (1e-2, 0.0), (1e-1, 0.0)) == (1e-3, 1e-2)
     assert bounds((1e-3, 0.0), (1e-2, 0.0)) == (1e-4, 1e-3)  # nothing learned: below the grid
     assert bounds((1e-3, 1e-3), (1e-2, 1e-2)) == (1e-2, 100.0)  # nothing failed: above it
     assert bounds((1e-3, 0.0), (1e-2, 1e-2), (1e-1, 0.0)) == (1e-2, 1e-1)  # a failure below a success
     assert bounds((100.0, 100.0)) == (100.0, 100.0)  # the whole range learned
+    assert next_rate((100.0, 100.0), []) == 100.0  # its samples repeat that rate

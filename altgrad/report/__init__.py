@@ -1,4 +1,5 @@
-"""The analysis report of a sweep: findings (`findings`), figures (`plots`), report.md (`markdown`).
+"""The analysis report of a sweep: what each trial's record says (`records`), the findings over them
+(`findings`, with the arithmetic of `stats`), figures (`plots`), report.md (`markdown`).
 
 `write_report` is the one entry point; `python -m altgrad report` (`cli`) and the sweep call it.
 """

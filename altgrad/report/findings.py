@@ -2,11 +2,10 @@
 
 Everything the report states is derived here, from what each trial's record says (`records`), so
 the numbers can be recomputed by hand from the trial data; the definitions below are rendered
-verbatim into report.md (`DEFINITIONS`). Every
-comparison carries its uncertainty over seeds (`report.stats`): a difference is called one only
-when the 95 % intervals separate; otherwise the report says "indistinguishable". And since a report
-makes many such calls, each also says whether it survives Holm's correction over the comparisons
-of its kind (`FamilyWise`).
+verbatim into report.md (`DEFINITIONS`). Every comparison carries its uncertainty over seeds
+(`report.stats`): a difference is called one only when the 95 % intervals separate; otherwise the
+report says "indistinguishable". And since a report makes many such calls, each also says whether
+it survives Holm's correction over the comparisons of its kind (`FamilyWise`).
 """
 
 from __future__ import annotations
@@ -172,7 +171,7 @@ DEFINITIONS = f"""\
   interval) → INVESTIGATE, with the reason.
 """
 
-Compared = TypeVar("Compared", "Cell", "Difference", "GradientFidelity")  # a comparison of a table (`family_wise`)
+Compared = TypeVar("Compared", "Cell", "Difference", "GradientFidelity")  # a comparison of a table (`_with_family_wise`)
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,16 @@ from altgrad.precision import BASELINE
 
 __all__ = [
     "Comparison",
+    "FamilyWise",
     "Interval",
     "difference_interval",
+    "family_wise",
+    "holds",
     "holm",
     "leader_group",
     "mean_interval",
     "ratio_interval",
+    "reading",
     "t_cdf",
     "t_quantile",
 ]

@@ -1,10 +1,11 @@
 """The learning-rate search: per format, the largest learning rate that still trains stably.
 
-One Tune experiment per format (`<experiment>/<format>/`), searched by Optuna over a log-uniform
-range: the configured grid of learning rates is evaluated first (`points_to_evaluate`, since
-`grid_search` cannot be mixed with a searcher), then `samples` more that Optuna's TPE picks once the
-grid has finished (`lr_searcher`). Each trial reports `sweep/stable_lr` (its learning rate while it
-learns stably, else 0), which TPE maximizes, so the samples concentrate at the edge of stability.
+One Tune experiment per format (`<experiment>/<format>/`), searched through Optuna over a
+log-uniform range: the configured grid of learning rates is evaluated first (`points_to_evaluate`,
+since `grid_search` cannot be mixed with a searcher), then `samples` more once the grid has
+finished, each where it can raise the answer: between the largest rate that trained stably and the
+smallest above it that did not (`lr_searcher`). Each trial reports `sweep/stable_lr` (its learning
+rate while it learns stably, else 0), which Optuna's study maximizes.
 No ASHA: a stability verdict needs the whole run; the stability stopper still ends NaN runs early.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +34,14 @@ class LrSearch:
     def experiments(cfg: LrSearchConfig) -> list[Experiment]:
         from ray import tune
 
-        from altgrad.tune.lr_searcher import GridThenTpe
+        from altgrad.tune.lr_searcher import GridThenEdge
 
         seed = cfg.base_run.train.seed
         r = cfg.resources
         out = []
         for fmt in cfg.formats:
             point = make_point(cfg, fmt, cfg.optimizer, cfg.precision, seed)
-            search = GridThenTpe(cfg.lr.grid, sampler_seed(seed, fmt))
+            search = GridThenEdge(cfg.lr.grid)
             param_space = {"key": point.key, "lr": tune.loguniform(cfg.lr.low, cfg.lr.high),
                            "tolerance": cfg.tolerance, **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
             grid = [trial_labels({"key": point.key, "lr": lr}, point.labels) for lr in cfg.lr.grid]
@@ -56,8 +56,8 @@ class LrSearch:
             f"lr search {cfg.name}: {len(cfg.formats)} formats × {per_format} trials = "
             f"{len(cfg.formats) * per_format} trials ({cfg.optimizer}, precision {cfg.precision})",
             f"per format: learning rates {', '.join(f'{x:g}' for x in cfg.lr.grid)} first, then "
-            f"{cfg.lr.samples} picked by Optuna (log scale) between the largest that trained stably and the "
-            f"smallest above it that did not, within [{cfg.lr.low:g}, {cfg.lr.high:g}]",
+            f"{cfg.lr.samples} that halve (log scale) the stretch between the largest that trained stably and "
+            f"the smallest above it that did not, within [{cfg.lr.low:g}, {cfg.lr.high:g}]",
             *describe_resources(cfg, len(cfg.formats) * per_format),
             f"formats: {', '.join(cfg.formats)}",
         ]
@@ -78,12 +78,6 @@ class LrSearch:
         path.write_text(json.dumps(rows, indent=1))
         print(f"results: {path}")
         return 0
-
-
-def sampler_seed(seed: int, fmt: str) -> int:
-    """A format's own Optuna seed: formats draw different samples, and every run of the sweep the
-    same ones (Python's `hash` of a string changes between processes)."""
-    return zlib.crc32(f"{fmt}:{seed}".encode())
 
 
 def stable(record: TrialRecord, tolerance: float) -> bool:

@@ -160,7 +160,7 @@ def run_experiment(exp: Experiment, restore: bool, resume_command: str) -> tuple
     with _without_ray_noise():
         if restore and _restorable(exp.path):
             # Errored trials run again under their trial ids; the lr search's searcher counts on it
-            # (`GridThenTpe.restore`).
+            # (`GridThenEdge.restore`).
             tuner = tune.Tuner.restore(exp.path, trainable=trainable, resume_errored=True)
         else:  # never started, or killed before Ray's first snapshot: trials find their checkpoints
             tuner = _new_tuner(exp, trainable)
