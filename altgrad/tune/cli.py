@@ -76,7 +76,7 @@ def sweep_main(kind: SweepKind, default_config: Path, description: str, argv: li
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # before the sweep is stored (data preparation)
+    except KeyboardInterrupt:  # before the sweep is stored (data preparation), or in its report
         print("\ninterrupted", file=sys.stderr)
         return 130
 
