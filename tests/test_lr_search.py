@@ -19,14 +19,21 @@ def trial(lr: float, vals: list[float], reason: str = "completed") -> TrialRecor
 
 
 def test_lr_search_table():
+    """The edge lies between the largest stable rate and the next unstable one above it (3e-2), not
+    the smallest unstable one (5e-3, below it); a search whose rates all trained says the edge
+    lies past its range."""
     from altgrad.tune.lr_search import render_lr_table, stable_lr_row
 
     records = [trial(1e-3, [10, 8]), trial(1e-2, [10, 7]), trial(3e-2, [10, 11]),
                trial(1e-1, [10, float("inf")], "nan"), trial(5e-3, [10, 9], "bit_stall")]
     row = stable_lr_row("e4m3", records, 0.0)
-    assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7,
+    assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7, "unstable_above": 3e-2,
                    "smallest_unstable_lr": 5e-3, "trials": 5, "unfinished": 0}
-    assert "e4m3" in render_lr_table([row]) and "0.01" in render_lr_table([row])
+    table = render_lr_table([row])
+    assert table.splitlines()[1].split()[:4] == ["e4m3", "0.01", "7.0000", "0.03"] and "edge lies" not in table
+    learned = stable_lr_row("e5m2", [trial(1e-3, [10, 8]), trial(1e-1, [10, 7])], 0.0)
+    assert (learned["largest_stable_lr"], learned["unstable_above"]) == (1e-1, None)
+    assert "e5m2: no rate above 0.1 failed; the edge lies higher (raise lr.high)" in render_lr_table([learned])
 
 
 def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes():

@@ -88,6 +88,10 @@ def stable(record: TrialRecord, tolerance: float) -> bool:
 
 
 def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dict[str, Any]:
+    """A format's result: the largest rate that trained stably (and its final val loss), the
+    smallest that did not (a rate too small to learn within `tolerance` counts: it may lie below),
+    and the smallest unstable rate above the largest stable one, the edge's other side (None: no
+    rate above it failed, so the edge lies past the range)."""
     done = [r for r in records if r.status == TrialStatus.TERMINATED and "lr" in r.params]
     ok = [r for r in done if stable(r, tolerance)]
     bad = [r.params["lr"] for r in done if not stable(r, tolerance)]
@@ -97,16 +101,22 @@ def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dic
         "largest_stable_lr": best.params["lr"] if best else None,
         "val_loss_there": best.summary.get("final_val_loss") if best else None,
         "smallest_unstable_lr": min(bad, default=None),
+        "unstable_above": min((lr for lr in bad if best is None or lr > best.params["lr"]), default=None),
         "trials": len(done),
         "unfinished": len(records) - len(done),
     }
 
 
 def render_lr_table(rows: list[dict[str, Any]]) -> str:
+    """The table, then a line per format whose edge the search did not bracket."""
     def num(x: float | None, spec: str) -> str:
         return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
-    lines = [f"{'format':<7} {'largest stable lr':>17} {'val loss there':>14} {'smallest unstable lr':>20} {'trials':>6}"]
+    lines = [f"{'format':<7} {'largest stable lr':>17} {'val loss there':>14} {'next unstable above':>19} "
+             f"{'smallest unstable lr':>20} {'trials':>6}"]
     lines += [f"{r['format']:<7} {num(r['largest_stable_lr'], '.3g'):>17} {num(r['val_loss_there'], '.4f'):>14} "
-              f"{num(r['smallest_unstable_lr'], '.3g'):>20} {r['trials']:>6}" for r in rows]
+              f"{num(r['unstable_above'], '.3g'):>19} {num(r['smallest_unstable_lr'], '.3g'):>20} {r['trials']:>6}"
+              for r in rows]
+    lines += [f"{r['format']}: no rate above {r['largest_stable_lr']:.3g} failed; the edge lies higher (raise lr.high)"
+              for r in rows if r["largest_stable_lr"] is not None and r["unstable_above"] is None and r["trials"]]
     return "\n".join(lines)
