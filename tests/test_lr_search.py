@@ -33,7 +33,7 @@ def test_lr_search_table():
     assert table.splitlines()[1].split()[:4] == ["e4m3", "0.01", "7.0000", "0.03"] and "edge lies" not in table
     learned = stable_lr_row("e5m2", [trial(1e-3, [10, 8]), trial(1e-1, [10, 7])], 0.0)
     assert (learned["largest_stable_lr"], learned["unstable_above"]) == (1e-1, None)
-    assert "e5m2: no rate above 0.1 failed; the edge lies higher (raise lr.high)" in render_lr_table([learned])
+    assert "e5m2: no rate tried above 0.1 failed; the edge lies higher" in render_lr_table([learned])
 
 
 def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes():

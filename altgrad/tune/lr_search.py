@@ -117,6 +117,7 @@ def render_lr_table(rows: list[dict[str, Any]]) -> str:
     lines += [f"{r['format']:<7} {num(r['largest_stable_lr'], '.3g'):>17} {num(r['val_loss_there'], '.4f'):>14} "
               f"{num(r['unstable_above'], '.3g'):>19} {num(r['smallest_unstable_lr'], '.3g'):>20} {r['trials']:>6}"
               for r in rows]
-    lines += [f"{r['format']}: no rate above {r['largest_stable_lr']:.3g} failed; the edge lies higher (raise lr.high)"
+    lines += [f"{r['format']}: no rate tried above {r['largest_stable_lr']:.3g} failed; the edge lies higher "
+              "(more samples, or a larger lr.high)"
               for r in rows if r["largest_stable_lr"] is not None and r["unstable_above"] is None and r["trials"]]
     return "\n".join(lines)
