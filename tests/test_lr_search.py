@@ -287,3 +287,18 @@ def test_the_edge_bracket_on_each_side_of_the_grid():
     assert bounds((1e-3, 0.0), (1e-2, 1e-2), (1e-1, 0.0)) == (1e-2, 1e-1)  # a failure below a success
     assert bounds((100.0, 100.0)) == (100.0, 100.0)  # the whole range learned
     assert next_rate((100.0, 100.0), []) == 100.0  # its samples repeat that rate
+
+
+def test_a_searcher_pickled_under_its_former_name_resumes():
+    """An lr search started before the samples left TPE pickled its searcher (tuner.pkl) as
+    `GridThenTpe`; Tune's restore reads it back under that name."""
+    import pickle
+
+    from altgrad.tune.lr_searcher import GridThenEdge
+
+    GridThenEdge.__qualname__ = "GridThenTpe"  # as that version named the class
+    try:
+        built = pickle.dumps(GridThenEdge([0.01, 1.0]))
+    finally:
+        GridThenEdge.__qualname__ = "GridThenEdge"
+    assert b"GridThenTpe" in built and type(pickle.loads(built)) is GridThenEdge

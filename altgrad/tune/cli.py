@@ -144,21 +144,21 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     # Stored before Ray starts (seconds): a sweep killed during the start-up has one to resume.
     exp = todo[0]
     write_sweep_state(exp, SweepStatus.RUNNING, command)
-    errored = False
+    errored, outcome, signum = False, None, None
     try:
         start_ray(cfg.dashboard)
         for exp in todo:
             outcome, signum = run_experiment(exp, restore=status[exp.path] is not None, resume_command=command)
             if outcome is SweepStatus.INTERRUPTED:
-                print(f"\nsweep {cfg.name} interrupted; Ray saved its state and every trial keeps its "
-                      f"checkpoints.\nresume with: {command}", flush=True)
-                return 128 + int(signum)
+                break
             errored |= outcome is SweepStatus.ERRORED
     except KeyboardInterrupt:  # outside Tune's own handling: Ray's start-up, a restore
         write_sweep_state(exp, SweepStatus.INTERRUPTED, command)
+        outcome, signum = SweepStatus.INTERRUPTED, signal.SIGINT
+    if outcome is SweepStatus.INTERRUPTED:
         print(f"\nsweep {cfg.name} interrupted; every trial keeps its checkpoints.\nresume with: {command}",
               flush=True)
-        return 128 + signal.SIGINT
+        return 128 + int(signum)
     code = _finish(kind, cfg, experiments, after)
     if errored:
         print(f"some trials errored; {command} retries them from their checkpoints")

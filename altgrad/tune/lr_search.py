@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -87,21 +88,30 @@ def stable(record: TrialRecord, tolerance: float) -> bool:
     return record.stop_reason == StopReason.COMPLETED and bool(vals) and learning(vals[0], vals[-1], tolerance)
 
 
+def stability_edge(results: Iterable[tuple[float, bool]]) -> tuple[float | None, float | None]:
+    """(the largest learning rate that trained stably, the smallest above it that did not) of
+    (rate, stable) results: the edge of stability lies between them; None on a side without one.
+    The searcher's bracket (`lr_searcher.edge_bracket`) and the table (`stable_lr_row`) both read it."""
+    results = list(results)
+    low = max((lr for lr, stable in results if stable), default=None)
+    return low, min((lr for lr, stable in results if not stable and (low is None or lr > low)), default=None)
+
+
 def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dict[str, Any]:
     """A format's result: the largest rate that trained stably (and its final val loss), the
     smallest that did not (a rate too small to learn within `tolerance` counts: it may lie below),
     and the smallest unstable rate above the largest stable one, the edge's other side (None: no
     rate above it failed, so the edge lies past the range)."""
     done = [r for r in records if r.status == TrialStatus.TERMINATED and "lr" in r.params]
-    ok = [r for r in done if stable(r, tolerance)]
-    bad = [r.params["lr"] for r in done if not stable(r, tolerance)]
-    best = max(ok, key=lambda r: r.params["lr"], default=None)
+    judged = [(r.params["lr"], stable(r, tolerance), r) for r in done]
+    largest, above = stability_edge((lr, ok) for lr, ok, _ in judged)
+    best = next((r for lr, ok, r in judged if ok and lr == largest), None)
     return {
         "format": fmt,
-        "largest_stable_lr": best.params["lr"] if best else None,
+        "largest_stable_lr": largest,
         "val_loss_there": best.summary.get("final_val_loss") if best else None,
-        "smallest_unstable_lr": min(bad, default=None),
-        "unstable_above": min((lr for lr in bad if best is None or lr > best.params["lr"]), default=None),
+        "smallest_unstable_lr": min((lr for lr, ok, _ in judged if not ok), default=None),
+        "unstable_above": above,
         "trials": len(done),
         "unfinished": len(records) - len(done),
     }
@@ -119,5 +129,5 @@ def render_lr_table(rows: list[dict[str, Any]]) -> str:
               for r in rows]
     lines += [f"{r['format']}: no rate tried above {r['largest_stable_lr']:.3g} failed; the edge lies higher "
               "(more samples, or a larger lr.high)"
-              for r in rows if r["largest_stable_lr"] is not None and r["unstable_above"] is None and r["trials"]]
+              for r in rows if r["largest_stable_lr"] is not None and r["unstable_above"] is None]
     return "\n".join(lines)

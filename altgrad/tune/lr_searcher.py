@@ -41,6 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 from ray.tune.search.optuna import OptunaSearch
 
 from altgrad.metrics import STABLE_LR
+from altgrad.tune.lr_search import stability_edge
 
 
 class GridThenEdge(OptunaSearch):
@@ -121,13 +122,12 @@ GridThenTpe = GridThenEdge
 
 
 def edge_bracket(trials: list[FrozenTrial], space: FloatDistribution) -> tuple[float, float]:
-    """The learning rates where a sample can raise the largest stable one: from the largest that
-    trained stably (`sweep/stable_lr` > 0) to the smallest above it that did not, within `space`
-    (its bound on a side where no trial is)."""
-    stable = [t.params["lr"] for t in trials if (t.value or 0.0) > 0]
-    low = min(max(max(stable, default=space.low), space.low), space.high)
-    above = [t.params["lr"] for t in trials if (t.value or 0.0) <= 0 and t.params["lr"] > low]
-    return low, min(min(above, default=space.high), space.high)
+    """The learning rates where a sample can raise the largest stable one: the `stability_edge` of
+    the trials Optuna was told of (stable: `sweep/stable_lr` > 0), within `space` (its bound on a
+    side without one)."""
+    low, high = stability_edge((t.params["lr"], (t.value or 0.0) > 0) for t in trials)
+    low = min(max(space.low if low is None else low, space.low), space.high)
+    return low, max(min(space.high if high is None else high, space.high), low)
 
 
 def next_rate(bracket: tuple[float, float], running: list[float]) -> float:
