@@ -1500,3 +1500,15 @@ def test_bf16_s_own_settings_are_said_apart_from_the_formats():
     assert "**bf16 ran with settings of its own** (`grid.format_overrides`): `optim.lr` = 0.01." in " ".join(notes)
     assert ("e5m2 / all / adamw (with `optim.lr` = 0.002), against bf16 with `optim.lr` = 0.01"
             in compute_findings(records).verdict.line)
+
+
+def test_a_tie_bf16_leads_says_which_formats_it_left_out_on_calls_that_do_not_hold():
+    """A two-seed sweep's sweet spot read "tie: bf16 ≈ e7m0": e7m0 (1.026 ± 0.044) tied by its
+    width, while e4m3 (1.0004 ± 0.0003) was left out as worse on a call that did not hold
+    family-wise. The tie now names those left out so (e4m3 here, not e5m2, whose call holds)."""
+    records = [r for r in family_study() if r.format in ("bf16", "e4m3", "e5m2")]
+    f = compute_findings([*records, *seeded("e7m0", [0.95, 1.05, 1.10])])
+    tie = spot(f, "all")
+    assert (tie.leader, tie.group) == (None, ("bf16", "e7m0"))
+    assert not f.cells["e4m3", "adamw", "all", ()].family_wise.holds
+    assert tie.text == "tie: bf16 ≈ e7m0 (intervals overlap; e4m3 left out as worse than bf16, not family-wise)"

@@ -117,9 +117,11 @@ DEFINITIONS = f"""\
   says where its members and bf16 part: in a tie with bf16, a member whose own × bf16 excludes 1
   ("yet e7m0 worse than bf16, not family-wise"); in a tie without it, the leader's call that left
   bf16 out ("bf16 left out: e4m3 better than bf16") and the members bf16's interval does not
-  separate ("yet e7m0 indistinguishable from bf16"). A sole sweet spot rests on × bf16
-  calls (bf16 alone: every eligible cell is worse; a format alone: it is better than bf16) and says
-  which of them do not hold family-wise ("bf16 (every format is worse; not family-wise for e4m3)").
+  separate ("yet e7m0 indistinguishable from bf16"). A sweet spot bf16 leads, and a format alone,
+  rest on × bf16 calls (bf16 leading: every eligible cell it leaves out is worse; a format alone: it
+  is better than bf16) and say which of them do not hold family-wise ("bf16 (every format is worse;
+  not family-wise for e4m3)", "tie: bf16 ≈ e7m0 (...; e4m3 left out as worse than bf16, not
+  family-wise)"): a noisy cell ties where a precise one a hair behind is called worse.
 - **Failures**: every trial whose stop reason is not `completed` or that recorded a collapse. Step:
   `collapse_step` from the summary, else the first non-finite training loss, else the last step.
   Where: `collapse_where` when the trainer recorded it ({", ".join(f"{k} → {v}" for k, v in WHERE.items()
@@ -282,8 +284,9 @@ class SweetSpot:
     group: tuple[str, ...]  # the leader and every name tied with it ("bf16" may be one of them)
     leader: Cell | None  # None: bf16 leads, or no eligible cell
     excluded: tuple[str, ...]  # formats not eligible: not `Cell.own_full_run`, or no finite ratio
-    # A sole sweet spot rests on × bf16 calls (bf16 leading: every eligible cell's "worse"; a
-    # format leading: its own "better"); the cells of those calls that do not hold family-wise.
+    # The × bf16 calls a sweet spot rests on (bf16 leading, alone or in a tie: the "worse" of every
+    # eligible cell it leaves out; a format leading alone: its own "better"); the cells of those
+    # calls that do not hold family-wise.
     not_family_wise: tuple[str, ...] = ()
     # names in a tie group without an interval (one seed): they tie because nothing can separate them
     no_interval: tuple[str, ...] = ()
@@ -298,7 +301,9 @@ class SweetSpot:
         if not self.group:
             return "none (no eligible cell)"
         if len(self.group) > 1:
-            why = "; ".join((tie_reason(self.group, self.no_interval), *self.apart))
+            unheld = ([f"{', '.join(self.not_family_wise)} left out as worse than {BASELINE}, not family-wise"]
+                      if self.not_family_wise else [])
+            why = "; ".join((tie_reason(self.group, self.no_interval), *self.apart, *unheld))
             return f"tie: {' ≈ '.join(self.group)} ({why})"
         if self.leader is None:
             caveat = f"; not family-wise for {', '.join(self.not_family_wise)}" if self.not_family_wise else ""
@@ -640,9 +645,11 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
     group = tuple(leader_group(entries))
     by_name = {c.name: c for c in eligible}
     leader = by_name.get(group[0]) if group else None
-    # the × bf16 calls a sole sweet spot rests on: every eligible cell's "worse" when bf16 leads
-    # alone, the leader's own "better" when a format does; a tie rests on none
-    calls = [] if len(group) != 1 else eligible if leader is None else [leader]
+    # the × bf16 calls the sweet spot rests on: the "worse" of every eligible cell bf16 leaves out
+    # when it leads (alone or in a tie), the leader's own "better" when a format leads alone; a tie
+    # a format leads rests on overlaps with it, no call against bf16
+    calls = ([c for c in eligible if c.name not in group] if leader is None
+             else [leader] if len(group) == 1 else [])
     unheld = tuple(c.name for c in calls if not holds(c.family_wise))
     no_interval = tuple(name for name, e in entries if name in group and e.half_width is None)
     apart = _tie_and_bf16([c for c in eligible if c.name in group], leader) if len(group) > 1 else ()
