@@ -143,3 +143,17 @@ def test_a_trial_computes_with_its_cpus_as_threads_whatever_its_run_says():
     run = build_run_config({"preset": "cpu"}, ["train.threads=8"]).model_dump(mode="json")
     for cpus in (1, 3):
         assert trial_run_config({"key": "k", **trial_limits(cpus, 0.0)}, run).train.threads == cpus
+
+
+def test_set_reaches_the_smoke_and_preset_sections_it_names():
+    """`--set smoke.grid.formats=[…]` with --smoke sets what the smoke run trains (it was written into
+    the smoke section after that section had been applied, and changed nothing); a plain `--set`
+    still comes after the smoke section, and a preset's section takes its own `--set` too."""
+    smoke = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "smoke.grid.formats=[e5m2]",
+                                                     "per_preset.cpu.base.train.diag_every=3"], smoke=True)
+    assert smoke.grid.formats == ["e5m2"] and smoke.base["train"]["diag_every"] == 3
+    plain = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "smoke.grid.formats=[e5m2]"])
+    assert len(plain.grid.formats) > 1  # the config's own: no --smoke, no smoke section
+    last = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "smoke.grid.formats=[e5m2]",
+                                                    "grid.formats=[e3m4]"], smoke=True)
+    assert last.grid.formats == ["e3m4"]

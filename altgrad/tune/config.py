@@ -524,7 +524,9 @@ def load_sweep_config(
         raise ConfigError("per_preset: expected {cpu: {...}, gpu: {...}} mappings of sweep keys")
 
     def layered(preset: str) -> dict[str, Any]:
-        out = deep_merge(data, per_preset.get(preset) or {})
+        # from the overridden document, so that `--set smoke.x=…` (or `per_preset.cpu.x=…`) is
+        # layered where its section is; `--set` then comes last again
+        out = deep_merge(overridden, per_preset.get(preset) or {})
         if smoke:
             section = out.get("smoke") or {}
             if not isinstance(section, dict):
