@@ -124,6 +124,9 @@ SWEEP_FILE = "sweep.json"
 TRIALS_FILE = "trials.json"
 ASHA_FILE = "asha.json"
 STOPPER_FILE = "stopper.json"
+# A searched experiment whose searcher found that no further sample can change its answer (it asks
+# for none, so the experiment ends with fewer trials than it allowed): the bracket it settled on.
+SEARCH_FILE = "search.json"
 TRIALS_DIR = "trials"  # our trial directories, one per grid key
 RUN_DIR = "run"  # the Trainer's run directory inside a trial directory
 # A run directory's files (written by `altgrad.train`, read here).

@@ -10,6 +10,9 @@ from sweep_helpers import LR_SEARCH
 
 from altgrad.experiment import TrialRecord
 
+# How far (log scale) rounding to 3 significant digits moves a sampled rate, at most.
+ROUNDING = math.log(1.005)
+
 
 def trial(lr: float, vals: list[float], reason: str = "completed") -> TrialRecord:
     history = [{"step": i + 1, "val/loss": v, "val/step": i + 1} for i, v in enumerate(vals)]
@@ -29,11 +32,22 @@ def test_lr_search_table():
     row = stable_lr_row("e4m3", records, 0.0)
     assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7, "unstable_above": 3e-2,
                    "smallest_unstable_lr": 5e-3, "trials": 5, "unfinished": 0}
-    table = render_lr_table([row])
+    table = render_lr_table([row], (1e-4, 100.0))
     assert table.splitlines()[1].split()[:4] == ["e4m3", "0.01", "7.0000", "0.03"] and "edge lies" not in table
     learned = stable_lr_row("e5m2", [trial(1e-3, [10, 8]), trial(1e-1, [10, 7])], 0.0)
     assert (learned["largest_stable_lr"], learned["unstable_above"]) == (1e-1, None)
-    assert "e5m2: no rate tried above 0.1 failed; the edge lies higher" in render_lr_table([learned])
+    # Where the edge lies past what was tried: samples reach it inside the range, a bound must move
+    # outside it.
+    assert render_lr_table([learned], (1e-4, 100.0)).splitlines()[2] == (
+        "e5m2: no rate tried above 0.1 failed; the edge lies higher (more samples, or a larger lr.high)")
+    assert render_lr_table([learned], (1e-4, 0.1)).splitlines()[2] == (
+        "e5m2: every rate tried up to lr.high (0.1) trained stably; the edge lies above the range (raise lr.high)")
+    failed = stable_lr_row("e7m0", [trial(1e-3, [10, 11]), trial(1e-1, [10, float("nan")], "nan")], 0.0)
+    assert failed["largest_stable_lr"] is None
+    assert render_lr_table([failed], (1e-4, 100.0)).splitlines()[2] == (
+        "e7m0: no rate tried trained stably, the smallest 0.001; the edge lies lower (more samples, or a smaller lr.low)")
+    assert render_lr_table([failed], (1e-3, 100.0)).splitlines()[2] == (
+        "e7m0: no rate tried down to lr.low (0.001) trained stably; the edge lies below the range (lower lr.low)")
 
 
 def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes():
@@ -109,7 +123,7 @@ def test_samples_wait_for_the_grid_then_split_the_edges_bracket(monkeypatch):
         assert low < samples[0] and samples[-1] < high
         points = [low, *samples, high]
         widest = max(math.log(b / a) for a, b in zip(points, points[1:], strict=False))
-        assert widest <= math.log(high / low) / 4 * (1 + 1e-9)
+        assert widest <= math.log(high / low) / 4 + 2 * ROUNDING  # each sample rounded to 3 digits
     assert random_draws == []
 
 
@@ -262,7 +276,8 @@ def test_samples_one_at_a_time_halve_the_bracket():
             stable = max((x for x, ok in told.items() if ok), default=None)
             if trial_id.startswith("s"):
                 above = min(x for x, ok in told.items() if not ok and x > stable)
-                assert math.isclose(math.log(lr / stable), math.log(above / lr)), (edge, told, lr)
+                assert math.isclose(math.log(lr / stable), math.log(above / lr), abs_tol=ROUNDING), (edge, told, lr)
+                assert lr == float(f"{lr:.2e}")  # 3 significant digits
             told[lr] = lr < edge
             search.on_trial_complete(trial_id, {STABLE_LR: lr if lr < edge else 0.0})
 
@@ -286,7 +301,57 @@ def test_the_edge_bracket_on_each_side_of_the_grid():
     assert bounds((1e-3, 1e-3), (1e-2, 1e-2)) == (1e-2, 100.0)  # nothing failed: above it
     assert bounds((1e-3, 0.0), (1e-2, 1e-2), (1e-1, 0.0)) == (1e-2, 1e-1)  # a failure below a success
     assert bounds((100.0, 100.0)) == (100.0, 100.0)  # the whole range learned
-    assert next_rate((100.0, 100.0), []) == 100.0  # its samples repeat that rate
+    assert bounds((1e-4, 0.0), (1e-2, 0.0)) == (1e-4, 1e-4)  # nothing learned down to the range's bottom
+    assert next_rate((1e-3, 1e-1), []) == 1e-2 and next_rate((0.01, 10.0), []) == 0.316
+    assert next_rate((1.0, 1.002), []) == 1.001  # a narrow stretch: more digits
+    assert next_rate((1.0, 1.0 + 1e-9), []) == pytest.approx(1.0 + 5e-10, rel=1e-12)
+    assert next_rate((100.0, 100.0), []) is None and next_rate((1e-4, 1e-4), [1e-4]) is None  # nothing left to try
+    assert next_rate((0.1, math.nextafter(0.1, 1)), []) is None  # no float between
+
+
+def test_a_search_with_nothing_left_to_try_finishes_short_and_says_so(tmp_path):
+    """Every rate up to the range's top (0.1) trained stably: no sample could raise the answer, so
+    the searcher asks for none (Tune's FINISHED) and records the bracket; the sweep reads the
+    experiment as finished with 2 of its 5 trials, where before the samples repeated 0.1 under one
+    trial key and the finished search read as interrupted. Resumed from its saved state, it
+    answers the same; with a trial still running, the experiment is not over."""
+    import pickle
+
+    from ray import tune
+    from ray.tune.search import Searcher
+
+    from altgrad.experiment import SEARCH_FILE, TRIALS_FILE, SweepStatus, TrialStatus
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import LrSearch
+    from altgrad.tune.trial_spec import trial_key
+
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, [
+        "preset=cpu", "formats=[e4m3]", "lr={grid: [0.01, 0.1], low: 0.001, high: 0.1, samples: 3}",
+        f"storage_path={tmp_path}"])
+    (exp,) = LrSearch.experiments(cfg)
+    search = exp.search_alg
+    search.set_search_properties(None, None, {"lr": tune.loguniform(cfg.lr.low, cfg.lr.high)})
+    grid = {trial_id: search.suggest(trial_id)["lr"] for trial_id in ("g0", "g1")}
+    index = {trial_id: {"key": trial_key({"key": "e4m3", "lr": lr}), "status": TrialStatus.RUNNING}
+             for trial_id, lr in grid.items()}
+    for trial_id, lr in grid.items():
+        search.on_trial_complete(trial_id, {STABLE_LR: lr})
+        index[trial_id]["status"] = TrialStatus.TERMINATED
+        if trial_id == "g0":
+            assert search.suggest("s0") is None  # the grid still runs: not over
+            exp.store.write(TRIALS_FILE, index)
+            assert exp.outcome() is SweepStatus.INTERRUPTED
+    saved = pickle.dumps(search)
+    assert exp.store.read(SEARCH_FILE) is None and exp.outcome() is SweepStatus.INTERRUPTED
+    assert search.suggest("s0") == Searcher.FINISHED
+    assert exp.store.read(SEARCH_FILE) == {"bracket": [0.1, 0.1], "trials": 2}
+    exp.store.write(TRIALS_FILE, index)
+    assert exp.total_trials == 5 and exp.outcome() is SweepStatus.FINISHED
+    assert pickle.loads(saved).suggest("s0") == Searcher.FINISHED  # resumed
+    index["g1"]["status"] = TrialStatus.RUNNING
+    exp.store.write(TRIALS_FILE, index)
+    assert exp.outcome() is SweepStatus.INTERRUPTED
 
 
 def test_a_searcher_pickled_under_its_former_name_resumes():

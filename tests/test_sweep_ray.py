@@ -269,6 +269,23 @@ def test_lr_search_end_to_end(ray_address, eurlex_dir, data_root, tmp_path, caps
             assert logged == reported[:len(logged)]
 
 
+def test_an_lr_search_with_no_rate_left_to_try_ends_finished(ray_address, eurlex_dir, data_root, tmp_path, capsys):
+    """The grid's one rate (0.01) is the range's top and learns: the searcher asks for none of its
+    2 samples, and the sweep ends finished (exit 0, not 'interrupted' with the resume command) with
+    one trial, the table saying which bound to move."""
+    from altgrad.tune.lr_search import LrSearch
+
+    args = [*tiny_lr_search(eurlex_dir, data_root, "lr={grid: [0.01], low: 0.001, high: 0.01, samples: 2}"),
+            "--name", "top", "--storage-path", str(tmp_path)]
+    assert sweep_main(LrSearch, LR_SEARCH, "test", args) == 0
+    out = capsys.readouterr().out
+    exp = tmp_path / "top" / "e4m3"
+    assert [r.params["lr"] for r in load_experiment(exp)] == [0.01]
+    assert json.loads((exp / STATE_DIR / "sweep.json").read_text())["status"] == "finished"
+    assert "e4m3: every rate tried up to lr.high (0.01) trained stably; the edge lies above the range" in out
+    assert "--resume" not in out
+
+
 def test_lr_search_resume_tells_optuna_an_errored_grid_points_rerun(ray_address, eurlex_dir, data_root, tmp_path):
     """The grid point 0.01 errors (its worker killed, no retries): the search ends with exit 1, its
     sample drawn with 0.01 unknown. `--resume` runs it again, and its

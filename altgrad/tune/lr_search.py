@@ -23,6 +23,7 @@ from altgrad.remote import is_remote, join, split_name
 from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
 from altgrad.tune.runner import Experiment
+from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import learning, trial_labels, trial_limits
 
 
@@ -42,11 +43,12 @@ class LrSearch:
         out = []
         for fmt in cfg.formats:
             point = make_point(cfg, fmt, cfg.optimizer, cfg.precision, seed)
-            search = GridThenEdge(cfg.lr.grid)
+            path = join(cfg.experiment_path, fmt)
+            search = GridThenEdge(cfg.lr.grid, StateStore(path))
             param_space = {"key": point.key, "lr": tune.loguniform(cfg.lr.low, cfg.lr.high),
                            "tolerance": cfg.tolerance, **trial_limits(r.cpus_per_trial, r.gpu_per_trial)}
             grid = [trial_labels({"key": point.key, "lr": lr}, point.labels) for lr in cfg.lr.grid]
-            out.append(Experiment(cfg, LrSearch.kind, join(cfg.experiment_path, fmt), {point.key: point},
+            out.append(Experiment(cfg, LrSearch.kind, path, {point.key: point},
                                   param_space, grid, len(cfg.lr.grid) + cfg.lr.samples, search_alg=search))
         return out
 
@@ -58,7 +60,8 @@ class LrSearch:
             f"{len(cfg.formats) * per_format} trials ({cfg.optimizer}, precision {cfg.precision})",
             f"per format: learning rates {', '.join(f'{x:g}' for x in cfg.lr.grid)} first, then "
             f"{cfg.lr.samples} that halve (log scale) the stretch between the largest that trained stably and "
-            f"the smallest above it that did not, within [{cfg.lr.low:g}, {cfg.lr.high:g}]",
+            f"the smallest above it that did not, within [{cfg.lr.low:g}, {cfg.lr.high:g}] (none once that "
+            "stretch holds no rate left to try)",
             *describe_resources(cfg, len(cfg.formats) * per_format),
             f"formats: {', '.join(cfg.formats)}",
         ]
@@ -74,7 +77,7 @@ class LrSearch:
             return 0
         rows = [stable_lr_row(split_name(exp.path)[1], load_experiment(exp.path), cfg.tolerance)
                 for exp in experiments]
-        print(render_lr_table(rows))
+        print(render_lr_table(rows, (cfg.lr.low, cfg.lr.high)))
         path = Path(cfg.experiment_path) / LR_SEARCH_FILE
         path.write_text(json.dumps(rows, indent=1))
         print(f"results: {path}")
@@ -117,8 +120,10 @@ def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dic
     }
 
 
-def render_lr_table(rows: list[dict[str, Any]]) -> str:
-    """The table, then a line per format whose edge the search did not bracket."""
+def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -> str:
+    """The table, then a line per format whose edge the search did not bracket, saying where it
+    lies: past the searched range `(lr.low, lr.high)`, whose bound must move, or past the rates
+    tried inside it, which more samples reach."""
     def num(x: float | None, spec: str) -> str:
         return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
@@ -127,7 +132,17 @@ def render_lr_table(rows: list[dict[str, Any]]) -> str:
     lines += [f"{r['format']:<7} {num(r['largest_stable_lr'], '.3g'):>17} {num(r['val_loss_there'], '.4f'):>14} "
               f"{num(r['unstable_above'], '.3g'):>19} {num(r['smallest_unstable_lr'], '.3g'):>20} {r['trials']:>6}"
               for r in rows]
-    lines += [f"{r['format']}: no rate tried above {r['largest_stable_lr']:.3g} failed; the edge lies higher "
-              "(more samples, or a larger lr.high)"
-              for r in rows if r["largest_stable_lr"] is not None and r["unstable_above"] is None]
+    low, high = lr_range
+    for r in rows:
+        largest, smallest = r["largest_stable_lr"], r["smallest_unstable_lr"]
+        if largest is not None and r["unstable_above"] is None:
+            lines.append(f"{r['format']}: every rate tried up to lr.high ({high:g}) trained stably; the edge lies "
+                         "above the range (raise lr.high)" if largest >= high else
+                         f"{r['format']}: no rate tried above {largest:.3g} failed; the edge lies higher "
+                         "(more samples, or a larger lr.high)")
+        elif largest is None and smallest is not None:
+            lines.append(f"{r['format']}: no rate tried down to lr.low ({low:g}) trained stably; the edge lies "
+                         "below the range (lower lr.low)" if smallest <= low else
+                         f"{r['format']}: no rate tried trained stably, the smallest {smallest:.3g}; the edge lies "
+                         "lower (more samples, or a smaller lr.low)")
     return "\n".join(lines)

@@ -12,6 +12,11 @@ stable side (docs/design.md, measured). Here:
 
 - a sample is asked for only once every grid point has finished (`suggest` answers None, "not yet",
   and Tune asks again after its next trial event): the bracket is the grid's;
+- once no rate is left that a sample could try inside the bracket (every rate up to the range's
+  top trained stably, or none down to its bottom did), the search is over: `suggest` answers
+  FINISHED, which ends the experiment short of its allowed trials, and records the bracket in the
+  experiment's `SEARCH_FILE` (so that the sweep reads it as finished, not interrupted). A sample
+  there would only repeat a rate already tried;
 - an errored trial says nothing about stability: it is not told to Optuna and bounds no bracket;
 - Optuna is told each trial's final result only. Intermediate values feed only a pruner, and Ray
   runs Optuna without one (a stability verdict needs the whole run). A resumed trial reports steps
@@ -38,10 +43,13 @@ from typing import Any
 import optuna
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState
+from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
+from altgrad.experiment import SEARCH_FILE
 from altgrad.metrics import STABLE_LR
 from altgrad.tune.lr_search import stability_edge
+from altgrad.tune.store import StateStore
 
 
 class GridThenEdge(OptunaSearch):
@@ -56,8 +64,11 @@ class GridThenEdge(OptunaSearch):
     # trials it no longer holds, so a rerun reopened here would never finish and the samples would
     # wait for it for good. There an errored trial is told to Optuna as unstable, as it was.
     tells_errors = False
+    # where `suggest` records that the search is over (`SEARCH_FILE`); a searcher pickled before it
+    # had one records nothing, and its sweep ends as it did then
+    store: StateStore | None = None
 
-    def __init__(self, grid: list[float]) -> None:
+    def __init__(self, grid: list[float], store: StateStore | None = None) -> None:
         # Optuna's INFO lines ("A new study created in memory") interleave with the sweep's own
         # progress lines, which say what each trial did; its warnings still show.
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -65,6 +76,7 @@ class GridThenEdge(OptunaSearch):
         self.grid_size = len(grid)
         self.finished: set[str] = set()
         self.errored: set[str] = set()  # finished, by an error, in this run of the sweep
+        self.store = store
 
     def suggest(self, trial_id: str) -> dict[str, Any] | None:
         asked = list(self._ot_trials)  # trial ids in the order they got their learning rate, the grid's first
@@ -73,15 +85,19 @@ class GridThenEdge(OptunaSearch):
         if len(asked) >= self.grid_size:
             if not self.finished.issuperset(asked[:self.grid_size]):
                 return None
-            self._ot_study.enqueue_trial(self.sample())
+            bracket = edge_bracket(self.told(), self._space["lr"])
+            rate = next_rate(bracket, self.running())
+            if rate is None:
+                if self.store is not None:
+                    self.store.write(SEARCH_FILE, {"bracket": list(bracket), "trials": len(asked)})
+                return Searcher.FINISHED
+            self._ot_study.enqueue_trial({"lr": rate})  # Optuna's study gets it as an enqueued point
         return super().suggest(trial_id)
 
-    def sample(self) -> dict[str, Any]:
-        """The next learning rate (`next_rate`): in the bracket of the trials Optuna was told of,
-        away from the samples still running. Optuna's study gets it as an enqueued point."""
-        running = [t.params["lr"] for trial_id, t in self._ot_trials.items()
-                   if trial_id not in self.finished and "lr" in t.params]
-        return {"lr": next_rate(edge_bracket(self.told(), self._space["lr"]), running)}
+    def running(self) -> list[float]:
+        """The learning rates of the trials asked for that have not finished."""
+        return [t.params["lr"] for trial_id, t in self._ot_trials.items()
+                if trial_id not in self.finished and "lr" in t.params]
 
     def told(self) -> list[FrozenTrial]:
         """The trials Optuna was told of, in order: not an errored one (until its rerun ends)."""
@@ -130,12 +146,17 @@ def edge_bracket(trials: list[FrozenTrial], space: FloatDistribution) -> tuple[f
     return low, max(min(space.high if high is None else high, space.high), low)
 
 
-def next_rate(bracket: tuple[float, float], running: list[float]) -> float:
+def next_rate(bracket: tuple[float, float], running: list[float]) -> float | None:
     """The geometric middle of the widest stretch of `bracket` between the `running` rates inside
     it (the lowest of equal ones): one sample at a time, bisection; several at once, an even split
-    of the bracket. A bracket of zero width (every rate up to the range's top trained) is its
-    one rate."""
+    of the bracket; rounded to 3 significant digits where that stays inside the stretch. None
+    where no stretch has a rate inside it: a bracket of zero width (every rate
+    up to the range's top trained stably, or none down to its bottom did), where a sample could
+    only repeat a rate tried, and whatever the running rates find can only narrow it."""
     low, high = bracket
     points = [low, *sorted(r for r in running if low < r < high), high]
     a, b = max(pairwise(points), key=lambda gap: math.log(gap[1] / gap[0]))
-    return math.sqrt(a * b)
+    middle = math.sqrt(a * b)
+    # to 3 significant digits (a trial's key and directory name carry it: `lr0.316`, not
+    # `lr0.31622776601683794`), more only where the stretch is too narrow for them
+    return next((r for r in (float(f"{middle:.{d}e}") for d in range(2, 17)) if a < r < b), None)

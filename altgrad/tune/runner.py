@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from altgrad.experiment import SWEEP_FILE, TERMINAL_STATUSES, TRIALS_FILE, SweepStatus, TrialStatus
+from altgrad.experiment import (
+    SEARCH_FILE,
+    SWEEP_FILE,
+    TERMINAL_STATUSES,
+    TRIALS_FILE,
+    SweepStatus,
+    TrialStatus,
+)
 from altgrad.provenance import process_commit
 from altgrad.remote import filesystem, is_remote, split_name, without_query
 from altgrad.tune.config import DashboardSettings, SweepSettings
@@ -49,10 +56,11 @@ class Experiment:
 
     def outcome(self) -> SweepStatus:
         """How its fit ended (finished, errored or interrupted), from the trial index: the newest
-        Ray trial of each grid key counts."""
+        Ray trial of each grid key counts. A searcher that asked for no more trials
+        (`SEARCH_FILE`) ends it once the trials it asked for have."""
         status = {e["key"]: e["status"] for e in (self.store.read(TRIALS_FILE) or {}).values()}
         ended = [s for s in status.values() if s in TERMINAL_STATUSES]
-        if len(ended) < self.total_trials:
+        if len(ended) < self.total_trials and not (len(ended) == len(status) and self.store.read(SEARCH_FILE)):
             return SweepStatus.INTERRUPTED
         return SweepStatus.ERRORED if TrialStatus.ERROR in ended else SweepStatus.FINISHED
 
