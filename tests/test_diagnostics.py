@@ -62,11 +62,16 @@ def test_update_metrics_need_a_snapshot(path):
 
 def test_weights_stored_in_their_format_need_the_kept_update_unless_none_is_quantized(path, make_config, tmp_path):
     """Weights stored in their format are compared through the raw update `keep_update` keeps:
-    without it, a clear error. A model with no quantized layer has nothing to keep, and a run whose
+    without it, or with one kept at an earlier step, a clear error. A model with no quantized layer has nothing to keep, and a run whose
     precision keeps every layer high trains with its weights 'stored in their format' as before."""
     diagnostics = Diagnostics(mixed_model(), FORMATS["e5m2"], stored_in_format=True)
     diagnostics.snapshot()
     with pytest.raises(RuntimeError, match="call keep_update before re-quantizing"):
+        diagnostics.update_metrics()
+    diagnostics.keep_update()
+    diagnostics.update_metrics()
+    diagnostics.snapshot()  # the next step's: the update kept before it is stale
+    with pytest.raises(RuntimeError, match="this step's raw update: call keep_update"):
         diagnostics.update_metrics()
     plain = Diagnostics(nn.Sequential(nn.Linear(16, 16)), FORMATS["e5m2"], stored_in_format=True)
     plain.snapshot()

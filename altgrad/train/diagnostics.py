@@ -141,6 +141,7 @@ class Diagnostics:
         self._before: list[torch.Tensor] = []  # `snapshot`'s copies, allocated on first use
         self.stored_in_format = stored_in_format
         self._updated: list[torch.Tensor] = []  # `keep_update`'s copies (quantized layers), likewise
+        self._kept_this_step = False  # `keep_update` called since the last `snapshot`
         self.grad_format = grad_format
         self.collecting = False
         self._kurtosis: dict[str, torch.Tensor] = {}
@@ -252,11 +253,13 @@ class Diagnostics:
         if not self._before:
             self._before = [torch.empty_like(w) for w in weights]
         torch._foreach_copy_(self._before, weights)
+        self._kept_this_step = False
 
     @torch.no_grad()
     def keep_update(self) -> None:
         """Weights stored in their format: copy each quantized weight as the optimizer left it,
         before the re-quantizing rounds it, into buffers kept for the purpose (`update_metrics`)."""
+        self._kept_this_step = True
         weights = [m.weight.detach() for m in self.quantized.values()]
         if not weights:  # (a precision that keeps every layer high)
             return
@@ -274,9 +277,10 @@ class Diagnostics:
         """
         if not self._before:
             raise RuntimeError("Diagnostics.update_metrics compares the weights with a snapshot: call snapshot first")
-        if self.stored_in_format and self.quantized and not self._updated:
-            raise RuntimeError("Diagnostics.update_metrics of weights stored in their format needs the raw "
-                               "update: call keep_update before re-quantizing the weights")
+        if self.stored_in_format and self.quantized and not self._kept_this_step:
+            # (an update kept at an earlier step would compare this step's codes with a stale one)
+            raise RuntimeError("Diagnostics.update_metrics of weights stored in their format needs this step's "
+                               "raw update: call keep_update before re-quantizing the weights")
         before = dict(zip(self.linears, self._before, strict=True))
         updated = dict(zip(self.quantized, self._updated, strict=True)) if self.stored_in_format else None
         by_format = by_weight_format(self.quantized)
