@@ -367,3 +367,14 @@ def test_a_searcher_pickled_under_its_former_name_resumes():
     finally:
         GridThenEdge.__qualname__ = "GridThenEdge"
     assert b"GridThenTpe" in built and type(pickle.loads(built)) is GridThenEdge
+
+
+def test_the_table_says_what_stable_means_and_on_how_many_runs():
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import what_stable_means
+
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "tolerance=0.25", "base.train.seed=7",
+                                                        "base.train.max_steps=30"])
+    assert what_stable_means(cfg) == (
+        "stable: ran its 30 steps with its last val loss finite and below its first by more than 25 %; "
+        "each rate ran once (seed 7): near the edge another seed may judge a rate otherwise")

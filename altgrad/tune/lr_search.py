@@ -78,6 +78,7 @@ class LrSearch:
         rows = [stable_lr_row(split_name(exp.path)[1], load_experiment(exp.path), cfg.tolerance)
                 for exp in experiments]
         print(render_lr_table(rows, (cfg.lr.low, cfg.lr.high)))
+        print(what_stable_means(cfg))
         path = Path(cfg.experiment_path) / LR_SEARCH_FILE
         path.write_text(json.dumps(rows, indent=1))
         print(f"results: {path}")
@@ -118,6 +119,14 @@ def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dic
         "trials": len(done),
         "unfinished": len(records) - len(done),
     }
+
+
+def what_stable_means(cfg: LrSearchConfig) -> str:
+    """The table's criterion, and what one run per rate can and cannot say."""
+    t = cfg.base_run.train
+    by = f" by more than {cfg.tolerance * 100:g} %" if cfg.tolerance else ""
+    return (f"stable: ran its {t.max_steps} steps with its last val loss finite and below its first{by}; "
+            f"each rate ran once (seed {t.seed}): near the edge another seed may judge a rate otherwise")
 
 
 def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -> str:
