@@ -31,7 +31,7 @@ def test_lr_search_table():
                trial(1e-1, [10, float("inf")], "nan"), trial(5e-3, [10, 9], "bit_stall")]
     row = stable_lr_row("e4m3", records, 0.0)
     assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7, "unstable_above": 3e-2,
-                   "smallest_unstable_lr": 5e-3, "trials": 5, "unfinished": 0}
+                   "smallest_unstable_lr": 5e-3, "smallest_unstable_why": "was stopped (bit_stall)", "trials": 5, "unfinished": 0}
     table = render_lr_table([row], (1e-4, 100.0))
     assert table.splitlines()[1].split()[:4] == ["e4m3", "0.01", "7.0000", "0.03"] and "edge lies" not in table
     learned = stable_lr_row("e5m2", [trial(1e-3, [10, 8]), trial(1e-1, [10, 7])], 0.0)
@@ -42,12 +42,19 @@ def test_lr_search_table():
         "e5m2: no rate tried above 0.1 failed; the edge lies higher (more samples, or a larger lr.high)")
     assert render_lr_table([learned], (1e-4, 0.1)).splitlines()[2] == (
         "e5m2: every rate tried up to lr.high (0.1) trained stably; the edge lies above the range (raise lr.high)")
-    failed = stable_lr_row("e7m0", [trial(1e-3, [10, 11]), trial(1e-1, [10, float("nan")], "nan")], 0.0)
-    assert failed["largest_stable_lr"] is None
-    assert render_lr_table([failed], (1e-4, 100.0)).splitlines()[2] == (
-        "e7m0: no rate tried trained stably, the smallest 0.001; the edge lies lower (more samples, or a smaller lr.low)")
-    assert render_lr_table([failed], (1e-3, 100.0)).splitlines()[2] == (
-        "e7m0: no rate tried down to lr.low (0.001) trained stably; the edge lies below the range (lower lr.low)")
+    # Nothing stable: where the smallest rate diverged the edge lies below it; where it ran without
+    # learning, the stable rates (if any) lie above it.
+    diverged = stable_lr_row("e7m0", [trial(1e-3, [10, float("nan")], "nan"), trial(1e-1, [10, 11])], 0.0)
+    assert diverged["largest_stable_lr"] is None and diverged["smallest_unstable_why"] == "was stopped (nan)"
+    assert render_lr_table([diverged], (1e-4, 100.0)).splitlines()[2] == (
+        "e7m0: no rate tried trained stably; the smallest, 0.001, was stopped (nan): the edge lies lower (more samples, or a "
+        "smaller lr.low)")
+    assert render_lr_table([diverged], (1e-3, 100.0)).splitlines()[2] == (
+        "e7m0: no rate tried trained stably; the smallest, 0.001, was stopped (nan): the edge lies below the range (lower lr.low)")
+    idle = stable_lr_row("e7m0", [trial(1e-3, [10, 10.5]), trial(1e-1, [10, float("nan")], "nan")], 0.0)
+    assert render_lr_table([idle], (1e-3, 100.0)).splitlines()[2] == (
+        "e7m0: no rate tried trained stably; the smallest, 0.001, ran its steps without learning: add rates above "
+        "it, or run more steps")
 
 
 def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes():

@@ -101,20 +101,36 @@ def stability_edge(results: Iterable[tuple[float, bool]]) -> tuple[float | None,
     return low, min((lr for lr, stable in results if not stable and (low is None or lr > low)), default=None)
 
 
+# An unstable trial that ran its budget with a finite val loss (`why_unstable`).
+NOT_LEARNING = "ran its steps without learning"
+
+
+def why_unstable(record: TrialRecord) -> str:
+    """Why a trial is not `stable`, as the table's lines say it: stopped (by the sweep or its
+    trainer, with the reason), or, having run its budget, its val loss did not fall far enough
+    (`NOT_LEARNING`: too small a rate, or too short a run) or was not finite."""
+    vals = record.val_series()[1]
+    if record.stop_reason != StopReason.COMPLETED:
+        return f"was stopped ({record.stop_reason})"
+    return NOT_LEARNING if vals and math.isfinite(vals[-1]) else "ended with a non-finite val loss"
+
+
 def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dict[str, Any]:
     """A format's result: the largest rate that trained stably (and its final val loss), the
-    smallest that did not (a rate too small to learn within `tolerance` counts: it may lie below),
-    and the smallest unstable rate above the largest stable one, the edge's other side (None: no
-    rate above it failed, so the edge lies past the range)."""
+    smallest that did not and why (a rate too small to learn within `tolerance` counts: it may lie
+    below), and the smallest unstable rate above the largest stable one, the edge's other side
+    (None: no rate above it failed, so the edge lies past the range)."""
     done = [r for r in records if r.status == TrialStatus.TERMINATED and "lr" in r.params]
     judged = [(r.params["lr"], stable(r, tolerance), r) for r in done]
     largest, above = stability_edge((lr, ok) for lr, ok, _ in judged)
     best = next((r for lr, ok, r in judged if ok and lr == largest), None)
+    smallest = min(((lr, r) for lr, ok, r in judged if not ok), default=None, key=lambda x: x[0])
     return {
         "format": fmt,
         "largest_stable_lr": largest,
         "val_loss_there": best.summary.get("final_val_loss") if best else None,
-        "smallest_unstable_lr": min((lr for lr, ok, _ in judged if not ok), default=None),
+        "smallest_unstable_lr": smallest[0] if smallest else None,
+        "smallest_unstable_why": why_unstable(smallest[1]) if smallest else None,
         "unstable_above": above,
         "trials": len(done),
         "unfinished": len(records) - len(done),
@@ -150,8 +166,11 @@ def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -
                          f"{r['format']}: no rate tried above {largest:.3g} failed; the edge lies higher "
                          "(more samples, or a larger lr.high)")
         elif largest is None and smallest is not None:
-            lines.append(f"{r['format']}: no rate tried down to lr.low ({low:g}) trained stably; the edge lies "
-                         "below the range (lower lr.low)" if smallest <= low else
-                         f"{r['format']}: no rate tried trained stably, the smallest {smallest:.3g}; the edge lies "
-                         "lower (more samples, or a smaller lr.low)")
+            # The samples look below the smallest rate: right where it diverged, not where it
+            # ran without learning (the stable rates, if any, then lie above it).
+            why = r["smallest_unstable_why"]
+            lines.append(f"{r['format']}: no rate tried trained stably; the smallest, {smallest:.3g}, {why}: " + (
+                "add rates above it, or run more steps" if why == NOT_LEARNING else
+                "the edge lies below the range (lower lr.low)" if smallest <= low else
+                "the edge lies lower (more samples, or a smaller lr.low)"))
     return "\n".join(lines)
