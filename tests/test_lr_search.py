@@ -46,6 +46,7 @@ def test_lr_search_table():
     # learning, the stable rates (if any) lie above it.
     diverged = stable_lr_row("e7m0", [trial(1e-3, [10, float("nan")], "nan"), trial(1e-1, [10, 11])], 0.0)
     assert diverged["largest_stable_lr"] is None and diverged["smallest_unstable_why"] == "was stopped (nan)"
+    assert diverged["unstable_above"] is None  # above no stable rate: the column stays empty
     assert render_lr_table([diverged], (1e-4, 100.0)).splitlines()[2] == (
         "e7m0: no rate tried trained stably; the smallest, 0.001, was stopped (nan): the edge lies lower (more samples, or a "
         "smaller lr.low)")

@@ -43,6 +43,9 @@ from altgrad.tune.trial_spec import trial_limits, trial_run_config
     (["base.quant.grad_format=e8m8"], "base.quant.grad_format"),
     (["base.train.warmup_steps=3000"], "base: train.warmup_steps (3000) must be below train.max_steps"),
     (["grid.seeds=[42, 43, 42]"], "grid: duplicate seed(s) [42]"),
+    (["grid.optimizers=[]"], "grid.optimizers: give at least one optimizer name, or 'all'"),
+    # YAML reads 1e-2 (no dot) as a string; the run config reads it as 0.01: one setting, twice
+    (["grid.axes={optim.lr: [0.01, 1e-2]}"], "grid.axes.optim.lr: values 0.01 and '1e-2' are the same setting (0.01)"),
     (["base.train.max_steps=true"], "base.train.max_steps: a number, not true"),  # not 1
     (["asha.tolerance=false"], "asha.tolerance: a number, not false"),
     (["asha.metric=train/foo"], "asha.metric: 'train/foo' is not in every report of a trial"),
@@ -157,3 +160,21 @@ def test_set_reaches_the_smoke_and_preset_sections_it_names():
     last = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "smoke.grid.formats=[e5m2]",
                                                     "grid.formats=[e3m4]"], smoke=True)
     assert last.grid.formats == ["e3m4"]
+
+
+@pytest.mark.parametrize("override, line", [
+    ("lr.grid=[0.01, 1e-2]", "lr.grid: duplicate learning rate(s) [0.01]"),
+    ("tolerance=1", "tolerance: Input should be less than 1"),  # nothing could ever be stable
+])
+def test_an_lr_search_refuses_a_grid_rate_twice_and_an_unmeetable_tolerance(override, line):
+    """Two grid points at one rate would share a trial key (the sweep would never read as finished)."""
+    with pytest.raises(ConfigError, match=re.escape(line)):
+        load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", override])
+
+
+def test_a_grid_whose_asha_has_no_rung_is_warned_about():
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "base.train.max_steps=40", "asha.grace_period=40"])
+    assert ("asha.grace_period (40) is not below the trials' 40 steps: ASHA has no rung and stops no trial "
+            "(the stability stopper still does)") in cfg.warnings()
+    assert not any("grace_period" in w for w in load_sweep_config(
+        SweepConfig, ABLATION, ["preset=cpu", "base.train.max_steps=41", "asha.grace_period=40"]).warnings())

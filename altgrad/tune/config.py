@@ -11,7 +11,7 @@ nothing is written before a typo is caught.
 from __future__ import annotations
 
 import json
-from functools import cached_property
+from functools import cached_property, reduce
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar, get_args
 
@@ -317,6 +317,8 @@ class GridSettings(StrictModel):
     def _optimizers(cls, v: list[str] | str) -> list[str] | str:
         if v == "all":
             return v
+        if not v:
+            raise ValueError("give at least one optimizer name, or 'all'")
         unknown = [o for o in v if o not in registered_optimizers()]
         if unknown:
             raise ValueError(
@@ -438,18 +440,28 @@ class SweepConfig(SweepSettings):
         return list(self.grid.formats)
 
     def warnings(self) -> list[str]:
+        rungless = (f"asha.grace_period ({self.asha.grace_period}) is not below the trials' {self.max_t} steps: "
+                    "ASHA has no rung and stops no trial (the stability stopper still does)")
         return [*super().warnings(), *(
             f"grid.axes.{path} overrides base.{path} in every trial; the base value is not used"
-            for path in self.grid.axes if self.sets_in_base(path))]
+            for path in self.grid.axes if self.sets_in_base(path)),
+            *([rungless] if self.asha.grace_period >= self.max_t else [])]
 
     def check(self) -> None:
-        """Every extra-axis value must validate in the run config, named by its field."""
+        """Every extra-axis value must validate in the run config, named by its field, and no two
+        may be the same setting once validated (`1e-2`, a string to YAML, is the float 0.01)."""
         for path, values in self.grid.axes.items():
+            settings: list[tuple[Any, Any]] = []
             for value in values:
                 try:
-                    self.run_config(nested(path, value))
+                    run = self.run_config(nested(path, value))
                 except ConfigError as e:
                     raise ConfigError(f"grid.axes.{path}: value {value!r} is not valid:\n{e}") from None
+                setting = reduce(getattr, path.split("."), run)
+                if same := next((v for v, s in settings if s == setting), None):
+                    raise ConfigError(f"grid.axes.{path}: values {same!r} and {value!r} are the same setting "
+                                      f"({setting!r}); give each once")
+                settings.append((value, setting))
 
     @property
     def max_t(self) -> int:
@@ -457,7 +469,8 @@ class SweepConfig(SweepSettings):
 
 
 class LrRange(StrictModel):
-    grid: list[float] = Field(min_length=1, description="learning rates tried first, per format")
+    grid: Annotated[list[float], AfterValidator(lambda v: _unique(v, "learning rate"))] = Field(
+        min_length=1, description="learning rates tried first, per format")
     low: float = Field(gt=0)
     high: float = Field(gt=0)
     samples: int = Field(4, ge=0, description="Optuna samples per format after the grid")
@@ -480,7 +493,7 @@ class LrSearchConfig(SweepSettings):
     precision: str = "all"
     lr: LrRange
     tolerance: float = Field(
-        0.0, ge=0, description="stable = final val loss < first val loss × (1 - tolerance), no stop"
+        0.0, ge=0, lt=1, description="stable = final val loss < first val loss × (1 - tolerance), no stop"
     )
 
     def fixed_fields(self) -> dict[str, str]:

@@ -131,7 +131,7 @@ def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dic
         "val_loss_there": best.summary.get("final_val_loss") if best else None,
         "smallest_unstable_lr": smallest[0] if smallest else None,
         "smallest_unstable_why": why_unstable(smallest[1]) if smallest else None,
-        "unstable_above": above,
+        "unstable_above": above if largest is not None else None,  # (the searcher's bracket reads it either way)
         "trials": len(done),
         "unfinished": len(records) - len(done),
     }
