@@ -8,6 +8,7 @@ import math
 import pytest
 from sweep_helpers import LR_SEARCH
 
+from altgrad.config import StabilityConfig
 from altgrad.experiment import TrialRecord
 
 # How far (log scale) rounding to 3 significant digits moves a sampled rate, at most.
@@ -52,7 +53,7 @@ def test_lr_search_table():
         "smaller lr.low)")
     assert render_lr_table([diverged], (1e-3, 100.0)).splitlines()[2] == (
         "e7m0: no rate tried trained stably; the smallest, 0.001, was stopped (nan): the edge lies below the range (lower lr.low)")
-    idle = stable_lr_row("e7m0", [trial(1e-3, [10, 10.5]), trial(1e-1, [10, float("nan")], "nan")], 0.0)
+    idle = stable_lr_row("e7m0", [trial(1e-3, [10, 10]), trial(1e-1, [10, float("nan")], "nan")], 0.0)
     assert render_lr_table([idle], (1e-3, 100.0)).splitlines()[2] == (
         "e7m0: no rate tried trained stably; the smallest, 0.001, ran its steps without learning: add rates above "
         "it, or run more steps")
@@ -73,7 +74,7 @@ def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes()
     assert (row["largest_stable_lr"], row["smallest_unstable_lr"]) == (1e-3, 1e-2)
     config = LrSearch.experiments(cfg)[0].param_space
     for lr, last, stable_lr in [(1e-3, 7.0, 1e-3), (1e-2, 8.0, 0.0)]:
-        signals = SweepSignals(0.99, lr, tolerance=learning_tolerance(config))
+        signals = SweepSignals(StabilityConfig(), lr, tolerance=learning_tolerance(config))
         signals.observe({"step": 1.0, "val/loss": 10.0, "val/step": 1.0})
         assert signals.observe({"step": 2.0, "val/loss": last, "val/step": 2.0})[STABLE_LR] == stable_lr
 
@@ -384,5 +385,38 @@ def test_the_table_says_what_stable_means_and_on_how_many_runs():
     cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "tolerance=0.25", "base.train.seed=7",
                                                         "base.train.max_steps=30"])
     assert what_stable_means(cfg) == (
-        "stable: ran its 30 steps with its last val loss finite and below its first by more than 25 %; "
+        "stable: ran its 30 steps, no val loss above its first, the last finite and below the first by more than "
+        "25 %; "
         "each rate ran once (seed 7): near the edge another seed may judge a rate otherwise")
+
+
+def test_one_verdict_of_stability_for_the_search_and_the_table():
+    """What a trial's last report tells Optuna (`sweep/stable_lr`) is what the table says of its
+    record. A run whose val loss rose above its first diverged, whatever it fell back to (helper-35's
+    lr-100 run: 10.995, 185991, then 10.826 at chance, below its first: 'stable' before, the largest
+    stable rate of its search). A report the stability stopper ends a trial on is not stable either,
+    though its val loss fell (a bit-stall stop: Optuna had been told 'stable', the table said not,
+    and the next sample went above a rate the table called unstable)."""
+    from altgrad.experiment import StopReason
+    from altgrad.metrics import BIT_STALL_RATE, STABLE_LR
+    from altgrad.tune.lr_search import stable, why_unstable
+    from altgrad.tune.stopper import stability_stop
+    from altgrad.tune.trainable import SweepSignals
+
+    def told(vals: list[float], stall: list[float] | None = None, limits: StabilityConfig | None = None) -> float:
+        signals = SweepSignals(limits or StabilityConfig(), 100.0)
+        reports = [signals.observe({"step": float(i + 1), "val/loss": v, "val/step": float(i + 1),
+                                    **({BIT_STALL_RATE: stall[i]} if stall else {})}) for i, v in enumerate(vals)]
+        return reports[-1][STABLE_LR]
+
+    came_back = [10.995, 185991.0, 10.826]
+    assert told(came_back) == 0.0 and not stable(trial(100.0, came_back), 0.0)
+    assert why_unstable(trial(100.0, came_back)) == "diverged (its val loss rose to 1.86e+05, above its first, 10.99)"
+    assert told([10.995, 10.9, 10.826]) == 100.0 and stable(trial(100.0, [10.995, 10.9, 10.826]), 0.0)
+    assert told([10.995, 10.996, 10.5]) == 0.0  # above its first, if only by a little
+    # stopped for bit-stall on its last report (2 stalled reports in a row), its val loss falling
+    limits = StabilityConfig(stall_stop=0.5, stall_stop_reports=2)
+    assert told([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.9], limits=limits) == 0.0
+    assert stability_stop({"sweep/stall_streak": 2.0}, limits)["reason"] == StopReason.BIT_STALL
+    assert not stable(trial(100.0, [10.0, 9.0, 8.0], "bit_stall"), 0.0)
+    assert told([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.0], limits=limits) == 100.0  # the streak broke

@@ -69,7 +69,7 @@ def test_bit_stall_stop_at_the_cpu_preset(tmp_path, stall_reports, stall_from, s
     t = run.train
     assert (t.max_steps, t.diag_every, t.log_interval) == (60, 5, 1)
     stopper = StabilityStopper(StateStore(str(tmp_path)), {"p": run.stability})
-    signals = SweepSignals(run.stability.stall_stop, 1e-3)
+    signals = SweepSignals(run.stability, 1e-3)
     stopped = next((int(row["step"]) for row in cpu_reports(t.max_steps, t.diag_every, stall_from)
                     if stopper("t1", {**row, **signals.observe(row), "config": {"key": "p"}})), None)
     assert stopped == stop_step
@@ -91,7 +91,7 @@ def test_bit_stall_stops_only_runs_whose_weights_live_in_the_format(tmp_path):
         run = build_run_config({}, ["preset=cpu", "quant.format=e7m0", f"quant.master_weights={master}"])
         stopper = StabilityStopper(StateStore(str(tmp_path / master)),
                                    {"p": StabilityConfig(nan_patience=5, stall_stop_reports=4, stall_stop=0.99)})
-        signals = SweepSignals(0.99, 1e-3, stall_halts_learning(run))
+        signals = SweepSignals(StabilityConfig(), 1e-3, stall_halts_learning(run))
         rows = ({"step": float(s), "val/loss": 5.0, "val/step": 1.0, "quant/bit_stall_rate": 1.0,
                  "config": {"key": "p"}} for s in range(1, 21))
         decisions[master] = next((int(r["step"]) for r in rows if stopper("t", {**r, **signals.observe(r)})), None)

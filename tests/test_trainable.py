@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from altgrad.config import StabilityConfig
 from altgrad.metrics import STABLE_LR, STALL_STREAK
 from altgrad.tune.trainable import SweepSignals, TuneReporter
 
@@ -25,12 +26,12 @@ def test_signals_after_resume_equal_an_unbroken_run(monkeypatch):
     reported: list[dict] = []
     monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: reported.append(m))
     history = rows(12, [0.999] * 3 + [0.5] + [0.999] * 8)
-    unbroken = TuneReporter(SweepSignals(0.99, 1e-3), [], attach_checkpoints=False)
+    unbroken = TuneReporter(SweepSignals(StabilityConfig(), 1e-3), [], attach_checkpoints=False)
     for row in history:
         unbroken(row, None)
     expected = reported[:]
     reported.clear()
-    resumed = TuneReporter(SweepSignals(0.99, 1e-3), history[:9], attach_checkpoints=False)  # as the kill left it
+    resumed = TuneReporter(SweepSignals(StabilityConfig(), 1e-3), history[:9], attach_checkpoints=False)  # as the kill left it
     for row in history[6:]:  # resumed from the checkpoint at step 6
         resumed(row, None)
     assert reported == expected[5:]  # the checkpoint's own row again first (its report may be lost)
@@ -47,14 +48,14 @@ def test_a_trial_resumed_at_its_end_reports_its_last_row_once(monkeypatch):
     reported: list[dict] = []
     monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: reported.append(m))
     history = rows(12, [0.999] * 12)
-    unbroken = TuneReporter(SweepSignals(0.99, 1e-3), [], attach_checkpoints=False)
+    unbroken = TuneReporter(SweepSignals(StabilityConfig(), 1e-3), [], attach_checkpoints=False)
     for row in history:
         unbroken(row, None)
-    resumed = TuneReporter(SweepSignals(0.99, 1e-3), history, attach_checkpoints=False)
+    resumed = TuneReporter(SweepSignals(StabilityConfig(), 1e-3), history, attach_checkpoints=False)
     resumed.report_if_silent()
     resumed.report_if_silent()  # once only
     assert reported[12:] == [reported[11]]
-    trained = TuneReporter(SweepSignals(0.99, 1e-3), history[:6], attach_checkpoints=False)
+    trained = TuneReporter(SweepSignals(StabilityConfig(), 1e-3), history[:6], attach_checkpoints=False)
     trained(history[6], None)
     trained.report_if_silent()  # it reported: nothing more
     assert reported[13:] == [reported[5], reported[6]]  # the checkpoint's row, then its own
@@ -68,7 +69,7 @@ def test_checkpoints_go_to_tune_only_on_remote_storage(monkeypatch, tmp_path, at
 
     sent: list = []
     monkeypatch.setattr(trainable.tune, "report", lambda m, checkpoint=None: sent.append(checkpoint))
-    reporter = TuneReporter(SweepSignals(0.99, 1e-3), [], attach_checkpoints=attach)
+    reporter = TuneReporter(SweepSignals(StabilityConfig(), 1e-3), [], attach_checkpoints=attach)
     (tmp_path / "step_000005").mkdir()
     for row, ckpt in zip(rows(6, [0.5] * 6), [None] * 4 + [tmp_path / "step_000005", None], strict=True):
         reporter(row, ckpt)
@@ -78,7 +79,7 @@ def test_checkpoints_go_to_tune_only_on_remote_storage(monkeypatch, tmp_path, at
 
 
 def test_signals_report_inf_for_broken_steps():
-    s = SweepSignals(0.99, 1e-2)
+    s = SweepSignals(StabilityConfig(), 1e-2)
     ok = s.observe({"step": 1.0, "val/loss": 5.0, "val/step": 1.0})
     assert ok["val/loss"] == 5.0 and ok[STABLE_LR] == 0.0  # not below its first evaluation yet
     nan = s.observe({"step": 2.0, "val/loss": 5.0, "val/step": 1.0, "stability/loss_is_nan": 1.0})

@@ -24,7 +24,7 @@ from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
 from altgrad.tune.runner import Experiment
 from altgrad.tune.store import StateStore
-from altgrad.tune.trial_spec import learning, trial_labels, trial_limits
+from altgrad.tune.trial_spec import learning, trial_labels, trial_limits, worst
 
 
 class LrSearch:
@@ -86,10 +86,11 @@ class LrSearch:
 
 
 def stable(record: TrialRecord, tolerance: float) -> bool:
-    """Ran to the end, and its final val loss is finite and below its first by more than
-    `tolerance` (`learning`, as the trial judged itself for Optuna)."""
+    """Ran to the end (no stop), no val loss rose above its first, and its final one is finite and
+    below the first by more than `tolerance` (`learning`, as the trial judged itself for Optuna)."""
     vals = record.val_series()[1]
-    return record.stop_reason == StopReason.COMPLETED and bool(vals) and learning(vals[0], vals[-1], tolerance)
+    return (record.stop_reason == StopReason.COMPLETED and bool(vals)
+            and learning(vals[0], worst(vals), vals[-1], tolerance))
 
 
 def stability_edge(results: Iterable[tuple[float, bool]]) -> tuple[float | None, float | None]:
@@ -107,12 +108,17 @@ NOT_LEARNING = "ran its steps without learning"
 
 def why_unstable(record: TrialRecord) -> str:
     """Why a trial is not `stable`, as the table's lines say it: stopped (by the sweep or its
-    trainer, with the reason), or, having run its budget, its val loss did not fall far enough
-    (`NOT_LEARNING`: too small a rate, or too short a run) or was not finite."""
+    trainer, with the reason), or, having run its budget, its val loss ended non-finite, rose above
+    its first on the way, or did not fall far enough (`NOT_LEARNING`: too small a rate, or too
+    short a run)."""
     vals = record.val_series()[1]
     if record.stop_reason != StopReason.COMPLETED:
         return f"was stopped ({record.stop_reason})"
-    return NOT_LEARNING if vals and math.isfinite(vals[-1]) else "ended with a non-finite val loss"
+    if not vals or not math.isfinite(vals[-1]):
+        return "ended with a non-finite val loss"
+    if (peak := worst(vals)) > vals[0]:
+        return f"diverged (its val loss rose to {peak:.4g}, above its first, {vals[0]:.4g})"
+    return NOT_LEARNING
 
 
 def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dict[str, Any]:
@@ -141,8 +147,8 @@ def what_stable_means(cfg: LrSearchConfig) -> str:
     """The table's criterion, and what one run per rate can and cannot say."""
     t = cfg.base_run.train
     by = f" by more than {cfg.tolerance * 100:g} %" if cfg.tolerance else ""
-    return (f"stable: ran its {t.max_steps} steps with its last val loss finite and below its first{by}; "
-            f"each rate ran once (seed {t.seed}): near the edge another seed may judge a rate otherwise")
+    return (f"stable: ran its {t.max_steps} steps, no val loss above its first, the last finite and below the "
+            f"first{by}; each rate ran once (seed {t.seed}): near the edge another seed may judge a rate otherwise")
 
 
 def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -> str:

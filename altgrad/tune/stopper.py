@@ -23,6 +23,19 @@ from altgrad.metrics import NAN_STREAK, STALL_STREAK, STEP
 from altgrad.tune.store import StateStore
 
 
+def stability_stop(report: Mapping[str, Any], limits: StabilityConfig) -> dict[str, Any] | None:
+    """The stop a trial's report calls for under its run's `limits`, with its numbers, or None. The
+    stopper acts on it; the trainable reads it too, so that a report the stopper ends a trial on
+    never calls the trial stable (`sweep/stable_lr`)."""
+    if report.get(NAN_STREAK, 0) >= limits.nan_patience:
+        return {"reason": StopReason.NAN, "streak": int(report[NAN_STREAK]), "patience": limits.nan_patience}
+    if report.get(STALL_STREAK, 0) >= limits.stall_stop_reports:
+        # the threshold is recorded with the stop; the streak is counted by the trainable
+        return {"reason": StopReason.BIT_STALL, "streak": int(report[STALL_STREAK]),
+                "patience": limits.stall_stop_reports, "threshold": limits.stall_stop}
+    return None
+
+
 class StabilityStopper(Stopper):
     def __init__(self, store: StateStore, stability: Mapping[str, StabilityConfig]):
         """`stability`: each grid point's thresholds (its run config's `stability`) by grid key,
@@ -48,14 +61,8 @@ class StabilityStopper(Stopper):
         stopped = self.state["stopped"].get(trial_id)
         if stopped is not None:  # a resumed trial replaying its way to the recorded stop
             return step >= stopped[STEP]
-        limits = self.stability[result["config"]["key"]]
-        if result.get(NAN_STREAK, 0) >= limits.nan_patience:
-            decision = {"reason": StopReason.NAN, "streak": int(result[NAN_STREAK]), "patience": limits.nan_patience}
-        elif result.get(STALL_STREAK, 0) >= limits.stall_stop_reports:
-            # the threshold is recorded with the stop; the streak is counted by the trainable
-            decision = {"reason": StopReason.BIT_STALL, "streak": int(result[STALL_STREAK]),
-                        "patience": limits.stall_stop_reports, "threshold": limits.stall_stop}
-        else:
+        decision = stability_stop(result, self.stability[result["config"]["key"]])
+        if decision is None:
             return False
         self.state["stopped"][trial_id] = {**decision, STEP: step}
         self._store.write(STOPPER_FILE, self.state)

@@ -33,6 +33,7 @@ import ray
 from pyarrow.fs import FileSystem, FileType, LocalFileSystem, copy_files
 from ray import tune
 
+from altgrad.config import StabilityConfig
 from altgrad.experiment import (
     CHECKPOINT_FILE,
     COMPILE_CACHE_DIR,
@@ -61,7 +62,8 @@ from altgrad.train.checkpoint import resume_candidates
 from altgrad.train.resources import limit_resources
 from altgrad.train.stability import stall_halts_learning
 from altgrad.tune.compile_cache import CompileCache
-from altgrad.tune.trial_spec import learning, learning_tolerance, trial_key, trial_run_config
+from altgrad.tune.stopper import stability_stop
+from altgrad.tune.trial_spec import learning, learning_tolerance, trial_key, trial_run_config, worst
 from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
 
 log = logging.getLogger("altgrad.tune.trial")
@@ -88,7 +90,7 @@ def train_trial(config: dict[str, Any], runs: dict[str, dict[str, Any]], wandb: 
             log.info("trial %s: compile cache %s: %d files", trial_key(config), cache.directory, cache.use())
         history = read_jsonl(run_dir / METRICS_FILE)  # read before the trainer trims it
         with trial_run(wandb, trial_key(config), cfg.model_dump(mode="json"), run_dir, trial_dir) as run:
-            reporter = TuneReporter(SweepSignals(cfg.stability.stall_stop, cfg.optim.lr,
+            reporter = TuneReporter(SweepSignals(cfg.stability, cfg.optim.lr,
                                                  stall_halts_learning(cfg), learning_tolerance(config)),
                                     history, attach_checkpoints=not storage_is_local(), wandb_run=run,
                                     compile_cache=cache)
@@ -197,32 +199,36 @@ class SweepSignals:
       `stability.stall_stop`, for a run where stall halts learning (`stall_halts_learning`), else
       always 0;
     - `sweep/stable_lr`: the run's peak learning rate while it learns stably (`trial_spec.learning`
-      with the search's `tolerance`), else 0 (the learning-rate search maximizes it).
+      with the search's `tolerance`) and the stability stopper would not stop it on this report
+      (`stopper.stability_stop`), else 0 (the learning-rate search maximizes it; a run's last
+      report says what its table says of it: stable only having run its budget).
     Fed the run's history before the first new report on resume, so the values match a run that
     never stopped.
     """
 
-    def __init__(self, stall_stop: float, lr: float, counts_stall: bool = True, tolerance: float = 0.0):
-        self.stall_stop = stall_stop
+    def __init__(self, stability: StabilityConfig, lr: float, counts_stall: bool = True, tolerance: float = 0.0):
+        self.stability = stability
         self.lr = lr
         self.counts_stall = counts_stall
         self.tolerance = tolerance
         self.stall_streak = 0
         self.first_val: float | None = None
+        self.worst_val = -math.inf  # `learning`'s: the largest val loss so far
 
     def observe(self, row: dict[str, float]) -> dict[str, float]:
         rate = row.get(BIT_STALL_RATE)
         if rate is not None and self.counts_stall:  # rows without diagnostics leave the streak alone
-            self.stall_streak = self.stall_streak + 1 if rate >= self.stall_stop else 0
-        if self.first_val is None and row.get(VAL_STEP) == row[STEP]:
-            self.first_val = row[VAL_LOSS]
+            self.stall_streak = self.stall_streak + 1 if rate >= self.stability.stall_stop else 0
         val = row[VAL_LOSS]
+        if row.get(VAL_STEP) == row[STEP]:
+            if self.first_val is None:
+                self.first_val = val
+            self.worst_val = worst([self.worst_val, val])
         broken = row.get(LOSS_IS_NAN, 0) > 0 or not math.isfinite(val)
-        return {
-            VAL_LOSS: math.inf if broken else val,
-            STALL_STREAK: float(self.stall_streak),
-            STABLE_LR: self.lr if not broken and learning(self.first_val, val, self.tolerance) else 0.0,
-        }
+        signals = {VAL_LOSS: math.inf if broken else val, STALL_STREAK: float(self.stall_streak)}
+        stable = (not broken and stability_stop({**row, **signals}, self.stability) is None
+                  and learning(self.first_val, self.worst_val, val, self.tolerance))
+        return {**signals, STABLE_LR: self.lr if stable else 0.0}
 
 
 class TuneReporter:

@@ -10,6 +10,7 @@ A trial config is small: `{"key": <grid point key>, "limits": {"cpus", "gpu_frac
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from altgrad.config import RunConfig, deep_merge
@@ -28,11 +29,20 @@ def trial_limits(cpus: int, gpu_fraction: float) -> dict[str, Any]:
     return {"limits": {"cpus": cpus, "gpu_fraction": gpu_fraction}}
 
 
-def learning(first_val_loss: float | None, val_loss: float, tolerance: float) -> bool:
-    """A run trains stably while its val loss is finite and below its first evaluation by more than
-    `tolerance`, a fraction of the first (the learning-rate search's setting)."""
-    return (first_val_loss is not None and math.isfinite(val_loss)
+def learning(first_val_loss: float | None, worst_val_loss: float, val_loss: float, tolerance: float) -> bool:
+    """A run trains stably while no val loss so far (`worst_val_loss`: the largest, +inf after a
+    non-finite one) rose above its first evaluation, and the latest is below the first by more
+    than `tolerance`, a fraction of the first (the learning-rate search's setting). A run whose val
+    loss rose above its first diverged, whatever it fell back to: blown up at step 5 (185991 from
+    10.99), an lr-100 run came back to chance (10.83) by its last evaluation, below its first."""
+    return (first_val_loss is not None and worst_val_loss <= first_val_loss and math.isfinite(val_loss)
             and val_loss < first_val_loss * (1 - tolerance))
+
+
+def worst(val_losses: Iterable[float]) -> float:
+    """The largest of val losses, +inf if one is NaN or inf (`learning`'s `worst_val_loss`); -inf
+    for none."""
+    return max((math.inf if math.isnan(v) else v for v in val_losses), default=-math.inf)
 
 
 def learning_tolerance(config: dict[str, Any]) -> float:
