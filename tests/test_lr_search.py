@@ -91,7 +91,7 @@ def test_trial_keys_tell_close_learning_rates_apart():
 
 def test_samples_wait_for_the_grid_then_split_the_edges_bracket(monkeypatch):
     """Each format's searcher hands out the grid first and no sample while a grid point still runs;
-    then, asked together (as a sweep asks its free slots), samples that split the bracket between
+    then, asked together (as a sweep with max_concurrent_trials 5 asks its free slots), samples that split the bracket between
     the largest rate that learned (0.1) and the smallest above it that did not (1.0) evenly: no
     stretch of it left wider than a quarter (log scale) after three. An errored grid point bounds
     nothing: e7m0's at 1.0 leaves its bracket 0.1 to 10. No sample is Optuna's random draw, and a
@@ -114,6 +114,7 @@ def test_samples_wait_for_the_grid_then_split_the_edges_bracket(monkeypatch):
                                      strict=True):
         search = exp.search_alg
         search.set_search_properties(None, None, exp.param_space)
+        search.set_max_concurrency(len(cfg.lr.grid))  # max_concurrent_trials 5: the samples together
         grid = {f"grid{i}": search.suggest(f"grid{i}")["lr"] for i in range(len(cfg.lr.grid))}
         assert list(grid.values()) == cfg.lr.grid
         assert search.suggest("early") is None  # the grid still runs
@@ -420,3 +421,43 @@ def test_one_verdict_of_stability_for_the_search_and_the_table():
     assert stability_stop({"sweep/stall_streak": 2.0}, limits)["reason"] == StopReason.BIT_STALL
     assert not stable(trial(100.0, [10.0, 9.0, 8.0], "bit_stall"), 0.0)
     assert told([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.0], limits=limits) == 100.0  # the streak broke
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_the_rates_asked_depend_on_the_results_not_on_when_they_came(window):
+    """A search's samples are the same whichever order their results come in and whenever a slot
+    asks (a resumed search asks again while its restored trials run): one at a time by default,
+    each after the one before; with max_concurrent_trials 2, sample i after sample i - 2, by the
+    results up to it. helper-35's resumed search asked 1.78 and 0.0562 where the uninterrupted one
+    asked 0.316, 1.78 and 0.75."""
+    from ray import tune
+
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.lr_searcher import GridThenEdge
+
+    def search_with(order: str) -> list[float]:
+        search = GridThenEdge([1e-2, 10.0])
+        search.set_search_properties(None, None, {"lr": tune.loguniform(1e-4, 100.0)})
+        if window > 1:
+            search.set_max_concurrency(window)
+        rates = {t: search.suggest(t)["lr"] for t in ("g0", "g1")}
+        for t in ("g1", "g0"):
+            search.on_trial_complete(t, {STABLE_LR: rates[t] if rates[t] < 0.5 else 0.0})
+        samples: list[float] = []
+        pending: list[str] = []
+        while len(samples) < 4:
+            while (asked := search.suggest(f"s{len(samples)}")) is not None:  # every slot asks
+                samples.append(asked["lr"])
+                pending.append(f"s{len(samples) - 1}")
+                if len(pending) > window:  # no more slots than the window
+                    raise AssertionError(f"{len(pending)} samples at once")
+            # the results come in the order given: the newest first, or the oldest
+            done = pending.pop(-1 if order == "newest" else 0)
+            lr = samples[int(done[1:])]
+            search.on_trial_complete(done, {STABLE_LR: lr if lr < 0.5 else 0.0})
+        return samples
+
+    newest, oldest = search_with("newest"), search_with("oldest")
+    assert newest == oldest
+    if window == 1:  # bisection, towards the edge at 0.5
+        assert newest == [0.316, 1.78, 0.75, 0.487]

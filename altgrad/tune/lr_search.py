@@ -60,8 +60,8 @@ class LrSearch:
             f"{len(cfg.formats) * per_format} trials ({cfg.optimizer}, precision {cfg.precision})",
             f"per format: learning rates {', '.join(f'{x:g}' for x in cfg.lr.grid)} first, then "
             f"{cfg.lr.samples} that halve (log scale) the stretch between the largest that trained stably and "
-            f"the smallest above it that did not, within [{cfg.lr.low:g}, {cfg.lr.high:g}] (none once that "
-            "stretch holds no rate left to try)",
+            f"the smallest above it that did not, within [{cfg.lr.low:g}, {cfg.lr.high:g}], "
+            f"{cfg.max_concurrent_trials or 1} at a time (none once that stretch holds no rate left to try)",
             *describe_resources(cfg, len(cfg.formats) * per_format),
             f"formats: {', '.join(cfg.formats)}",
         ]

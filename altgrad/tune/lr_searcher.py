@@ -12,6 +12,14 @@ stable side (docs/design.md, measured). Here:
 
 - a sample is asked for only once every grid point has finished (`suggest` answers None, "not yet",
   and Tune asks again after its next trial event): the bracket is the grid's;
+- samples run one at a time, each after the one before has finished, unless the sweep's
+  `max_concurrent_trials` lets w run at once: then sample i waits for the samples before i - w + 1
+  and goes by their results only, splitting the bracket with the w - 1 samples after them, finished
+  or not. So the rates asked depend on the results, not on when they came: a resumed search (whose
+  restored trials run again) asks what one never interrupted asks. Taking whichever results had
+  come when a slot freed up did not: a search resumed after the grid asked 1.78 and 0.0562 where
+  the uninterrupted one asked 0.316, 1.78 and 0.75, and found another edge. One at a time also
+  closes in best (docs/design.md);
 - once no rate is left that a sample could try inside the bracket (every rate up to the range's
   top trained stably, or none down to its bottom did), the search is over: `suggest` answers
   FINISHED, which ends the experiment short of its allowed trials, and records the bracket in the
@@ -83,21 +91,21 @@ class GridThenEdge(OptunaSearch):
         if self.max_concurrent and len(asked) - len(self.finished) >= self.max_concurrent:
             return None
         if len(asked) >= self.grid_size:
-            if not self.finished.issuperset(asked[:self.grid_size]):
+            # sample i goes by the results of the grid and of the samples before i - window + 1,
+            # which it waits for, and splits the stretches of the window's later ones
+            window = self.max_concurrent or 1
+            known = asked[:self.grid_size + max(0, len(asked) - self.grid_size - window + 1)]
+            if not self.finished.issuperset(known):
                 return None
-            bracket = edge_bracket(self.told(), self._space["lr"])
-            rate = next_rate(bracket, self.running())
+            numbers = {self._ot_trials[trial].number for trial in known}
+            bracket = edge_bracket([t for t in self.told() if t.number in numbers], self._space["lr"])
+            rate = next_rate(bracket, [self._ot_trials[trial].params["lr"] for trial in asked[len(known):]])
             if rate is None:
                 if self.store is not None:
                     self.store.write(SEARCH_FILE, {"bracket": list(bracket), "trials": len(asked)})
                 return Searcher.FINISHED
             self._ot_study.enqueue_trial({"lr": rate})  # Optuna's study gets it as an enqueued point
         return super().suggest(trial_id)
-
-    def running(self) -> list[float]:
-        """The learning rates of the trials asked for that have not finished."""
-        return [t.params["lr"] for trial_id, t in self._ot_trials.items()
-                if trial_id not in self.finished and "lr" in t.params]
 
     def told(self) -> list[FrozenTrial]:
         """The trials Optuna was told of, in order: not an errored one (until its rerun ends)."""
