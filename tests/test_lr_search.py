@@ -461,3 +461,18 @@ def test_the_rates_asked_depend_on_the_results_not_on_when_they_came(window):
     assert newest == oldest
     if window == 1:  # bisection, towards the edge at 0.5
         assert newest == [0.316, 1.78, 0.75, 0.487]
+
+
+@pytest.mark.parametrize("limit, waves", [(None, 10), (3, 6)])
+def test_the_plan_counts_the_samples_one_window_at_a_time(monkeypatch, limit, waves):
+    """Two formats, one after the other, on 4 slots: each its 5 grid points in 2 waves, then its 3
+    samples one at a time (3 waves), or 3 at once with max_concurrent_trials 3 (3 slots: 2 + 1)."""
+    from altgrad.tune import grid
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import LrSearch
+
+    monkeypatch.setattr(grid, "machine_resources", lambda: (4, 0))
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "formats=[e4m3, e5m2]",
+                                                        f"max_concurrent_trials={'null' if limit is None else limit}"])
+    plan = LrSearch.describe(cfg, LrSearch.experiments(cfg))
+    assert f"16 trials in about {waves} waves of up to {limit or 4}" in plan, plan

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -168,7 +169,10 @@ def concurrency(settings: SweepSettings, cpus: int, gpus: int) -> int:
     return max(0, min(limits))
 
 
-def describe_resources(settings: SweepSettings, n_trials: int) -> list[str]:
+def describe_resources(settings: SweepSettings, n_trials: int,
+                       waves: Callable[[int], int] | None = None) -> list[str]:
+    """The resources lines of a plan; `waves(at_once)`: how many rounds of trials the sweep runs
+    where it cannot fill every slot each round (by default, n_trials over the slots)."""
     r = settings.resources
     cpus, gpus = machine_resources()
     at_once = concurrency(settings, cpus, gpus)
@@ -183,7 +187,8 @@ def describe_resources(settings: SweepSettings, n_trials: int) -> list[str]:
         f"(block {m.block_size}, batch {t.batch_size}), checkpoint every {t.checkpoint_interval} steps",
     ]
     if at_once:
-        lines.append(f"{n_trials} trials in about {math.ceil(n_trials / at_once)} waves of {at_once}")
+        rounds = waves(at_once) if waves else math.ceil(n_trials / at_once)
+        lines.append(f"{n_trials} trials in about {rounds} waves of up to {at_once}")
     lines.append(f"experiment dir: {settings.experiment_path}")
     return lines
 

@@ -62,7 +62,10 @@ class LrSearch:
             f"{cfg.lr.samples} that halve (log scale) the stretch between the largest that trained stably and "
             f"the smallest above it that did not, within [{cfg.lr.low:g}, {cfg.lr.high:g}], "
             f"{cfg.max_concurrent_trials or 1} at a time (none once that stretch holds no rate left to try)",
-            *describe_resources(cfg, len(cfg.formats) * per_format),
+            *describe_resources(cfg, len(cfg.formats) * per_format, lambda at_once: len(cfg.formats) * (
+                # one format after another: its grid, then its samples (`lr_searcher`'s window)
+                math.ceil(len(cfg.lr.grid) / at_once)
+                + math.ceil(cfg.lr.samples / min(cfg.max_concurrent_trials or 1, at_once)))),
             f"formats: {', '.join(cfg.formats)}",
         ]
         return "\n".join(lines)
