@@ -134,13 +134,15 @@ def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dic
     largest, above = stability_edge((lr, ok) for lr, ok, _ in judged)
     best = next((r for lr, ok, r in judged if ok and lr == largest), None)
     smallest = min(((lr, r) for lr, ok, r in judged if not ok), default=None, key=lambda x: x[0])
+    next_up = next((r for lr, ok, r in judged if not ok and lr == above), None) if largest is not None else None
     return {
         "format": fmt,
         "largest_stable_lr": largest,
         "val_loss_there": best.summary.get("final_val_loss") if best else None,
         "smallest_unstable_lr": smallest[0] if smallest else None,
         "smallest_unstable_why": why_unstable(smallest[1]) if smallest else None,
-        "unstable_above": above if largest is not None else None,  # (the searcher's bracket reads it either way)
+        "unstable_above": next_up.params["lr"] if next_up else None,
+        "unstable_above_why": why_unstable(next_up) if next_up else None,
         "trials": len(done),
         "unfinished": len(records) - len(done),
     }
@@ -155,9 +157,10 @@ def what_stable_means(cfg: LrSearchConfig) -> str:
 
 
 def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -> str:
-    """The table, then a line per format whose edge the search did not bracket, saying where it
-    lies: past the searched range `(lr.low, lr.high)`, whose bound must move, or past the rates
-    tried inside it, which more samples reach."""
+    """The table, then a line per format saying where its edge lies: between its largest stable
+    rate and the next one tried above it, and what that one did; past the searched range
+    `(lr.low, lr.high)`, whose bound must move; or past the rates tried inside it, which more
+    samples reach."""
     def num(x: float | None, spec: str) -> str:
         return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
@@ -169,12 +172,15 @@ def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -
     low, high = lr_range
     for r in rows:
         largest, smallest = r["largest_stable_lr"], r["smallest_unstable_lr"]
-        if largest is not None and r["unstable_above"] is None:
+        if r["unstable_above"] is not None:
+            lines.append(f"{r['format']}: the edge lies between {largest:.3g} and {r['unstable_above']:.3g}, which "
+                         f"{r['unstable_above_why']}")
+        elif largest is not None:
             lines.append(f"{r['format']}: every rate tried up to lr.high ({high:g}) trained stably; the edge lies "
                          "above the range (raise lr.high)" if largest >= high else
                          f"{r['format']}: no rate tried above {largest:.3g} failed; the edge lies higher "
                          "(more samples, or a larger lr.high)")
-        elif largest is None and smallest is not None:
+        elif smallest is not None:
             # The samples look below the smallest rate: right where it diverged, not where it
             # ran without learning (the stable rates, if any, then lie above it).
             why = r["smallest_unstable_why"]
