@@ -18,7 +18,7 @@ Diagnostic steps (`is_diagnostic_step`), quantized runs
 Shadow steps (`is_shadow_step`)
     SHADOW_COS_MEAN, SHADOW_COS_MIN, and per layer SHADOW_COS.
 Added by a sweep's trial to what it reports to Tune (not in metrics.jsonl)
-    STALL_STREAK, STABLE_LR.
+    STALL_STREAK, STABLE_LR, DIVERGED.
 
 Tune, W&B and the trial table get the model-wide metrics (`model_wide`); the per-layer ones stay
 in metrics.jsonl, where the report reads them. The thresholds that act on these metrics are the
@@ -72,12 +72,13 @@ SHADOW_COS = "shadow/cos"  # per layer only
 
 STALL_STREAK = "sweep/stall_streak"  # consecutive reports with bit-stall at or above the threshold
 STABLE_LR = "sweep/stable_lr"  # the run's learning rate while it learns stably, else 0
+DIVERGED = "sweep/diverged"  # 1 once the run diverged (`trial_spec.diverged`), else 0
 
 # What every report of a sweep's trial carries (the docstring's "every logged row", and the
 # trial's own signals): a scheduler's metric must be one of these, or Ray fails the sweep at the
 # first report that lacks it.
 EVERY_REPORT = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, GRAD_NORM, TOKENS_PER_S, LOSS_IS_NAN, GRAD_HAS_NAN, NAN_STREAK,
-                DIVERGENCE, FORMAT_SHIFTS, VAL_LOSS, VAL_PPL, STALL_STREAK, STABLE_LR)
+                DIVERGENCE, FORMAT_SHIFTS, VAL_LOSS, VAL_PPL, STALL_STREAK, STABLE_LR, DIVERGED)
 
 
 def per_layer(metric: str, layer: str) -> str:

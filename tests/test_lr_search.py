@@ -33,7 +33,8 @@ def test_lr_search_table():
     row = stable_lr_row("e4m3", records, 0.0)
     assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7, "unstable_above": 3e-2,
                    "smallest_unstable_lr": 5e-3, "smallest_unstable_why": "was stopped (bit_stall)", "trials": 5,
-                   "unfinished": 0, "unstable_above_why": "diverged (its val loss rose to 11, above its first, 10)"}
+                   "unfinished": 0, "unstable_above_why": "diverged (its val loss rose to 11, above its first, 10)",
+                   "idle_up_to": None, "idle_why": None, "diverged_from": None, "diverged_why": None}
     table = render_lr_table([row], (1e-4, 100.0)).splitlines()
     assert table[1].split()[:4] == ["e4m3", "0.01", "7.0000", "0.03"]
     assert table[2:] == ["e4m3: the edge lies between 0.01 and 0.03, which diverged (its val loss rose to 11, above its "
@@ -56,10 +57,16 @@ def test_lr_search_table():
         "smaller lr.low)")
     assert render_lr_table([diverged], (1e-3, 100.0)).splitlines()[2] == (
         "e7m0: no rate tried trained stably; the smallest, 0.001, was stopped (nan): the edge lies below the range (lower lr.low)")
-    idle = stable_lr_row("e7m0", [trial(1e-3, [10, 10]), trial(1e-1, [10, float("nan")], "nan")], 0.0)
+    idle = stable_lr_row("e7m0", [trial(1e-3, [10, 10]), trial(1e-2, [10, 10], "bit_stall"),
+                                  trial(1e-1, [10, float("nan")], "nan"), trial(1.0, [10, 10])], 0.0)
+    assert (idle["idle_up_to"], idle["diverged_from"]) == (1e-2, 1e-1)  # 1.0 lies above a rate that diverged
     assert render_lr_table([idle], (1e-3, 100.0)).splitlines()[2] == (
-        "e7m0: no rate tried trained stably; the smallest, 0.001, ran its steps without learning: add rates above "
-        "it, or run more steps")
+        "e7m0: no rate tried trained stably: 0.01 was stopped (bit_stall), 0.1 was stopped (nan); a rate that "
+        "learns, if any, lies between (more samples, or more steps)")
+    small = stable_lr_row("e7m0", [trial(1e-3, [10, 10]), trial(1e-1, [10, 10.0])], 0.0)
+    assert render_lr_table([small], (1e-3, 0.1)).splitlines()[2] == (
+        "e7m0: no rate tried trained stably: up to 0.1, the largest, ran its steps without learning; the edge lies "
+        "above the range (raise lr.high (0.1), or run more steps)")
 
 
 def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes():
@@ -402,28 +409,32 @@ def test_one_verdict_of_stability_for_the_search_and_the_table():
     though its val loss fell (a bit-stall stop: Optuna had been told 'stable', the table said not,
     and the next sample went above a rate the table called unstable)."""
     from altgrad.experiment import StopReason
-    from altgrad.metrics import BIT_STALL_RATE, STABLE_LR
-    from altgrad.tune.lr_search import stable, why_unstable
+    from altgrad.metrics import BIT_STALL_RATE, DIVERGED, STABLE_LR
+    from altgrad.tune.lr_search import stable, went_wrong, why_unstable
     from altgrad.tune.stopper import stability_stop
     from altgrad.tune.trainable import SweepSignals
 
-    def told(vals: list[float], stall: list[float] | None = None, limits: StabilityConfig | None = None) -> float:
+    def told(vals: list[float], stall: list[float] | None = None,
+             limits: StabilityConfig | None = None) -> tuple[float, float]:
         signals = SweepSignals(limits or StabilityConfig(), 100.0)
         reports = [signals.observe({"step": float(i + 1), "val/loss": v, "val/step": float(i + 1),
                                     **({BIT_STALL_RATE: stall[i]} if stall else {})}) for i, v in enumerate(vals)]
-        return reports[-1][STABLE_LR]
+        return reports[-1][STABLE_LR], reports[-1][DIVERGED]
 
     came_back = [10.995, 185991.0, 10.826]
-    assert told(came_back) == 0.0 and not stable(trial(100.0, came_back), 0.0)
+    assert told(came_back) == (0.0, 1.0) and not stable(trial(100.0, came_back), 0.0)
+    assert went_wrong(trial(100.0, came_back)) and not went_wrong(trial(1e-4, [10.995, 10.995]))
     assert why_unstable(trial(100.0, came_back)) == "diverged (its val loss rose to 1.86e+05, above its first, 10.99)"
-    assert told([10.995, 10.9, 10.826]) == 100.0 and stable(trial(100.0, [10.995, 10.9, 10.826]), 0.0)
-    assert told([10.995, 10.996, 10.5]) == 0.0  # above its first, if only by a little
+    assert told([10.995, 10.9, 10.826]) == (100.0, 0.0) and stable(trial(100.0, [10.995, 10.9, 10.826]), 0.0)
+    assert told([10.995, 10.996, 10.5]) == (0.0, 1.0)  # above its first, if only by a little
+    assert told([10.995, 10.995, 10.995]) == (0.0, 0.0)  # ran without learning: not diverged
     # stopped for bit-stall on its last report (2 stalled reports in a row), its val loss falling
     limits = StabilityConfig(stall_stop=0.5, stall_stop_reports=2)
-    assert told([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.9], limits=limits) == 0.0
+    assert told([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.9], limits=limits) == (0.0, 0.0)  # stalled: not diverged
+    assert not went_wrong(trial(100.0, [10.0, 9.0, 8.0], "bit_stall")) and went_wrong(trial(1.0, [10, 9], "nan"))
     assert stability_stop({"sweep/stall_streak": 2.0}, limits)["reason"] == StopReason.BIT_STALL
     assert not stable(trial(100.0, [10.0, 9.0, 8.0], "bit_stall"), 0.0)
-    assert told([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.0], limits=limits) == 100.0  # the streak broke
+    assert told([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.0], limits=limits) == (100.0, 0.0)  # the streak broke
 
 
 @pytest.mark.parametrize("window", [1, 2])
@@ -479,3 +490,21 @@ def test_the_plan_counts_the_samples_one_window_at_a_time(monkeypatch, limit, wa
                                                         f"max_concurrent_trials={'null' if limit is None else limit}"])
     plan = LrSearch.describe(cfg, LrSearch.experiments(cfg))
     assert f"16 trials in about {waves} waves of up to {limit or 4}" in plan, plan
+
+
+def test_where_nothing_trained_the_samples_look_between_too_small_and_too_large():
+    """No rate stable: 0.01 ran without learning (`sweep/diverged` 0), 10 diverged. The samples
+    look between them (0.316 first), not below 0.01, where a rate smaller still would not learn
+    either; a trial told without the attribute (an older version's) counts as diverged, as all did."""
+    from ray import tune
+
+    from altgrad.metrics import DIVERGED, STABLE_LR
+    from altgrad.tune.lr_searcher import GridThenEdge
+
+    for told_diverged, first in ((0.0, 0.316), (1.0, 1e-3), (None, 1e-3)):
+        search = GridThenEdge([1e-2, 10.0])
+        search.set_search_properties(None, None, {"lr": tune.loguniform(1e-4, 100.0)})
+        rates = {t: search.suggest(t)["lr"] for t in ("g0", "g1")}
+        search.on_trial_complete("g0", {STABLE_LR: 0.0, **({} if told_diverged is None else {DIVERGED: told_diverged})})
+        search.on_trial_complete("g1", {STABLE_LR: 0.0, DIVERGED: 1.0})
+        assert rates == {"g0": 1e-2, "g1": 10.0} and search.suggest("s0")["lr"] == first

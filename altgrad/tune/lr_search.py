@@ -24,7 +24,7 @@ from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
 from altgrad.tune.runner import Experiment
 from altgrad.tune.store import StateStore
-from altgrad.tune.trial_spec import learning, trial_labels, trial_limits, worst
+from altgrad.tune.trial_spec import diverged, learning, trial_labels, trial_limits, worst
 
 
 class LrSearch:
@@ -109,6 +109,16 @@ def stability_edge(results: Iterable[tuple[float, bool]]) -> tuple[float | None,
 NOT_LEARNING = "ran its steps without learning"
 
 
+def went_wrong(record: TrialRecord) -> bool:
+    """Whether a trial that is not `stable` diverged (stopped for NaN, its last val loss not
+    finite, or one above its first: `trial_spec.diverged`), as its last report told the searcher
+    (`sweep/diverged`), rather than ran without learning (its rate too small, its run too short,
+    or its weights stalled in their format: a bit-stall stop)."""
+    vals = record.val_series()[1]
+    return (record.stop_reason == StopReason.NAN or not vals or not math.isfinite(vals[-1])
+            or diverged(vals[0], worst(vals)))
+
+
 def why_unstable(record: TrialRecord) -> str:
     """Why a trial is not `stable`, as the table's lines say it: stopped (by the sweep or its
     trainer, with the reason), or, having run its budget, its val loss ended non-finite, rose above
@@ -124,6 +134,15 @@ def why_unstable(record: TrialRecord) -> str:
     return NOT_LEARNING
 
 
+def learning_window(results: Iterable[tuple[float, bool]]) -> tuple[float | None, float | None]:
+    """Where no rate trained stably, from (rate, diverged) results: (the largest rate that ran
+    without learning below the smallest that diverged, that smallest): a rate that learns, if any,
+    lies between; None on a side without one. The searcher's bracket and the table read it."""
+    results = list(results)
+    high = min((lr for lr, gone in results if gone), default=None)
+    return max((lr for lr, gone in results if not gone and (high is None or lr < high)), default=None), high
+
+
 def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dict[str, Any]:
     """A format's result: the largest rate that trained stably (and its final val loss), the
     smallest that did not and why (a rate too small to learn within `tolerance` counts: it may lie
@@ -135,6 +154,9 @@ def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dic
     best = next((r for lr, ok, r in judged if ok and lr == largest), None)
     smallest = min(((lr, r) for lr, ok, r in judged if not ok), default=None, key=lambda x: x[0])
     next_up = next((r for lr, ok, r in judged if not ok and lr == above), None) if largest is not None else None
+    # nothing stable: where a rate that learns would lie
+    idle, gone = learning_window((lr, went_wrong(r)) for lr, ok, r in judged) if largest is None else (None, None)
+    by_rate = {lr: r for lr, _, r in judged}
     return {
         "format": fmt,
         "largest_stable_lr": largest,
@@ -143,6 +165,10 @@ def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dic
         "smallest_unstable_why": why_unstable(smallest[1]) if smallest else None,
         "unstable_above": next_up.params["lr"] if next_up else None,
         "unstable_above_why": why_unstable(next_up) if next_up else None,
+        "idle_up_to": idle,  # (nothing stable) the largest rate that ran without learning below ...
+        "idle_why": why_unstable(by_rate[idle]) if idle is not None else None,
+        "diverged_from": gone,  # ... the smallest that diverged
+        "diverged_why": why_unstable(by_rate[gone]) if gone is not None else None,
         "trials": len(done),
         "unfinished": len(records) - len(done),
     }
@@ -180,12 +206,18 @@ def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -
                          "above the range (raise lr.high)" if largest >= high else
                          f"{r['format']}: no rate tried above {largest:.3g} failed; the edge lies higher "
                          "(more samples, or a larger lr.high)")
-        elif smallest is not None:
-            # The samples look below the smallest rate: right where it diverged, not where it
-            # ran without learning (the stable rates, if any, then lie above it).
-            why = r["smallest_unstable_why"]
-            lines.append(f"{r['format']}: no rate tried trained stably; the smallest, {smallest:.3g}, {why}: " + (
-                "add rates above it, or run more steps" if why == NOT_LEARNING else
-                "the edge lies below the range (lower lr.low)" if smallest <= low else
-                "the edge lies lower (more samples, or a smaller lr.low)"))
+        elif smallest is not None:  # nothing stable: between the rates too small and too large
+            idle, gone = r["idle_up_to"], r["diverged_from"]
+            head = f"{r['format']}: no rate tried trained stably"
+            if idle is not None and gone is not None:
+                lines.append(f"{head}: {idle:.3g} {r['idle_why']}, {gone:.3g} {r['diverged_why']}; a rate that "
+                             "learns, if any, lies between (more samples, or more steps)")
+            elif idle is not None:
+                lines.append(f"{head}: up to {idle:.3g}, the largest, {r['idle_why']}; " + (
+                    f"the edge lies above the range (raise lr.high ({high:g}), or run more steps)" if idle >= high
+                    else "the edge lies higher (more samples, a larger lr.high, or more steps)"))
+            else:
+                lines.append(f"{head}; the smallest, {gone:.3g}, {r['diverged_why']}: " + (
+                    "the edge lies below the range (lower lr.low)" if gone <= low else
+                    "the edge lies lower (more samples, or a smaller lr.low)"))
     return "\n".join(lines)

@@ -25,6 +25,10 @@ stable side (docs/design.md, measured). Here:
   FINISHED, which ends the experiment short of its allowed trials, and records the bracket in the
   experiment's `SEARCH_FILE` (so that the sweep reads it as finished, not interrupted). A sample
   there would only repeat a rate already tried;
+- where no rate trained stably, the samples look between the largest rate that ran without
+  learning and the smallest that diverged (`learning_window`): above a rate too small to learn,
+  below one that blew up. Before, every rate that was not stable bounded the bracket from above,
+  and a search whose rates were too small to learn sampled smaller ones still;
 - an errored trial says nothing about stability: it is not told to Optuna and bounds no bracket;
 - Optuna is told each trial's final result only. Intermediate values feed only a pruner, and Ray
   runs Optuna without one (a stability verdict needs the whole run). A resumed trial reports steps
@@ -55,8 +59,8 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from altgrad.experiment import SEARCH_FILE
-from altgrad.metrics import STABLE_LR
-from altgrad.tune.lr_search import stability_edge
+from altgrad.metrics import DIVERGED, STABLE_LR
+from altgrad.tune.lr_search import learning_window, stability_edge
 from altgrad.tune.store import StateStore
 
 
@@ -122,6 +126,8 @@ class GridThenEdge(OptunaSearch):
         elif error:
             self.errored.add(trial_id)
         else:
+            if result is not None and trial_id not in self._completed_trials:  # (what `edge_bracket` reads)
+                self._ot_trials[trial_id].set_user_attr(DIVERGED, bool(result.get(DIVERGED, 1.0)))
             super().on_trial_complete(trial_id, result)
 
     def restore(self, checkpoint_path: str) -> None:
@@ -147,9 +153,13 @@ GridThenTpe = GridThenEdge
 
 def edge_bracket(trials: list[FrozenTrial], space: FloatDistribution) -> tuple[float, float]:
     """The learning rates where a sample can raise the largest stable one: the `stability_edge` of
-    the trials Optuna was told of (stable: `sweep/stable_lr` > 0), within `space` (its bound on a
-    side without one)."""
+    the trials Optuna was told of (stable: `sweep/stable_lr` > 0), or where none was stable, the
+    `learning_window` (diverged: the `sweep/diverged` their last report said, kept as a user
+    attribute; a trial told without it counts as diverged, as all did before), within `space` (its
+    bound on a side without one)."""
     low, high = stability_edge((t.params["lr"], (t.value or 0.0) > 0) for t in trials)
+    if low is None:
+        low, high = learning_window((t.params["lr"], t.user_attrs.get(DIVERGED, True)) for t in trials)
     low = min(max(space.low if low is None else low, space.low), space.high)
     return low, max(min(space.high if high is None else high, space.high), low)
 

@@ -42,10 +42,12 @@ from altgrad.experiment import (
     TRIAL_LOG_FILE,
     TRIALS_DIR,
     WORKER_FILE,
+    StopReason,
     read_jsonl,
 )
 from altgrad.metrics import (
     BIT_STALL_RATE,
+    DIVERGED,
     LOSS_IS_NAN,
     STABLE_LR,
     STALL_STREAK,
@@ -63,7 +65,14 @@ from altgrad.train.resources import limit_resources
 from altgrad.train.stability import stall_halts_learning
 from altgrad.tune.compile_cache import CompileCache
 from altgrad.tune.stopper import stability_stop
-from altgrad.tune.trial_spec import learning, learning_tolerance, trial_key, trial_run_config, worst
+from altgrad.tune.trial_spec import (
+    diverged,
+    learning,
+    learning_tolerance,
+    trial_key,
+    trial_run_config,
+    worst,
+)
 from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
 
 log = logging.getLogger("altgrad.tune.trial")
@@ -198,6 +207,10 @@ class SweepSignals:
     - `sweep/stall_streak`: consecutive reports with bit-stall at or above the run's
       `stability.stall_stop`, for a run where stall halts learning (`stall_halts_learning`), else
       always 0;
+    - `sweep/diverged`: 1 where this report is broken (a NaN step, a non-finite val loss), the
+      stopper would stop the run for NaN, or a val loss so far rose above the first
+      (`trial_spec.diverged`): what tells a run that is not stable for diverging from one that ran
+      without learning (a bit-stall stop among them);
     - `sweep/stable_lr`: the run's peak learning rate while it learns stably (`trial_spec.learning`
       with the search's `tolerance`) and the stability stopper would not stop it on this report
       (`stopper.stability_stop`), else 0 (the learning-rate search maximizes it; a run's last
@@ -226,9 +239,11 @@ class SweepSignals:
             self.worst_val = worst([self.worst_val, val])
         broken = row.get(LOSS_IS_NAN, 0) > 0 or not math.isfinite(val)
         signals = {VAL_LOSS: math.inf if broken else val, STALL_STREAK: float(self.stall_streak)}
-        stable = (not broken and stability_stop({**row, **signals}, self.stability) is None
-                  and learning(self.first_val, self.worst_val, val, self.tolerance))
-        return {**signals, STABLE_LR: self.lr if stable else 0.0}
+        stop = stability_stop({**row, **signals}, self.stability)
+        stable = not broken and stop is None and learning(self.first_val, self.worst_val, val, self.tolerance)
+        gone = broken or (stop is not None and stop["reason"] == StopReason.NAN) or diverged(self.first_val,
+                                                                                                 self.worst_val)
+        return {**signals, STABLE_LR: self.lr if stable else 0.0, DIVERGED: float(gone)}
 
 
 class TuneReporter:

@@ -39,6 +39,14 @@ def learning(first_val_loss: float | None, worst_val_loss: float, val_loss: floa
             and val_loss < first_val_loss * (1 - tolerance))
 
 
+def diverged(first_val_loss: float | None, worst_val_loss: float) -> bool:
+    """A run that is not `learning` either diverged -- a val loss rose above its first (+inf: one
+    was not finite) -- or ran without learning: too small a rate, or too short a run, for its val
+    loss to fall far enough (weights stalled in their format among them). The learning-rate
+    search looks above the second and below the first."""
+    return first_val_loss is not None and worst_val_loss > first_val_loss
+
+
 def worst(val_losses: Iterable[float]) -> float:
     """The largest of val losses, +inf if one is NaN or inf (`learning`'s `worst_val_loss`); -inf
     for none."""
