@@ -46,7 +46,7 @@ def test_lr_search_table():
     assert render_lr_table([learned], (1e-4, 100.0)).splitlines()[2] == (
         "e5m2: no rate tried above 0.1 failed; the edge lies higher (more samples, or a larger lr.high)")
     assert render_lr_table([learned], (1e-4, 0.1)).splitlines()[2] == (
-        "e5m2: every rate tried up to lr.high (0.1) trained stably; the edge lies above the range (raise lr.high)")
+        "e5m2: the range's top, lr.high (0.1), trained stably; the edge lies above the range (raise lr.high)")
     # Nothing stable: where the smallest rate diverged the edge lies below it; where it ran without
     # learning, the stable rates (if any) lie above it.
     diverged = stable_lr_row("e7m0", [trial(1e-3, [10, float("nan")], "nan"), trial(1e-1, [10, 11])], 0.0)
@@ -104,7 +104,7 @@ def test_samples_wait_for_the_grid_then_split_the_edges_bracket(monkeypatch):
     then, asked together (as a sweep with max_concurrent_trials 5 asks its free slots), samples that split the bracket between
     the largest rate that learned (0.1) and the smallest above it that did not (1.0) evenly: no
     stretch of it left wider than a quarter (log scale) after three. An errored grid point bounds
-    nothing: e7m0's at 1.0 leaves its bracket 0.1 to 10. No sample is Optuna's random draw, and a
+    nothing: e7m0's at 1.0 leaves its bracket 0.1 to 10, split at 1.0 as by a sample still running. No sample is Optuna's random draw, and a
     resumed trial's repeated reports raise no Optuna warning."""
     import warnings
 
@@ -141,7 +141,9 @@ def test_samples_wait_for_the_grid_then_split_the_edges_bracket(monkeypatch):
         samples = sorted(search.suggest(f"sample{i}")["lr"] for i in range(cfg.lr.samples))
         low, high = bracket
         assert low < samples[0] and samples[-1] < high
-        points = [low, *samples, high]
+        # the errored rate bounds nothing, but no sample takes it (its rerun will tell): a split point
+        points = sorted([low, *samples, high, *([grid[errored]] if errored else [])])
+        assert len(set(points)) == len(points)
         widest = max(math.log(b / a) for a, b in zip(points, points[1:], strict=False))
         assert widest <= math.log(high / low) / 4 + 2 * ROUNDING  # each sample rounded to 3 digits
     assert random_draws == []
@@ -396,45 +398,53 @@ def test_the_table_says_what_stable_means_and_on_how_many_runs():
     cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, ["preset=cpu", "tolerance=0.25", "base.train.seed=7",
                                                         "base.train.max_steps=30"])
     assert what_stable_means(cfg) == (
-        "stable: ran its 30 steps, no val loss above its first, the last finite and below the first by more than "
-        "25 %; "
+        "stable: ran its 30 steps, no val loss over 1 % above its first, the last finite and below the first by "
+        "more than 25 %; "
         "each rate ran once (seed 7): near the edge another seed may judge a rate otherwise")
 
 
 def test_one_verdict_of_stability_for_the_search_and_the_table():
-    """What a trial's last report tells Optuna (`sweep/stable_lr`) is what the table says of its
-    record. A run whose val loss rose above its first diverged, whatever it fell back to (helper-35's
-    lr-100 run: 10.995, 185991, then 10.826 at chance, below its first: 'stable' before, the largest
-    stable rate of its search). A report the stability stopper ends a trial on is not stable either,
-    though its val loss fell (a bit-stall stop: Optuna had been told 'stable', the table said not,
-    and the next sample went above a rate the table called unstable)."""
+    """What a trial's last report tells the searcher (`sweep/stable_lr`, `sweep/diverged`) is what
+    the table says of its record, the same rows fed to each. A run whose val loss rose above its
+    first diverged, whatever it fell back to (helper-35's lr-100 run: 10.995, 185991, then 10.826 at
+    chance, below its first: 'stable' before, the largest stable rate of its search), but not by a
+    chance-level wobble (1e-4 of it). A report the stability stopper ends a trial on is not stable,
+    though its val loss fell (a bit-stall stop: Optuna had been told 'stable', the table said not),
+    and a stall is not a divergence; a NaN step at the end is."""
     from altgrad.experiment import StopReason
-    from altgrad.metrics import BIT_STALL_RATE, DIVERGED, STABLE_LR
-    from altgrad.tune.lr_search import stable, went_wrong, why_unstable
+    from altgrad.metrics import BIT_STALL_RATE, DIVERGED, LOSS_IS_NAN, STABLE_LR
+    from altgrad.tune.lr_search import judged, why_unstable
     from altgrad.tune.stopper import stability_stop
     from altgrad.tune.trainable import SweepSignals
 
-    def told(vals: list[float], stall: list[float] | None = None,
-             limits: StabilityConfig | None = None) -> tuple[float, float]:
-        signals = SweepSignals(limits or StabilityConfig(), 100.0)
-        reports = [signals.observe({"step": float(i + 1), "val/loss": v, "val/step": float(i + 1),
-                                    **({BIT_STALL_RATE: stall[i]} if stall else {})}) for i, v in enumerate(vals)]
-        return reports[-1][STABLE_LR], reports[-1][DIVERGED]
-
-    came_back = [10.995, 185991.0, 10.826]
-    assert told(came_back) == (0.0, 1.0) and not stable(trial(100.0, came_back), 0.0)
-    assert went_wrong(trial(100.0, came_back)) and not went_wrong(trial(1e-4, [10.995, 10.995]))
-    assert why_unstable(trial(100.0, came_back)) == "diverged (its val loss rose to 1.86e+05, above its first, 10.99)"
-    assert told([10.995, 10.9, 10.826]) == (100.0, 0.0) and stable(trial(100.0, [10.995, 10.9, 10.826]), 0.0)
-    assert told([10.995, 10.996, 10.5]) == (0.0, 1.0)  # above its first, if only by a little
-    assert told([10.995, 10.995, 10.995]) == (0.0, 0.0)  # ran without learning: not diverged
-    # stopped for bit-stall on its last report (2 stalled reports in a row), its val loss falling
     limits = StabilityConfig(stall_stop=0.5, stall_stop_reports=2)
-    assert told([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.9], limits=limits) == (0.0, 0.0)  # stalled: not diverged
-    assert not went_wrong(trial(100.0, [10.0, 9.0, 8.0], "bit_stall")) and went_wrong(trial(1.0, [10, 9], "nan"))
-    assert stability_stop({"sweep/stall_streak": 2.0}, limits)["reason"] == StopReason.BIT_STALL
-    assert not stable(trial(100.0, [10.0, 9.0, 8.0], "bit_stall"), 0.0)
-    assert told([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.0], limits=limits) == (100.0, 0.0)  # the streak broke
+
+    def both(vals: list[float], stall: list[float] | None = None, nan_at_end: bool = False,
+             evaluated: bool = True) -> tuple[bool, bool]:
+        rows = [{"step": float(i + 1), "val/loss": v, "val/step": float(i + 1 if evaluated else 0),
+                 **({BIT_STALL_RATE: stall[i]} if stall else {}),
+                 **({LOSS_IS_NAN: 1.0} if nan_at_end and i == len(vals) - 1 else {})} for i, v in enumerate(vals)]
+        signals = SweepSignals(limits, 100.0)
+        last = [signals.observe(row) for row in rows][-1]
+        stop = stability_stop({**rows[-1], **last}, limits)
+        record = TrialRecord(trial_id="t", format="e4m3", optimizer="adamw", precision="all", status="TERMINATED",
+                             stop_reason=stop["reason"] if stop else StopReason.COMPLETED, history=rows,
+                             summary={}, params={"lr": 100.0})
+        told = (last[STABLE_LR] > 0, last[DIVERGED] > 0)
+        assert told == judged(record, 0.0), (vals, told)
+        if told == (False, True) and not stop:
+            assert why_unstable(record).startswith("diverged")
+        return told
+
+    assert both([10.995, 185991.0, 10.826]) == (False, True)
+    assert both([10.995, 10.9, 10.826]) == (True, False)
+    assert both([10.995, 10.996, 10.5]) == (True, False)  # a wobble above its first: within the margin
+    assert both([10.995, 10.995, 10.995]) == (False, False)  # ran without learning: the search looks above
+    assert both([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.9]) == (False, False)  # stopped for a stall on its last
+    assert both([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.0]) == (True, False)  # the streak broke
+    assert both([10.0, 9.0, 8.0], nan_at_end=True) == (False, True)
+    assert both([10.0, 9.0, 8.0], stall=[0.9, 0.9, 0.9], evaluated=False) == (False, False)  # no evaluation logged
+
 
 
 @pytest.mark.parametrize("window", [1, 2])
@@ -508,3 +518,22 @@ def test_where_nothing_trained_the_samples_look_between_too_small_and_too_large(
         search.on_trial_complete("g0", {STABLE_LR: 0.0, **({} if told_diverged is None else {DIVERGED: told_diverged})})
         search.on_trial_complete("g1", {STABLE_LR: 0.0, DIVERGED: 1.0})
         assert rates == {"g0": 1e-2, "g1": 10.0} and search.suggest("s0")["lr"] == first
+
+
+def test_a_sample_after_an_errored_one_does_not_repeat_its_rate():
+    """An errored sample bounds nothing, so the bracket stays as it was; the next sample must not
+    be its rate again (one trial key, one trial directory, for two trials)."""
+    from ray import tune
+
+    from altgrad.metrics import STABLE_LR
+    from altgrad.tune.lr_searcher import GridThenEdge
+
+    search = GridThenEdge([1e-2, 10.0])
+    search.set_search_properties(None, None, {"lr": tune.loguniform(1e-4, 100.0)})
+    for t in ("g0", "g1"):
+        lr = search.suggest(t)["lr"]
+        search.on_trial_complete(t, {STABLE_LR: lr if lr < 1 else 0.0})
+    first = search.suggest("s0")["lr"]
+    search.on_trial_complete("s0", error=True)
+    second = search.suggest("s1")["lr"]
+    assert first == 0.316 and second not in (first, 1e-2, 10.0) and 1e-2 < second < 10.0

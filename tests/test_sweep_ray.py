@@ -282,9 +282,9 @@ def test_an_lr_search_with_no_rate_left_to_try_ends_finished(ray_address, eurlex
     exp = tmp_path / "top" / "e4m3"
     assert [r.params["lr"] for r in load_experiment(exp)] == [0.01]
     assert json.loads((exp / STATE_DIR / "sweep.json").read_text())["status"] == "finished"
-    assert "e4m3: every rate tried up to lr.high (0.01) trained stably; the edge lies above the range" in out
-    assert ("stable: ran its 10 steps, no val loss above its first, the last finite and below the first; each "
-            "rate ran once (seed 42)") in out
+    assert "e4m3: the range's top, lr.high (0.01), trained stably; the edge lies above the range" in out
+    assert ("stable: ran its 10 steps, no val loss over 1 % above its first, the last finite and below the first; "
+            "each rate ran once (seed 42)") in out
     assert "--resume" not in out
 
 

@@ -46,6 +46,7 @@ from altgrad.tune.trial_spec import trial_limits, trial_run_config
     (["grid.optimizers=[]"], "grid.optimizers: give at least one optimizer name, or 'all'"),
     # YAML reads 1e-2 (no dot) as a string; the run config reads it as 0.01: one setting, twice
     (["grid.axes={optim.lr: [0.01, 1e-2]}"], "grid.axes.optim.lr: values 0.01 and '1e-2' are the same setting (0.01)"),
+    (["grid.axes={optim.weight_decay: [0, 0.0]}"], "grid.axes.optim.weight_decay: values 0 and 0.0 are the same setting"),
     (["base.train.max_steps=true"], "base.train.max_steps: a number, not true"),  # not 1
     (["asha.tolerance=false"], "asha.tolerance: a number, not false"),
     (["asha.metric=train/foo"], "asha.metric: 'train/foo' is not in every report of a trial"),

@@ -458,7 +458,8 @@ class SweepConfig(SweepSettings):
                 except ConfigError as e:
                     raise ConfigError(f"grid.axes.{path}: value {value!r} is not valid:\n{e}") from None
                 setting = reduce(getattr, path.split("."), run)
-                if same := next((v for v, s in settings if s == setting), None):
+                if same := [v for v, s in settings if s == setting]:
+                    same = same[0]
                     raise ConfigError(f"grid.axes.{path}: values {same!r} and {value!r} are the same setting "
                                       f"({setting!r}); give each once")
                 settings.append((value, setting))

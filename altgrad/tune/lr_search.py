@@ -6,7 +6,8 @@ since `grid_search` cannot be mixed with a searcher), then `samples` more once t
 finished, each where it can raise the answer: between the largest rate that trained stably and the
 smallest above it that did not (`lr_searcher`). Each trial reports `sweep/stable_lr` (its learning
 rate while it learns stably, else 0), which Optuna's study maximizes.
-No ASHA: a stability verdict needs the whole run; the stability stopper still ends NaN runs early.
+No ASHA: a stability verdict needs the whole run; the stability stopper still ends NaN and bit-stall
+runs early.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from altgrad.experiment import LR_SEARCH_FILE, StopReason, TrialRecord, TrialStatus, load_experiment
+from altgrad.metrics import LOSS_IS_NAN
 from altgrad.remote import is_remote, join, split_name
 from altgrad.tune.config import LrSearchConfig
 from altgrad.tune.grid import describe_resources, make_point
 from altgrad.tune.runner import Experiment
 from altgrad.tune.store import StateStore
-from altgrad.tune.trial_spec import diverged, learning, trial_labels, trial_limits, worst
+from altgrad.tune.trial_spec import RISE_MARGIN, trial_labels, trial_limits, verdict, worst
 
 
 class LrSearch:
@@ -60,7 +62,8 @@ class LrSearch:
             f"{len(cfg.formats) * per_format} trials ({cfg.optimizer}, precision {cfg.precision})",
             f"per format: learning rates {', '.join(f'{x:g}' for x in cfg.lr.grid)} first, then "
             f"{cfg.lr.samples} that halve (log scale) the stretch between the largest that trained stably and "
-            f"the smallest above it that did not, within [{cfg.lr.low:g}, {cfg.lr.high:g}], "
+            "the smallest above it that did not (nothing stable: between the largest that ran without learning "
+            f"and the smallest that diverged), within [{cfg.lr.low:g}, {cfg.lr.high:g}], "
             f"{cfg.max_concurrent_trials or 1} at a time (none once that stretch holds no rate left to try)",
             *describe_resources(cfg, len(cfg.formats) * per_format, lambda at_once: len(cfg.formats) * (
                 # one format after another: its grid, then its samples (`lr_searcher`'s window)
@@ -88,12 +91,16 @@ class LrSearch:
         return 0
 
 
-def stable(record: TrialRecord, tolerance: float) -> bool:
-    """Ran to the end (no stop), no val loss rose above its first, and its final one is finite and
-    below the first by more than `tolerance` (`learning`, as the trial judged itself for Optuna)."""
+def judged(record: TrialRecord, tolerance: float) -> tuple[bool, bool]:
+    """(stable, diverged) of a trial's record: `trial_spec.verdict` of its evaluations, its last
+    report and its stop, as that report told the searcher. Stable takes the run's whole budget
+    (a stopped trial's record says why it stopped)."""
     vals = record.val_series()[1]
-    return (record.stop_reason == StopReason.COMPLETED and bool(vals)
-            and learning(vals[0], worst(vals), vals[-1], tolerance))
+    last = record.history[-1] if record.history else {}
+    stop = None if record.stop_reason == StopReason.COMPLETED else record.stop_reason
+    latest = vals[-1] if vals else math.nan
+    broken = last.get(LOSS_IS_NAN, 0) > 0 or (bool(vals) and not math.isfinite(latest))
+    return verdict(vals[0] if vals else None, worst(vals), latest, broken, stop, tolerance)
 
 
 def stability_edge(results: Iterable[tuple[float, bool]]) -> tuple[float | None, float | None]:
@@ -109,16 +116,6 @@ def stability_edge(results: Iterable[tuple[float, bool]]) -> tuple[float | None,
 NOT_LEARNING = "ran its steps without learning"
 
 
-def went_wrong(record: TrialRecord) -> bool:
-    """Whether a trial that is not `stable` diverged (stopped for NaN, its last val loss not
-    finite, or one above its first: `trial_spec.diverged`), as its last report told the searcher
-    (`sweep/diverged`), rather than ran without learning (its rate too small, its run too short,
-    or its weights stalled in their format: a bit-stall stop)."""
-    vals = record.val_series()[1]
-    return (record.stop_reason == StopReason.NAN or not vals or not math.isfinite(vals[-1])
-            or diverged(vals[0], worst(vals)))
-
-
 def why_unstable(record: TrialRecord) -> str:
     """Why a trial is not `stable`, as the table's lines say it: stopped (by the sweep or its
     trainer, with the reason), or, having run its budget, its val loss ended non-finite, rose above
@@ -127,10 +124,11 @@ def why_unstable(record: TrialRecord) -> str:
     vals = record.val_series()[1]
     if record.stop_reason != StopReason.COMPLETED:
         return f"was stopped ({record.stop_reason})"
-    if not vals or not math.isfinite(vals[-1]):
+    if vals and not math.isfinite(vals[-1]):
         return "ended with a non-finite val loss"
-    if (peak := worst(vals)) > vals[0]:
-        return f"diverged (its val loss rose to {peak:.4g}, above its first, {vals[0]:.4g})"
+    if judged(record, 0.0)[1]:
+        return (f"diverged (its val loss rose to {worst(vals):.4g}, above its first, {vals[0]:.4g})"
+                if vals and worst(vals) > vals[0] else "diverged (a non-finite step at its end)")
     return NOT_LEARNING
 
 
@@ -149,14 +147,14 @@ def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dic
     below), and the smallest unstable rate above the largest stable one, the edge's other side
     (None: no rate above it failed, so the edge lies past the range)."""
     done = [r for r in records if r.status == TrialStatus.TERMINATED and "lr" in r.params]
-    judged = [(r.params["lr"], stable(r, tolerance), r) for r in done]
-    largest, above = stability_edge((lr, ok) for lr, ok, _ in judged)
-    best = next((r for lr, ok, r in judged if ok and lr == largest), None)
-    smallest = min(((lr, r) for lr, ok, r in judged if not ok), default=None, key=lambda x: x[0])
-    next_up = next((r for lr, ok, r in judged if not ok and lr == above), None) if largest is not None else None
+    verdicts = [(r.params["lr"], *judged(r, tolerance), r) for r in done]
+    largest, above = stability_edge((lr, ok) for lr, ok, _, _ in verdicts)
+    best = next((r for lr, ok, _, r in verdicts if ok and lr == largest), None)
+    smallest = min(((lr, r) for lr, ok, _, r in verdicts if not ok), default=None, key=lambda x: x[0])
+    next_up = next((r for lr, ok, _, r in verdicts if not ok and lr == above), None) if largest is not None else None
     # nothing stable: where a rate that learns would lie
-    idle, gone = learning_window((lr, went_wrong(r)) for lr, ok, r in judged) if largest is None else (None, None)
-    by_rate = {lr: r for lr, _, r in judged}
+    idle, gone = learning_window((lr, d) for lr, _, d, _ in verdicts) if largest is None else (None, None)
+    by_rate = {lr: r for lr, _, _, r in verdicts}
     return {
         "format": fmt,
         "largest_stable_lr": largest,
@@ -178,8 +176,9 @@ def what_stable_means(cfg: LrSearchConfig) -> str:
     """The table's criterion, and what one run per rate can and cannot say."""
     t = cfg.base_run.train
     by = f" by more than {cfg.tolerance * 100:g} %" if cfg.tolerance else ""
-    return (f"stable: ran its {t.max_steps} steps, no val loss above its first, the last finite and below the "
-            f"first{by}; each rate ran once (seed {t.seed}): near the edge another seed may judge a rate otherwise")
+    return (f"stable: ran its {t.max_steps} steps, no val loss over {RISE_MARGIN * 100:g} % above its first, the "
+            f"last finite and below the first{by}; each rate ran once (seed {t.seed}): near the edge another seed "
+            "may judge a rate otherwise")
 
 
 def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -> str:
@@ -202,7 +201,7 @@ def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -
             lines.append(f"{r['format']}: the edge lies between {largest:.3g} and {r['unstable_above']:.3g}, which "
                          f"{r['unstable_above_why']}")
         elif largest is not None:
-            lines.append(f"{r['format']}: every rate tried up to lr.high ({high:g}) trained stably; the edge lies "
+            lines.append(f"{r['format']}: the range's top, lr.high ({high:g}), trained stably; the edge lies "
                          "above the range (raise lr.high)" if largest >= high else
                          f"{r['format']}: no rate tried above {largest:.3g} failed; the edge lies higher "
                          "(more samples, or a larger lr.high)")

@@ -20,11 +20,14 @@ stable side (docs/design.md, measured). Here:
   come when a slot freed up did not: a search resumed after the grid asked 1.78 and 0.0562 where
   the uninterrupted one asked 0.316, 1.78 and 0.75, and found another edge. One at a time also
   closes in best (docs/design.md);
-- once no rate is left that a sample could try inside the bracket (every rate up to the range's
-  top trained stably, or none down to its bottom did), the search is over: `suggest` answers
-  FINISHED, which ends the experiment short of its allowed trials, and records the bracket in the
-  experiment's `SEARCH_FILE` (so that the sweep reads it as finished, not interrupted). A sample
-  there would only repeat a rate already tried;
+- once no rate is left that a sample could try inside the bracket (the range's top trained
+  stably; or, nothing stable, the smallest rate that diverged lies at the range's bottom, or every
+  rate up to its top ran without learning), the search is over: `suggest` answers FINISHED, which
+  ends the experiment short of its allowed trials, and records the bracket in the experiment's
+  `SEARCH_FILE` (so that the sweep reads it as finished, not interrupted). A sample there would
+  only repeat a rate already tried. Tune keeps that answer: a resumed search reruns its errored
+  trials but asks for no more samples, even where a rerun would reopen the bracket (the table
+  says where the edge lies, for a search with more samples or another range);
 - where no rate trained stably, the samples look between the largest rate that ran without
   learning and the smallest that diverged (`learning_window`): above a rate too small to learn,
   below one that blew up. Before, every rate that was not stable bounded the bracket from above,
@@ -103,7 +106,9 @@ class GridThenEdge(OptunaSearch):
                 return None
             numbers = {self._ot_trials[trial].number for trial in known}
             bracket = edge_bracket([t for t in self.told() if t.number in numbers], self._space["lr"])
-            rate = next_rate(bracket, [self._ot_trials[trial].params["lr"] for trial in asked[len(known):]])
+            # (an errored trial bounds nothing, but a sample at its rate would share its key)
+            taken = [*asked[len(known):], *(trial for trial in known if trial in self.errored)]
+            rate = next_rate(bracket, [self._ot_trials[trial].params["lr"] for trial in taken])
             if rate is None:
                 if self.store is not None:
                     self.store.write(SEARCH_FILE, {"bracket": list(bracket), "trials": len(asked)})
@@ -168,9 +173,9 @@ def next_rate(bracket: tuple[float, float], running: list[float]) -> float | Non
     """The geometric middle of the widest stretch of `bracket` between the `running` rates inside
     it (the lowest of equal ones): one sample at a time, bisection; several at once, an even split
     of the bracket; rounded to 3 significant digits where that stays inside the stretch. None
-    where no stretch has a rate inside it: a bracket of zero width (every rate
-    up to the range's top trained stably, or none down to its bottom did), where a sample could
-    only repeat a rate tried, and whatever the running rates find can only narrow it."""
+    where no stretch has a rate inside it (a bracket of zero width: one of the range's bounds),
+    where a sample could only repeat a rate tried, and whatever the running rates find can only
+    narrow it."""
     low, high = bracket
     points = [low, *sorted(r for r in running if low < r < high), high]
     a, b = max(pairwise(points), key=lambda gap: math.log(gap[1] / gap[0]))

@@ -42,7 +42,6 @@ from altgrad.experiment import (
     TRIAL_LOG_FILE,
     TRIALS_DIR,
     WORKER_FILE,
-    StopReason,
     read_jsonl,
 )
 from altgrad.metrics import (
@@ -65,14 +64,7 @@ from altgrad.train.resources import limit_resources
 from altgrad.train.stability import stall_halts_learning
 from altgrad.tune.compile_cache import CompileCache
 from altgrad.tune.stopper import stability_stop
-from altgrad.tune.trial_spec import (
-    diverged,
-    learning,
-    learning_tolerance,
-    trial_key,
-    trial_run_config,
-    worst,
-)
+from altgrad.tune.trial_spec import learning_tolerance, trial_key, trial_run_config, verdict, worst
 from altgrad.tune.wandb_runs import TrialRun, WandbSpec, trial_run
 
 log = logging.getLogger("altgrad.tune.trial")
@@ -207,14 +199,11 @@ class SweepSignals:
     - `sweep/stall_streak`: consecutive reports with bit-stall at or above the run's
       `stability.stall_stop`, for a run where stall halts learning (`stall_halts_learning`), else
       always 0;
-    - `sweep/diverged`: 1 where this report is broken (a NaN step, a non-finite val loss), the
-      stopper would stop the run for NaN, or a val loss so far rose above the first
-      (`trial_spec.diverged`): what tells a run that is not stable for diverging from one that ran
-      without learning (a bit-stall stop among them);
-    - `sweep/stable_lr`: the run's peak learning rate while it learns stably (`trial_spec.learning`
-      with the search's `tolerance`) and the stability stopper would not stop it on this report
-      (`stopper.stability_stop`), else 0 (the learning-rate search maximizes it; a run's last
-      report says what its table says of it: stable only having run its budget).
+    - `sweep/stable_lr` and `sweep/diverged`: the run's peak learning rate while it learns
+      stably, else 0 (the learning-rate search maximizes it), and 1 once it diverged, else 0:
+      `trial_spec.verdict` of its evaluations so far, this report, and the stop the stability
+      stopper would make on it (`stopper.stability_stop`). A run's last report says what the
+      search's table says of its record.
     Fed the run's history before the first new report on resume, so the values match a run that
     never stopped.
     """
@@ -240,9 +229,7 @@ class SweepSignals:
         broken = row.get(LOSS_IS_NAN, 0) > 0 or not math.isfinite(val)
         signals = {VAL_LOSS: math.inf if broken else val, STALL_STREAK: float(self.stall_streak)}
         stop = stability_stop({**row, **signals}, self.stability)
-        stable = not broken and stop is None and learning(self.first_val, self.worst_val, val, self.tolerance)
-        gone = broken or (stop is not None and stop["reason"] == StopReason.NAN) or diverged(self.first_val,
-                                                                                                 self.worst_val)
+        stable, gone = verdict(self.first_val, self.worst_val, val, broken, stop and stop["reason"], self.tolerance)
         return {**signals, STABLE_LR: self.lr if stable else 0.0, DIVERGED: float(gone)}
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from altgrad.config import RunConfig, deep_merge
-from altgrad.experiment import exact_g
+from altgrad.experiment import StopReason, exact_g
 from altgrad.metrics import is_diagnostic_step, is_logged_step
 
 SEARCHED = ("lr",)  # hyper-parameters a searcher may sample on top of the grid point
@@ -29,32 +29,40 @@ def trial_limits(cpus: int, gpu_fraction: float) -> dict[str, Any]:
     return {"limits": {"cpus": cpus, "gpu_fraction": gpu_fraction}}
 
 
-def learning(first_val_loss: float | None, worst_val_loss: float, val_loss: float, tolerance: float) -> bool:
-    """A run trains stably while no val loss so far (`worst_val_loss`: the largest, +inf after a
-    non-finite one) rose above its first evaluation, and the latest is below the first by more
-    than `tolerance`, a fraction of the first (the learning-rate search's setting). A run whose val
-    loss rose above its first diverged, whatever it fell back to: blown up at step 5 (185991 from
-    10.99), an lr-100 run came back to chance (10.83) by its last evaluation, below its first."""
-    return (first_val_loss is not None and worst_val_loss <= first_val_loss and math.isfinite(val_loss)
-            and val_loss < first_val_loss * (1 - tolerance))
+# How far above its first a val loss must rise for the run to have diverged: above the wobble of
+# a rate too small to learn (~1e-4 of it at chance level), far below a blow-up (185991 from 10.99).
+RISE_MARGIN = 0.01
 
 
-def diverged(first_val_loss: float | None, worst_val_loss: float) -> bool:
-    """A run that is not `learning` either diverged -- a val loss rose above its first (+inf: one
-    was not finite) -- or ran without learning: too small a rate, or too short a run, for its val
-    loss to fall far enough (weights stalled in their format among them). The learning-rate
-    search looks above the second and below the first."""
-    return first_val_loss is not None and worst_val_loss > first_val_loss
+def verdict(first_val_loss: float | None, worst_val_loss: float, val_loss: float, broken: bool,
+            stop: str | None, tolerance: float) -> tuple[bool, bool]:
+    """(stable, diverged) of a run from its evaluations so far -- the first, the largest (+inf
+    after a non-finite one: `worst`), the latest -- whether its latest report is `broken` (a NaN
+    step, a non-finite val loss), and the stop its stability limits call for there (`stop`, a
+    `StopReason`, or None). The trainable says it in each report; the learning-rate search's
+    table, of a record (`lr_search.judged`).
+
+    Diverged: broken, stopped for NaN, or a val loss that rose more than RISE_MARGIN above the
+    first, whatever it fell back to (an lr-100 run blew up to 185991 from 10.99 and came back to
+    chance, below its first). Stable: not diverged, not stopped, and the latest val loss below the
+    first by more than `tolerance`, a fraction of it (the search's setting). Neither: the run ran
+    without learning (too small a rate, too short a run, weights stalled in their format), and the
+    search looks above it, where it looks below a diverged one."""
+    gone = broken or stop == StopReason.NAN or (
+        first_val_loss is not None and worst_val_loss > first_val_loss * (1 + RISE_MARGIN))
+    stable = (not gone and stop is None and first_val_loss is not None and math.isfinite(val_loss)
+              and val_loss < first_val_loss * (1 - tolerance))
+    return stable, gone
 
 
 def worst(val_losses: Iterable[float]) -> float:
-    """The largest of val losses, +inf if one is NaN or inf (`learning`'s `worst_val_loss`); -inf
+    """The largest of val losses, +inf if one is NaN or inf (`verdict`'s `worst_val_loss`); -inf
     for none."""
     return max((math.inf if math.isnan(v) else v for v in val_losses), default=-math.inf)
 
 
 def learning_tolerance(config: dict[str, Any]) -> float:
-    """The `tolerance` a trial's run is judged `learning` by: its learning-rate search's; 0 for a
+    """The `tolerance` a trial's run is judged stable by (`verdict`): its learning-rate search's; 0 for a
     grid's trial (a format ablation searches no learning rate)."""
     return config.get("tolerance", 0.0)
 
