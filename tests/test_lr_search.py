@@ -28,17 +28,17 @@ def test_lr_search_table():
     lies past its range."""
     from altgrad.tune.lr_search import render_lr_table, stable_lr_row
 
-    records = [trial(1e-3, [10, 8]), trial(1e-2, [10, 7]), trial(3e-2, [10, 11]),
+    records = [trial(1e-3, [10, 8]), trial(1e-2, [10, 7]), trial(3e-2, [10, 11, 6.5]),  # spiked, then recovered
                trial(1e-1, [10, float("inf")], "nan"), trial(5e-3, [10, 9], "bit_stall")]
     row = stable_lr_row("e4m3", records, 0.0)
     assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7, "unstable_above": 3e-2,
                    "smallest_unstable_lr": 5e-3, "smallest_unstable_why": "was stopped (bit_stall)", "trials": 5,
-                   "unfinished": 0, "unstable_above_why": "diverged (its val loss rose to 11, above its first, 10)",
+                   "unfinished": 0, "unstable_above_why": "diverged (its val loss rose to 11, above its first, 10; it ended at 6.5)",
                    "idle_up_to": None, "idle_why": None, "diverged_from": None, "diverged_why": None}
     table = render_lr_table([row], (1e-4, 100.0)).splitlines()
     assert table[1].split()[:4] == ["e4m3", "0.01", "7.0000", "0.03"]
     assert table[2:] == ["e4m3: the edge lies between 0.01 and 0.03, which diverged (its val loss rose to 11, above its "
-                         "first, 10)"]
+                         "first, 10; it ended at 6.5)"]
     learned = stable_lr_row("e5m2", [trial(1e-3, [10, 8]), trial(1e-1, [10, 7])], 0.0)
     assert (learned["largest_stable_lr"], learned["unstable_above"]) == (1e-1, None)
     # Where the edge lies past what was tried: samples reach it inside the range, a bound must move
