@@ -72,7 +72,7 @@ SHADOW_COS = "shadow/cos"  # per layer only
 
 STALL_STREAK = "sweep/stall_streak"  # consecutive reports with bit-stall at or above the threshold
 STABLE_LR = "sweep/stable_lr"  # the run's learning rate while it learns stably, else 0
-DIVERGED = "sweep/diverged"  # 1 once the run diverged (`trial_spec.diverged`), else 0
+DIVERGED = "sweep/diverged"  # 1 where the run has diverged so far (`trial_spec.verdict`), else 0
 
 # What every report of a sweep's trial carries (the docstring's "every logged row", and the
 # trial's own signals): a scheduler's metric must be one of these, or Ray fails the sweep at the

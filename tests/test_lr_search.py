@@ -443,6 +443,12 @@ def test_one_verdict_of_stability_for_the_search_and_the_table():
     assert both([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.9]) == (False, False)  # stopped for a stall on its last
     assert both([10.0, 9.0, 8.0], stall=[0.0, 0.9, 0.0]) == (True, False)  # the streak broke
     assert both([10.0, 9.0, 8.0], nan_at_end=True) == (False, True)
+    # a NaN step at the end of a run whose val loss wobbled within the margin: the step diverged
+    wobbled = [{"step": 1.0, "val/loss": 10.0, "val/step": 1.0}, {"step": 2.0, "val/loss": 10.05, "val/step": 2.0},
+               {"step": 3.0, "val/loss": 9.0, "val/step": 3.0, LOSS_IS_NAN: 1.0}]
+    assert why_unstable(TrialRecord(trial_id="t", format="e4m3", optimizer="adamw", precision="all",
+                                    status="TERMINATED", stop_reason="completed", history=wobbled, summary={},
+                                    params={"lr": 1.0})) == "diverged (a non-finite step at its end)"
     assert both([10.0, 9.0, 8.0], stall=[0.9, 0.9, 0.9], evaluated=False) == (False, False)  # no evaluation logged
 
 

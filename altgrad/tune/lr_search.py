@@ -126,11 +126,12 @@ def why_unstable(record: TrialRecord) -> str:
         return f"was stopped ({record.stop_reason})"
     if vals and not math.isfinite(vals[-1]):
         return "ended with a non-finite val loss"
-    if judged(record, 0.0)[1]:
-        # where it ended too: a run that spiked and recovered may end lower than a stable one
-        return (f"diverged (its val loss rose to {worst(vals):.4g}, above its first, {vals[0]:.4g}; it ended at "
-                f"{vals[-1]:.4g})" if vals and worst(vals) > vals[0] else "diverged (a non-finite step at its end)")
-    return NOT_LEARNING
+    if not judged(record, 0.0)[1]:
+        return NOT_LEARNING
+    if (record.history[-1] if record.history else {}).get(LOSS_IS_NAN, 0) > 0:  # `judged`'s `broken`
+        return "diverged (a non-finite step at its end)"
+    # where it ended too: a run that spiked and recovered may end lower than a stable one
+    return f"diverged (its val loss rose to {worst(vals):.4g}, above its first, {vals[0]:.4g}; it ended at {vals[-1]:.4g})"
 
 
 def learning_window(results: Iterable[tuple[float, bool]]) -> tuple[float | None, float | None]:

@@ -16,10 +16,8 @@ stable side (docs/design.md, measured). Here:
   `max_concurrent_trials` lets w run at once: then sample i waits for the samples before i - w + 1
   and goes by their results only, splitting the bracket with the w - 1 samples after them, finished
   or not. So the rates asked depend on the results, not on when they came: a resumed search (whose
-  restored trials run again) asks what one never interrupted asks. Taking whichever results had
-  come when a slot freed up did not: a search resumed after the grid asked 1.78 and 0.0562 where
-  the uninterrupted one asked 0.316, 1.78 and 0.75, and found another edge. One at a time also
-  closes in best (docs/design.md);
+  restored trials run again) asks what one never interrupted asks, where taking whichever results
+  had come when a slot freed up did not (docs/design.md). One at a time also closes in best;
 - once no rate is left that a sample could try inside the bracket (the range's top trained
   stably; or, nothing stable, the smallest rate that diverged lies at the range's bottom, or every
   rate up to its top ran without learning), the search is over: `suggest` answers FINISHED, which
@@ -30,9 +28,9 @@ stable side (docs/design.md, measured). Here:
   says where the edge lies, for a search with more samples or another range);
 - where no rate trained stably, the samples look between the largest rate that ran without
   learning and the smallest that diverged (`learning_window`): above a rate too small to learn,
-  below one that blew up. Before, every rate that was not stable bounded the bracket from above,
-  and a search whose rates were too small to learn sampled smaller ones still;
-- an errored trial says nothing about stability: it is not told to Optuna and bounds no bracket;
+  below one that blew up;
+- an errored trial says nothing about stability: it is not told to Optuna and bounds no bracket,
+  but no sample takes its rate (its rerun will tell, under its key);
 - Optuna is told each trial's final result only. Intermediate values feed only a pruner, and Ray
   runs Optuna without one (a stability verdict needs the whole run). A resumed trial reports steps
   Optuna already has: its checkpoint's row again (`TuneReporter`, for ASHA), and from Tune's

@@ -200,7 +200,7 @@ class SweepSignals:
       `stability.stall_stop`, for a run where stall halts learning (`stall_halts_learning`), else
       always 0;
     - `sweep/stable_lr` and `sweep/diverged`: the run's peak learning rate while it learns
-      stably, else 0 (the learning-rate search maximizes it), and 1 once it diverged, else 0:
+      stably, else 0 (the learning-rate search maximizes it), and 1 where it has diverged, else 0:
       `trial_spec.verdict` of its evaluations so far, this report, and the stop the stability
       stopper would make on it (`stopper.stability_stop`). A run's last report says what the
       search's table says of its record.
@@ -215,7 +215,7 @@ class SweepSignals:
         self.tolerance = tolerance
         self.stall_streak = 0
         self.first_val: float | None = None
-        self.worst_val = -math.inf  # `learning`'s: the largest val loss so far
+        self.worst_val = -math.inf  # `verdict`'s: the largest val loss so far
 
     def observe(self, row: dict[str, float]) -> dict[str, float]:
         rate = row.get(BIT_STALL_RATE)

@@ -29,8 +29,8 @@ def trial_limits(cpus: int, gpu_fraction: float) -> dict[str, Any]:
     return {"limits": {"cpus": cpus, "gpu_fraction": gpu_fraction}}
 
 
-# How far above its first a val loss must rise for the run to have diverged: above the wobble of
-# a rate too small to learn (~1e-4 of it at chance level), far below a blow-up (185991 from 10.99).
+# How far above its first a val loss must rise for the run to have diverged: above the wobble of a
+# rate too small to learn, far below a blow-up (measured: docs/design.md, the lr search's audit).
 RISE_MARGIN = 0.01
 
 
@@ -43,8 +43,8 @@ def verdict(first_val_loss: float | None, worst_val_loss: float, val_loss: float
     table, of a record (`lr_search.judged`).
 
     Diverged: broken, stopped for NaN, or a val loss that rose more than RISE_MARGIN above the
-    first, whatever it fell back to (an lr-100 run blew up to 185991 from 10.99 and came back to
-    chance, below its first). Stable: not diverged, not stopped, and the latest val loss below the
+    first, whatever it fell back to (a blown-up run can come back to chance, below its first).
+    Stable: not diverged, not stopped, and the latest val loss below the
     first by more than `tolerance`, a fraction of it (the search's setting). Neither: the run ran
     without learning (too small a rate, too short a run, weights stalled in their format), and the
     search looks above it, where it looks below a diverged one."""
