@@ -458,10 +458,10 @@ class SweepConfig(SweepSettings):
                 except ConfigError as e:
                     raise ConfigError(f"grid.axes.{path}: value {value!r} is not valid:\n{e}") from None
                 setting = reduce(getattr, path.split("."), run)
-                if same := [v for v, s in settings if s == setting]:
-                    same = same[0]
-                    raise ConfigError(f"grid.axes.{path}: values {same!r} and {value!r} are the same setting "
-                                      f"({setting!r}); give each once")
+                for earlier, its in settings:
+                    if its == setting:
+                        raise ConfigError(f"grid.axes.{path}: values {earlier!r} and {value!r} are the same "
+                                          f"setting ({setting!r}); give each once")
                 settings.append((value, setting))
 
     @property

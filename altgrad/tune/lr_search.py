@@ -64,11 +64,11 @@ class LrSearch:
             f"{cfg.lr.samples} that halve (log scale) the stretch between the largest that trained stably and "
             "the smallest above it that did not (nothing stable: between the largest that ran without learning "
             f"and the smallest that diverged), within [{cfg.lr.low:g}, {cfg.lr.high:g}], "
-            f"{cfg.max_concurrent_trials or 1} at a time (none once that stretch holds no rate left to try)",
+            f"{samples_at_once(cfg.max_concurrent_trials)} at a time (none once that stretch holds no rate left to try)",
             *describe_resources(cfg, len(cfg.formats) * per_format, lambda at_once: len(cfg.formats) * (
                 # one format after another: its grid, then its samples (`lr_searcher`'s window)
                 math.ceil(len(cfg.lr.grid) / at_once)
-                + math.ceil(cfg.lr.samples / min(cfg.max_concurrent_trials or 1, at_once)))),
+                + math.ceil(cfg.lr.samples / min(samples_at_once(cfg.max_concurrent_trials), at_once)))),
             f"formats: {', '.join(cfg.formats)}",
         ]
         return "\n".join(lines)
@@ -89,6 +89,12 @@ class LrSearch:
         path.write_text(json.dumps(rows, indent=1))
         print(f"results: {path}")
         return 0
+
+
+def samples_at_once(max_concurrent_trials: int | None) -> int:
+    """How many of a format's samples run at a time (`lr_searcher`'s window): one, unless the
+    sweep's `max_concurrent_trials` lets more run."""
+    return max_concurrent_trials or 1
 
 
 def judged(record: TrialRecord, tolerance: float) -> tuple[bool, bool]:

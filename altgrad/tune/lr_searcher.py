@@ -61,7 +61,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from altgrad.experiment import SEARCH_FILE
 from altgrad.metrics import DIVERGED, STABLE_LR
-from altgrad.tune.lr_search import learning_window, stability_edge
+from altgrad.tune.lr_search import learning_window, samples_at_once, stability_edge
 from altgrad.tune.store import StateStore
 
 
@@ -98,7 +98,7 @@ class GridThenEdge(OptunaSearch):
         if len(asked) >= self.grid_size:
             # sample i goes by the results of the grid and of the samples before i - window + 1,
             # which it waits for, and splits the stretches of the window's later ones
-            window = self.max_concurrent or 1
+            window = samples_at_once(self.max_concurrent)
             known = asked[:self.grid_size + max(0, len(asked) - self.grid_size - window + 1)]
             if not self.finished.issuperset(known):
                 return None
