@@ -587,6 +587,45 @@ def test_a_bf16_seed_cut_short_is_not_the_baseline_of_a_longer_cell(tmp_path):
     assert ratio.note in write_report(records, tmp_path).read_text()
 
 
+def test_a_format_given_a_longer_budget_than_bf16_is_compared_with_nothing_and_says_so(tmp_path):
+    """e5m2 ran 60 steps (`grid.format_overrides`), every bf16 seed 40: no bf16 seed is a baseline
+    at e5m2's budget. The verdict, the cell, its gradient cosine and the heatmap say that, not that
+    e5m2 had no finite loss (it had), and the cell is in no Holm family."""
+    records = [*(trial("bf16", seed=s, steps=40) for s in range(3)), *seeded("e5m2", [0.9, 0.91, 0.92]),
+               *seeded("e4m3", [1.01, 1.02, 1.03], steps=40)]
+    f = compute_findings(records)
+    cell = f.cells["e5m2", "adamw", "all", ()]
+    why = "no bf16 seed evaluated up to its step 60, bf16's last evaluation being at step 40"
+    assert cell.no_baseline == why and cell.steps == 60 and cell.best.n == 3
+    assert cell.vs_bf16 == f"not compared ({why})" and cell.family_wise is None
+    assert not f.verdict.passed and f.verdict.reason.endswith(why) and "no finite" not in f.verdict.reason
+    fid = next(g for g in f.fidelity if g.cell is cell)
+    assert fid.verdict == f"not compared ({why})" and fid.family_wise is None
+    e4m3 = f.cells["e4m3", "adamw", "all", ()]  # bf16's budget: compared, alone in its family
+    assert e4m3.no_baseline == "" and e4m3.family_wise.family == 1
+    text = write_report(records, tmp_path).read_text()
+    assert f"| 60 | — | not compared ({why}) |" in text and "no finite value" not in text
+    assert "bf16 seeds {0, 1, 2} evaluated only up to step 40 of the cell's 60 (completed), left out\n" in text
+
+
+def test_a_collapsed_trial_s_non_finite_shadow_steps_after_its_collapse_are_counted():
+    """e7m0 collapsed at step 25 and went on logging to 60 (NaN steps skipped), its shadow cosine
+    non-finite from then on: those shadow steps are counted as non-finite (up to the last step it
+    logged, as the definition says), not cut at the collapse, which hid exactly them."""
+    broken = []
+    for seed in range(3):
+        t = trial("e7m0", seed=seed, nan_from=25)
+        for row in t.history:
+            if row["step"] >= 25 and "shadow/cos_mean" in row:
+                row["shadow/cos_mean"] = math.nan
+        broken.append(t)
+    f = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *broken])
+    fid = next(g for g in f.fidelity if g.cell.format == "e7m0")
+    after = [s for s in EVAL_STEPS if s >= 25]
+    assert fid.cell.steps == STEPS and (fid.nonfinite, fid.shadow_steps) == (3 * len(after), 3 * len(EVAL_STEPS))
+    assert fid.cosine.mean == pytest.approx(0.99 - sum(s for s in EVAL_STEPS if s < 25) / len(EVAL_STEPS[:3]) / 1e4)
+
+
 @pytest.mark.parametrize("status, stop, why", [("RUNNING", None, "still running")])
 def test_a_cell_seed_cut_short_is_left_out_of_the_cell(tmp_path, status, stop, why):
     """e4m3 seed 2, still running, evaluated only up to step 30 of 60: its best loss is a 30-step

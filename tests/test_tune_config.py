@@ -11,6 +11,7 @@ from sweep_helpers import ABLATION, LR_SEARCH, ablation
 from altgrad.config import ConfigError, build_run_config
 from altgrad.tune.cli import sweep_main
 from altgrad.tune.config import LrSearchConfig, SweepConfig, load_sweep_config
+from altgrad.tune.grid import build_grid, describe_grid
 from altgrad.tune.lr_search import LrSearch
 from altgrad.tune.trial_spec import trial_limits, trial_run_config
 
@@ -179,3 +180,17 @@ def test_a_grid_whose_asha_has_no_rung_is_warned_about():
             "(the stability stopper still does)") in cfg.warnings()
     assert not any("grace_period" in w for w in load_sweep_config(
         SweepConfig, ABLATION, ["preset=cpu", "base.train.max_steps=41", "asha.grace_period=40"]).warnings())
+
+
+def test_a_format_given_more_steps_than_bf16_is_warned_about():
+    """Its cells would have no bf16 seed evaluated at their budget: the report compares them with
+    nothing. Fewer steps, or bf16 given the same, is fine."""
+    base = ["preset=cpu", "base.train.max_steps=40", "grid.formats=[bf16, e4m3, e5m2]"]
+    cfg = load_sweep_config(SweepConfig, ABLATION, [*base, "grid.format_overrides={e5m2: {train: {max_steps: 50}}}"])
+    assert [w for w in cfg.warnings() if "format_overrides" in w] == [
+        "grid.format_overrides.e5m2 trains 50 steps, past bf16's 40: no bf16 seed is evaluated at its budget, so "
+        "the report compares e5m2 with nothing (give bf16 the same train.max_steps)"]
+    assert "each trial: up to 50 steps of a" in describe_grid(cfg, build_grid(cfg))  # the longest, not the base's
+    for fine in ("{e5m2: {train: {max_steps: 30}}}", "{e5m2: {train: {max_steps: 50}}, bf16: {train: {max_steps: 50}}}"):
+        cfg = load_sweep_config(SweepConfig, ABLATION, [*base, f"grid.format_overrides={fine}"])
+        assert not any("format_overrides" in w for w in cfg.warnings())

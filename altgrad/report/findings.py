@@ -45,6 +45,7 @@ from altgrad.report.records import (
     gradient_cosine,
     label,
     last_eval,
+    last_logged_step,
     name,
     seed_values,
     shadow_cosines,
@@ -88,7 +89,8 @@ DEFINITIONS = f"""\
   broke, perhaps its first evaluation, so instead the table gives each seed's val loss at its last
   evaluation over its bf16 seed's at that step (paired, over the seeds where both are finite; mean
   ± t interval), how far behind it was when it stopped. A bf16 seed whose last evaluation came
-  before the cell's steps is no baseline of it, and is said.
+  before the cell's steps is no baseline of it, and is said; a cell left with none (a format given
+  a longer budget than bf16's, `grid.format_overrides`) is not compared.
 - **× bf16**: per seed, the cell's best val loss divided by bf16's (same optimizer, same seed, same
   values of the extra axes that apply to bf16) over the same budget (bf16's evaluations up to the
   cell's steps), then the mean of these per-seed ratios with its t interval ("paired"). When the
@@ -197,6 +199,10 @@ class Cell:
     # bf16 seed's at that step, how far behind it was when it stopped.
     broke_early: bool = False
     at_stop: Comparison | None = None
+    # Why no bf16 seed is a baseline of it (every one evaluated short of its steps: a format that ran
+    # longer than bf16, by `grid.format_overrides`), e.g. "no bf16 seed evaluated up to its step 50,
+    # bf16's last evaluation being at step 40"; "" where some is.
+    no_baseline: str = ""
     NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
 
     @property
@@ -257,7 +263,7 @@ class Cell:
     def compared(self) -> bool:
         """Whether its × bf16 is read (called and counted in the Holm family): not where a seed broke
         before the final evaluation, nor where its seeds stopped at different steps (`vs_bf16`)."""
-        return not (self.broke_early or self.mixed_budgets)
+        return not (self.broke_early or self.mixed_budgets or self.no_baseline)
 
     @property
     def vs_bf16(self) -> str:
@@ -273,6 +279,8 @@ class Cell:
             why.append(f"broke before the final evaluation: {', '.join(self.stops)}{there}")
         if self.mixed_budgets:
             why.append("seeds stopped at different steps")
+        if self.no_baseline:
+            why.append(self.no_baseline)
         return reading(self.ratio, self.NULL, "better", "worse") if self.compared else f"not compared ({'; '.join(why)})"
 
 
@@ -356,7 +364,9 @@ class GradientFidelity:
     def verdict(self) -> str:
         """"lower" / "higher" when the interval excludes 0; "not compared" where the cell's seeds
         stopped at different steps (each seed's window then differs: its spread is the budgets'),
-        as its × bf16 is not."""
+        as its × bf16 is not, or where no bf16 seed ran its steps (`Cell.no_baseline`)."""
+        if self.cell.no_baseline:
+            return f"not compared ({self.cell.no_baseline})"
         if not self.compared:
             return "not compared (seeds stopped at different steps)"
         return reading(self.diff, self.NULL, "lower", "higher")
@@ -364,7 +374,7 @@ class GradientFidelity:
     @property
     def compared(self) -> bool:
         """Whether its cosine − bf16 is read and counted in the Holm family (`verdict`)."""
-        return not self.cell.mixed_budgets
+        return not (self.cell.mixed_budgets or self.cell.no_baseline)
 
 
 @dataclass(frozen=True)
@@ -596,12 +606,14 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     values = seed_values([t for t in trials if t.seed not in short], steps)
     ratio = ratio_interval(values, seed_values([t for t in baseline if t.seed not in short_bf16], steps),
                            labels=(label, BASELINE))
+    no_baseline = (f"no {BASELINE} seed evaluated up to its step {steps}, {BASELINE}'s last evaluation being "
+                   f"at step {furthest_eval(baseline)}" if steps and baseline and len(short_bf16) == len(baseline) else "")
     if not steps:  # no trial of the cell has evaluated yet: nothing to divide
         ratio = replace(ratio, note="no evaluation yet")
     else:
         why = [_short_text(name, cut, steps) for name, cut in ((label, short), (BASELINE, short_bf16)) if cut]
-        if why:
-            ratio = replace(ratio, note="; ".join(n for n in (*why, ratio.note) if n))
+        if why:  # (with no baseline left, the pairing's own note would only repeat it)
+            ratio = replace(ratio, note="; ".join(n for n in (*why, "" if no_baseline else ratio.note) if n))
     # A seed that broke before the final evaluation (bf16's furthest, else the cell's own) has a
     # best val loss that may predate the breaking; one stopped at or after it measured the budget.
     final = furthest_eval(baseline) or steps
@@ -609,7 +621,7 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     at_stop = _at_stop([t for t in trials if t.seed not in short], baseline, label) if cut else None
     return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also,
                 short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)), broke_early=cut,
-                at_stop=at_stop)
+                at_stop=at_stop, no_baseline=no_baseline)
 
 
 def _at_stop(trials: Sequence[TrialRecord], baseline: Sequence[TrialRecord], label: str) -> Comparison | None:
@@ -698,6 +710,8 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], bf16: dict[str, l
     if not cell.full_budget:
         return Verdict(False, cell, f"{where} cut before the full budget (step {cell.steps}): no verdict on "
                                     "a partial budget")
+    if cell.no_baseline:
+        return Verdict(False, cell, f"{where}: {cell.no_baseline}")
     if not math.isfinite(cell.ratio.mean):
         return Verdict(False, cell, f"{where} has no finite val loss")
     if cell.ratio.half_width is None:
@@ -736,7 +750,7 @@ def _fidelity(cell: Cell, bf16: list[TrialRecord]) -> GradientFidelity | None:
     the cell's steps) on both sides, over the seeds its loss numbers use; None when none of its
     trials logged a shadow step."""
     trials = [t for t in cell.trials if t.seed not in cell.short]
-    upto = {t.seed: cell.steps if (last := stop_step(t)[0]) is None else min(cell.steps, last) for t in trials}
+    upto = {t.seed: cell.steps if (last := last_logged_step(t)) is None else min(cell.steps, last) for t in trials}
     logged = [shadow_cosines(t, upto[t.seed]) for t in trials]
     if not any(logged):
         return None

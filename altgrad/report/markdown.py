@@ -23,8 +23,8 @@ from altgrad.report.stats import FamilyWise, seeds_text
 PLOT_SECTIONS = (
     ("heatmap", "Best val loss relative to bf16",
      "Mean over seeds of the per-seed ratio to bf16, ± the half-width of its 95 % interval; lower is "
-     "better, 1.000 = bf16. Grey hatched: no trial, not evaluated yet, no finite loss, or a trial that "
-     "broke (× and its stop reason). \"format shift\": a seed moved layers to another format before "
+     "better, 1.000 = bf16. Grey hatched: no trial, not evaluated yet, no finite loss, no bf16 seed "
+     "evaluated up to the cell's steps, or a trial that broke (× and its stop reason). \"format shift\": a seed moved layers to another format before "
      "an evaluation. A row marked ≡ repeats an equivalent format's measurement."),
     ("loss", "Validation loss vs step",
      "Per format, the mean over seeds, with the band from the lowest to the highest seed, up to the last "
@@ -97,7 +97,7 @@ def _sweet_spots(f: Findings) -> str:
     rows = [[s.precision, s.optimizer, axes_text(s.axes) or "—", s.text,
              ", ".join(s.excluded) or "—"] for s in f.sweet_spots]
     return _table(["precision", "optimizer", "extra axes", "sweet spot (95 % intervals)",
-                   "not eligible (broke / partial budget / format shift)"], rows)
+                   "not eligible (broke / partial budget / format shift / no bf16 at its steps)"], rows)
 
 
 def _failures(f: Findings) -> str:
@@ -159,7 +159,7 @@ def _seeds(c: Cell) -> str:
 def _cells(f: Findings) -> str:
     rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—", _seeds(c),
              "not evaluated yet" if c.unevaluated else c.best.text(), c.steps,
-             "—" if c.unevaluated else c.ratio.text(3), "—" if c.unevaluated else c.vs_bf16,
+             "—" if c.unevaluated or c.no_baseline else c.ratio.text(3), "—" if c.unevaluated else c.vs_bf16,
              _family_wise(c.family_wise), _stops(c)]
             for c in sorted(f.cells.values(), key=lambda c: (c.optimizer, c.precision, c.axes, format_key(c.format)))]
     return _table(["format", "optimizer", "precision", "extra axes", "seeds", "best val loss (95 %)", "steps",
@@ -168,7 +168,8 @@ def _cells(f: Findings) -> str:
 
 def _fidelity_table(fidelity: list[GradientFidelity]) -> str:
     rows = [[g.cell.name, g.cell.optimizer, g.cell.precision, axes_text(g.cell.axes) or "—", g.cell.steps,
-             f"{g.nonfinite} of {g.shadow_steps}", g.cosine.text(4), g.baseline.text(4), g.diff.text(4),
+             f"{g.nonfinite} of {g.shadow_steps}", g.cosine.text(4),
+             *(("none", "—") if g.cell.no_baseline else (g.baseline.text(4), g.diff.text(4))),
              g.verdict, _family_wise(g.family_wise), g.cell.vs_bf16, _stops(g.cell)]
             for g in sorted(fidelity, key=lambda g: (g.cell.optimizer, g.cell.precision, g.cell.axes,
                                                       format_key(g.cell.format)))]
@@ -184,7 +185,7 @@ def _pairing(f: Findings) -> str:
     notes += [f"- {d.what}, {d.a.name} / {d.a.precision}: {d.diff.note}" for d in [*f.deltas, *f.axis_effects]
               if d.diff.note]
     notes += [f"- gradient cosine, {g.cell.name} / {where_text(g.cell.precision, g.cell.optimizer, g.cell.axes)}: "
-              f"{g.diff.note}" for g in f.fidelity if g.diff.note]
+              f"{g.diff.note}" for g in f.fidelity if g.diff.note and not g.cell.no_baseline]
     return "\n".join(notes) or "Every comparison was paired by seed."
 
 

@@ -366,7 +366,8 @@ def ratio_norm(ratio: np.ndarray) -> Normalize:
 def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> Plot:
     """× bf16 over format × precision, annotated `ratio ± half-width` ("format shift" where a seed
     shifted layers to another format before an evaluation). Only usable cells are coloured: grey hatched = no trial, no
-    evaluation yet, no finite loss (×), or a trial that broke (its stop reason)."""
+    evaluation yet, no finite loss (×), a trial that broke (its stop reason), or no bf16 seed that
+    evaluated up to the cell's steps."""
     formats, precisions = findings.formats, findings.precisions
     cells = [[findings.cell(f, optimizer, p, axes) for p in precisions] for f in formats]
     ratio = np.array([[c.ratio.mean if c and not c.broke else np.nan for c in row] for row in cells], float)
@@ -383,8 +384,14 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
                 text = f"{ratio[i, j]:.{d}f}\n" + (f"± {hw:.{d}f}" if hw is not None else f"n = {cell.ratio.n}")
             else:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="grey", lw=0))
-                text = ("no trial" if cell is None else "not evaluated yet" if cell.unevaluated
-                        else "× " + (",".join(cell.stops) or "no finite loss"))
+                if cell is None:
+                    text = "no trial"
+                elif cell.unevaluated:
+                    text = "not evaluated yet"
+                elif cell.no_baseline and not cell.broke:
+                    text = f"no {BASELINE} up to\nstep {cell.steps}"
+                else:
+                    text = "× " + (",".join(cell.stops) or "no finite loss")
             if formats[i] in findings.aliases and cell is not None:
                 text += f"\n≡ {findings.aliases[formats[i]]}"
             if cell is not None and cell.shifted:  # its numbers are not its format's alone

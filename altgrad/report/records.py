@@ -168,8 +168,13 @@ def stop_step(r: TrialRecord) -> tuple[int | None, bool]:
     bad = next((s for s, v in zip(steps, losses, strict=True) if not math.isfinite(v)), None)
     if bad is not None:
         return bad, True
-    last = r.history[-1][STEP] if r.history else r.summary.get("steps")  # a running summary lags
-    return (int(last) if _finite(last) else None), False
+    return last_logged_step(r), False
+
+
+def last_logged_step(r: TrialRecord) -> int | None:
+    """The last step the trial logged (from its history: a running trial's summary lags)."""
+    last = r.history[-1][STEP] if r.history else r.summary.get("steps")
+    return int(last) if _finite(last) else None
 
 
 def _metric(row: dict[str, float], key: str) -> float:

@@ -445,7 +445,20 @@ class SweepConfig(SweepSettings):
         return [*super().warnings(), *(
             f"grid.axes.{path} overrides base.{path} in every trial; the base value is not used"
             for path in self.grid.axes if self.sets_in_base(path)),
-            *([rungless] if self.asha.grace_period >= self.max_t else [])]
+            *([rungless] if self.asha.grace_period >= self.max_t else []), *self.budgets_past_baseline()]
+
+    def budgets_past_baseline(self) -> list[str]:
+        """Formats given more steps than bf16 (`grid.format_overrides`): no bf16 seed is evaluated
+        at their budget, so the report compares them with nothing."""
+        if BASELINE not in self.grid.formats:
+            return []
+        def steps(fmt: str) -> int:
+            return self.run_config(self.grid.format_overrides.get(fmt, {})).train.max_steps
+        baseline = steps(BASELINE)
+        return [f"grid.format_overrides.{fmt} trains {n} steps, past {BASELINE}'s {baseline}: no {BASELINE} seed "
+                f"is evaluated at its budget, so the report compares {fmt} with nothing (give {BASELINE} the "
+                f"same train.max_steps)"
+                for fmt in self.grid.formats if fmt in self.grid.format_overrides and (n := steps(fmt)) > baseline]
 
     def check(self) -> None:
         """Every extra-axis value must validate in the run config, named by its field, and no two

@@ -170,9 +170,10 @@ def concurrency(settings: SweepSettings, cpus: int, gpus: int) -> int:
 
 
 def describe_resources(settings: SweepSettings, n_trials: int,
-                       waves: Callable[[int], int] | None = None) -> list[str]:
+                       waves: Callable[[int], int] | None = None, max_steps: int | None = None) -> list[str]:
     """The resources lines of a plan; `waves(at_once)`: how many rounds of trials the sweep runs
-    where it cannot fill every slot each round (by default, n_trials over the slots)."""
+    where it cannot fill every slot each round (by default, n_trials over the slots); `max_steps`:
+    the longest trial's budget where some differ from the base's (`grid.format_overrides`)."""
     r = settings.resources
     cpus, gpus = machine_resources()
     at_once = concurrency(settings, cpus, gpus)
@@ -183,7 +184,7 @@ def describe_resources(settings: SweepSettings, n_trials: int,
         + (f", max {settings.max_concurrent_trials} at once" if settings.max_concurrent_trials else ""),
         f"this machine: {cpus} CPUs, {gpus} GPUs -> {at_once} trial(s) at a time"
         + ("" if at_once else "  (NOT ENOUGH for one trial: lower resources.* or use preset cpu)"),
-        f"each trial: up to {t.max_steps} steps of a {m.n_layer}-layer, {m.n_embd}-wide model "
+        f"each trial: up to {max_steps or t.max_steps} steps of a {m.n_layer}-layer, {m.n_embd}-wide model "
         f"(block {m.block_size}, batch {t.batch_size}), checkpoint every {t.checkpoint_interval} steps",
     ]
     if at_once:
@@ -214,7 +215,7 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
     aliases = len(points) - len(runs)
     lines = [f"sweep {cfg.name}: {len(runs)} trials = {size}"
              + (f", less {aliases} equivalent-format points measured once" if aliases else ""),
-             *describe_resources(cfg, len(runs))]
+             *describe_resources(cfg, len(runs), max_steps=max(p.run["train"]["max_steps"] for p in runs))]
     if cfg.asha.enabled:
         a = cfg.asha
         rungs = ", ".join(str(m) for m in asha_milestones(a.grace_period, a.reduction_factor, cfg.max_t))
