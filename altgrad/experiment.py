@@ -14,8 +14,8 @@ A run directory, written by `altgrad.train.Trainer` and knowing nothing of Ray, 
                      "autocast" (bf16 autocast, else fp32, for what it does not quantize), ...}`,
                      rewritten as it goes
 - `bit_positions.jsonl`  per diagnostic step, how far each quantized weight moved in codes
-- `checkpoints/`     `step_XXXXXXXX/checkpoint.pt` (best + last N), `anomaly_step_XXXXXXXX/`,
-                     `best.json` naming the best
+- `checkpoints/`     `step_XXXXXXXX/checkpoint.pt` and `meta.json` (its step and val loss; best +
+                     last N), `anomaly_step_XXXXXXXX/`, `best.json` naming the best
 - `wandb.json`       in a sweep with W&B: the trial's run id and the last step it logged
 
 An experiment directory, written by a sweep (`altgrad.tune`) as `<storage_path>/<name>/`, holds

@@ -77,6 +77,25 @@ def test_train_writes_a_run_dir_and_resumes(eurlex_dir, data_root, tmp_path, cap
         assert f"give the run directory, --resume {out.resolve()};" in err and "Traceback" not in err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
+    # its formats do not change on resume: the checkpoint's would replace the new ones, which the
+    # run's records would then claim
+    for changed in ("quant.format=e5m2", "quant.precision=mlp"):
+        assert main(["train", "--resume", str(out), "--set", changed, "--set", "train.max_steps=12", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert "a run's formats do not change on resume" in err and "Traceback" not in err
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+    # a corrupt line before the last of metrics.jsonl (not a kill's torn last line): exit 2, named
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join([lines[0], lines[1][:20] + "\n", *lines[2:]]))
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["train", "--resume", str(out), "--set", "train.max_steps=12", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: line 2 is not valid JSON" in err and "mend or remove that line" in err
+    assert "Traceback" not in err and {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    (out / "metrics.jsonl").write_text("".join(lines))
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
     # a new run cannot take over the directory: it would delete this run's metrics and mix checkpoints
     assert main(["train", *data_args(eurlex_dir, data_root), "--set", "train.max_steps=2",
                  "--set", "quant.format=e5m2", "--out", str(out), "--quiet"]) == 2

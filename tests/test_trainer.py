@@ -337,6 +337,50 @@ def test_nan_gradients_are_skipped_then_stop_the_run(make_config, tmp_path):
     assert streaks[-3:] == [1.0, 2.0, 3.0]
 
 
+def same_state(a, b) -> bool:
+    """Two checkpoint dicts equal entry for entry, tensors bit for bit (NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(
+            torch.nan_to_num(a) if a.is_floating_point() else a, torch.nan_to_num(b) if b.is_floating_point() else b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+
+
+def test_the_anomaly_checkpoint_is_the_state_the_first_nan_step_started_from(make_config, tmp_path):
+    """SPEC §5's save-on-anomaly: the checkpoint saved at the first non-finite step is the state it
+    started from, the checkpoint the step before wrote, entry for entry, not what the skipped step
+    left: its forward recorded amaxes in the scalers' histories, it set its learning rate, and the
+    monitor counted it (resumed from there, the run stopped a step early)."""
+    cfg = make_config("quant.format=e4m3", "train.max_steps=12", "stability.nan_patience=3",
+                      "train.checkpoint_interval=1", "train.keep_last=20", "optim.partition_clip_k=4")
+    trainer = Trainer(cfg, tmp_path)
+    nan_gradients_from(trainer, 5)
+    assert trainer.fit()["steps"] == 7
+    before = torch.load(tmp_path / "checkpoints" / "step_00000004" / CHECKPOINT_FILE, weights_only=True)
+    anomaly = torch.load(tmp_path / "checkpoints" / "anomaly_step_00000005" / CHECKPOINT_FILE, weights_only=True)
+    assert same_state(anomaly, before)
+    after = torch.load(tmp_path / "checkpoints" / "step_00000005" / CHECKPOINT_FILE, weights_only=True)
+    assert not same_state(after["model"], before["model"])  # (the skipped step did change these)
+
+
+@pytest.mark.parametrize("patience", [1, 2])
+def test_one_anomaly_checkpoint_per_run_of_nan_steps_whatever_the_format_shifts(make_config, tmp_path, patience):
+    """Emergency shifts reset the NaN streak, not the run of non-finite steps: its first step is
+    saved (with shift_patience 1 it was not, a later one was instead), and once (with 2, every
+    other step was)."""
+    cfg = make_config("quant.format=e4m3", "train.max_steps=16", "stability.nan_patience=2",
+                      f"stability.shift_patience={patience}")
+    trainer = Trainer(cfg, tmp_path)
+    nan_gradients_from(trainer, 5)  # from step 5 on, whatever the format
+    trainer.fit()
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert "format_shift" in kinds and kinds.count("anomaly_checkpoint") == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("anomaly_*")) == ["anomaly_step_00000005"]
+
+
 SPEC_METRICS = [
     "train/loss",
     "train/ppl",
@@ -531,6 +575,26 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_no_folder_behind(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_the_best_checkpoint_survives_a_writer_killed_before_best_json_and_a_corrupt_one(tmp_path):
+    """kill -9 after a checkpoint's rename and before `best.json` named it (the best so far): the
+    resumed run's saves still rank it by its own `meta.json`, and retention keeps it. A corrupt
+    `best.json` is rewritten, not a traceback; a checkpoint saved before any evaluation (val NaN)
+    is never the best."""
+    root = tmp_path / "checkpoints"
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(3, {"step": 3, "model": {}}, val_loss=math.nan)  # no evaluation yet
+    manager.save(5, {"step": 5, "model": {}}, val_loss=1.0)
+    (root / "best.json").unlink()  # killed before it was written
+    for step, val in ((10, 2.0), (15, 3.0), (20, 1.0)):  # step 20 ties: the earlier stays the best
+        manager.save(step, {"step": step, "model": {}}, val_loss=val)
+    assert [p.name for p in step_checkpoints(root)] == ["step_00000005", "step_00000015", "step_00000020"]
+    assert json.loads((root / "best.json").read_text()) == {"name": "step_00000005", "step": 5, "val_loss": 1.0}
+    (root / "best.json").write_text('{"name": "step_0000')  # torn
+    manager.save(25, {"step": 25, "model": {}}, val_loss=0.5)
+    assert json.loads((root / "best.json").read_text())["name"] == "step_00000025"
+    assert [p.name for p in step_checkpoints(root)] == ["step_00000020", "step_00000025"]
 
 
 def test_kurtosis_matches_its_definition(path):

@@ -2,12 +2,16 @@
 
 Layout: `<run_dir>/checkpoints/step_XXXXXXXX/checkpoint.pt` (a directory per checkpoint so the
 Tune adapter can hand it to `tune.Checkpoint.from_directory` as is) and `anomaly_step_XXXXXXXX/`
-for the pre-step state at the first NaN of a streak. `best.json` names the best checkpoint.
+for the pre-step state at the first NaN of a streak. Beside each `checkpoint.pt`, `meta.json` holds
+its step and val loss, written in the same atomic rename; `best.json` names the best checkpoint,
+rewritten from those after every save: a writer killed between the two files, or a corrupt
+`best.json`, cannot make the retention prune the best.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +21,7 @@ import torch
 
 from altgrad.experiment import BEST_FILE, CHECKPOINT_FILE, CHECKPOINTS_DIR, pid_alive
 
+META_FILE = "meta.json"  # beside checkpoint.pt: {"step", "val_loss"}, what ranks it for `best.json`
 STEP_PREFIX = "step_"
 ANOMALY_PREFIX = "anomaly_step_"
 WRITING = ".tmp-"  # a checkpoint being written: `.<name>.tmp-<writer's pid>`, renamed when whole
@@ -30,9 +35,9 @@ def checkpoint_name(step: int, prefix: str = STEP_PREFIX) -> str:
     return f"{prefix}{step:08d}"
 
 
-def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
-    """Write `state` to `directory/checkpoint.pt` atomically: a killed writer leaves no torn file,
-    only its temporary folder (`orphaned_writes`)."""
+def save_checkpoint(directory: Path, state: dict[str, Any], meta: dict[str, Any] | None = None) -> Path:
+    """Write `state` to `directory/checkpoint.pt` (and `meta`, if given, to its `meta.json`)
+    atomically: a killed writer leaves no torn file, only its temporary folder (`orphaned_writes`)."""
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}{WRITING}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -41,6 +46,8 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    if meta is not None:
+        (tmp / META_FILE).write_text(json.dumps(meta))
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)
@@ -111,23 +118,37 @@ class CheckpointManager:
         return self.root / BEST_FILE
 
     def best(self) -> dict[str, Any] | None:
-        return json.loads(self.best_file.read_text()) if self.best_file.is_file() else None
+        """`{"name", "step", "val_loss"}` of the checkpoint with the lowest val loss (the earliest of
+        equal ones; NaN, no evaluation yet, never), from the checkpoints' own `meta.json`; one
+        written before they had it counts by `best.json`'s entry, if that names it."""
+        ranked = []
+        for p in step_checkpoints(self.root):
+            meta = _read_json(p / META_FILE)
+            if meta is not None:
+                ranked.append({"name": p.name, **meta})
+        named = _read_json(self.best_file)
+        if (named is not None and (self.root / str(named.get("name"))).is_dir()
+                and all(m["name"] != named["name"] for m in ranked)):
+            ranked.append(named)
+        ranked = [m for m in ranked if isinstance(m.get("val_loss"), float | int) and not math.isnan(m["val_loss"])]
+        return min(ranked, key=lambda m: (m["val_loss"], m["name"]), default=None)
 
     def save(self, step: int, state: dict[str, Any], val_loss: float | None) -> Path:
-        directory = save_checkpoint(self.root / checkpoint_name(step), state)
+        """Write the checkpoint of `step`, whose last evaluation's loss is `val_loss` (None or NaN:
+        none yet), name the best in `best.json` and prune to the best and the last N."""
+        directory = save_checkpoint(self.root / checkpoint_name(step), state, {"step": step, "val_loss": val_loss})
         best = self.best()
-        if val_loss is not None and (best is None or val_loss < best["val_loss"]):
+        if best is not None:
             tmp = self.best_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"name": directory.name, "step": step, "val_loss": val_loss}))
+            tmp.write_text(json.dumps({"name": best["name"], "step": best["step"], "val_loss": best["val_loss"]}))
             os.replace(tmp, self.best_file)
-        self._prune()
+        self._prune(best)
         return directory
 
     def save_anomaly(self, step: int, state: dict[str, Any]) -> Path:
         return save_checkpoint(self.root / checkpoint_name(step, ANOMALY_PREFIX), state)
 
-    def _prune(self) -> None:
-        best = self.best()
+    def _prune(self, best: dict[str, Any] | None) -> None:
         keep = {p.name for p in step_checkpoints(self.root)[-self.keep_last :]}
         if best:
             keep.add(best["name"])
@@ -136,3 +157,13 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
         for p in orphaned_writes(self.root):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A small JSON object of the checkpoints' own, or None where it is missing or corrupt (a
+    torn write: the files it summarizes are still there to rank)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -23,6 +23,7 @@ from altgrad.metrics import (
     VAL_STEP,
 )
 from altgrad.train.checkpoint import CheckpointError, resume_candidates
+from altgrad.train.run_files import RunFileError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             report=None if args.quiet else ProgressPrinter(cfg.train.max_steps),
             resume=resume,
         )
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, RunFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         _drop_if_unused(run_dir, claimed)
         return 2

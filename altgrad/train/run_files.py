@@ -16,6 +16,11 @@ from altgrad.experiment import CONFIG_FILE, EVENTS_FILE, METRICS_FILE, SUMMARY_F
 from altgrad.metrics import STEP
 
 
+class RunFileError(RuntimeError):
+    """A run file a resume must read is corrupt (not a torn last line, which a kill leaves and
+    which is dropped); the message names the file and the line."""
+
+
 class RunFiles:
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir)
@@ -25,15 +30,16 @@ class RunFiles:
         self.config = self.dir / CONFIG_FILE
 
     def start(self, config_yaml: str, resume_step: int | None) -> None:
-        """Create the run dir; on resume, drop rows after the checkpoint (they will be redone)."""
+        """Create the run dir; on resume, drop rows after the checkpoint (they will be redone).
+        The config is written last: a resume refused for a corrupt file leaves the run as it was."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(config_yaml)
         if resume_step is None:
             for f in (self.metrics, self.events):
                 f.unlink(missing_ok=True)
         else:
             for f in (self.metrics, self.events):
                 self.truncate(f, resume_step)
+        self.config.write_text(config_yaml)
 
     def truncate(self, path: Path, step: int) -> None:
         """Keep only the rows of `path` up to `step` (a resumed run redoes the rest). A file the run
@@ -41,7 +47,11 @@ class RunFiles:
         events add the resume itself (`EventKind.RESUME`)."""
         if not path.exists():
             return
-        rows = [r for r in read_jsonl(path) if int(r.get(STEP, 0)) <= step]
+        try:
+            rows = [r for r in read_jsonl(path) if int(r.get(STEP, 0)) <= step]
+        except ValueError as e:  # (a line that is not JSON, before the last)
+            raise RunFileError(f"cannot resume: {e}; the run keeps its rows up to step {step}: mend or "
+                               "remove that line and resume again") from None
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.replace(tmp, path)

@@ -70,6 +70,12 @@ class StabilityMonitor:
     format_shifts: int = 0
     stall_streaks: dict[str, int] = field(default_factory=dict)
     nan_origins: list[str] = field(default_factory=list)
+    last_finite: bool = True  # the last step observed was finite (a shift resets `nan_streak`, not this)
+
+    def opens_nan_run(self, m: dict[str, float]) -> bool:
+        """Whether this step, not yet observed, is the first non-finite one after a finite step:
+        where save-on-anomaly saves the state before it (SPEC §5)."""
+        return self.last_finite and not _finite_step(m)
 
     def observe_step(self, step: int, m: dict[str, float], shift: ShiftFn | None = None,
                      origin: list[str] | None = None) -> tuple[list[Event], str | None]:
@@ -85,6 +91,7 @@ class StabilityMonitor:
         patience = self.cfg.shift_patience if shift is not None else None
         loss_bad = m[LOSS_IS_NAN] > 0
         grad_bad = m[GRAD_HAS_NAN] > 0
+        self.last_finite = _finite_step(m)
         if loss_bad or grad_bad:
             self.nan_streak += 1
             where = "forward" if loss_bad else "backward"
@@ -171,8 +178,14 @@ class StabilityMonitor:
             "format_shifts": self.format_shifts,
             "stall_streaks": dict(self.stall_streaks),
             "nan_origins": list(self.nan_origins),
+            "last_finite": self.last_finite,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+def _finite_step(m: dict[str, float]) -> bool:
+    """Whether the step's loss and gradients were finite (else it was skipped)."""
+    return not (m[LOSS_IS_NAN] > 0 or m[GRAD_HAS_NAN] > 0)

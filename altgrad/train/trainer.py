@@ -66,6 +66,7 @@ from altgrad.train.diagnostics import Diagnostics, Metrics, short_name
 from altgrad.train.format_shift import layer_formats, restore_formats, shift_layers
 from altgrad.train.nan_origin import NanOrigin
 from altgrad.train.partition_clip import PartitionClipper
+from altgrad.train.pre_step import StepStart, rng_state
 from altgrad.train.run_files import RunFiles
 from altgrad.train.schedule import lr_at
 from altgrad.train.shadow import FP32Shadow
@@ -171,6 +172,7 @@ class Trainer:
         self.files = RunFiles(self.run_dir)
         self.bit_tracker = BitTracker(self.layers, seed=t.seed, replay=replay) if self.layers and t.diag_every else None
         self.bit_file = BitPositionsFile(self.files)
+        self.step_start = StepStart({"model": self.model, **({"partition_clip": self.clipper} if self.clipper else {})})
         self.best_val = math.inf
         self.val_loss = math.nan
         self.val_step = 0
@@ -241,6 +243,8 @@ class Trainer:
         decision (made on the device); the optimizer step; diagnostics of the update; the one
         host sync of everything the step measured."""
         t = self.cfg.train
+        # (what a skipped step changes, for the checkpoint of the state before it: `_apply_policy`)
+        self.step_start.capture(self.optimizer, val=self._val_state(), wall_time_s=self.wall_time)
         x, y = self.batches.train_batch(step - 1)
         lr = lr_at(step - 1, self.cfg.optim.lr, t.warmup_steps, t.max_steps, self.cfg.optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
@@ -349,12 +353,17 @@ class Trainer:
 
     # -- stability policy -----------------------------------------------------------------
     def _apply_policy(self, step: int, metrics: dict[str, float], origin: list[str]) -> str | None:
+        anomaly = None
+        if self.monitor.opens_nan_run(metrics):  # the first non-finite step after a finite one (an
+            # emergency shift within the run does not open another): saved before the monitor and
+            # a shift change what the step started from
+            anomaly = self.checkpoints.save_anomaly(step, self.step_start.restore(self._state(step - 1)))
         events, stop = self.monitor.observe_step(step, metrics, self._shift, origin)
         if metrics[VAL_STEP] == step:
             events += self.monitor.observe_eval(metrics[VAL_LOSS])
-        if self.monitor.nan_streak == 1:  # first NaN of a streak: the step was skipped, so this
-            path = self.checkpoints.save_anomaly(step, self._state(step - 1))  # is the pre-step state
-            events.append(Event(EventKind.ANOMALY_CHECKPOINT, f"pre-step state saved to {path.name}", {"path": str(path)}))
+        if anomaly is not None:
+            events.append(Event(EventKind.ANOMALY_CHECKPOINT, f"pre-step state saved to {anomaly.name}",
+                                {"path": str(anomaly)}))
         for e in events:
             self._log_event(step, e)
         metrics[NAN_STREAK] = float(self.monitor.nan_streak)
@@ -379,15 +388,15 @@ class Trainer:
             "formats": layer_formats(self.layers),
             "optimizer": self.optimizer.state_dict(),
             "partition_clip": self.clipper.state_dict() if self.clipper is not None else {},
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
+            "rng": rng_state(),
             "monitor": self.monitor.state_dict(),
-            "val": {"best": self.best_val, "last": self.val_loss, "step": self.val_step},
+            "val": self._val_state(),
             "wall_time_s": self.wall_time,
             "config": self.cfg.model_dump(mode="json"),
         }
+
+    def _val_state(self) -> dict[str, float]:
+        return {"best": self.best_val, "last": self.val_loss, "step": self.val_step}
 
     def _resume(self, path: Path) -> tuple[int, list[str]]:
         """Restore from the newest usable checkpoint at `path`; a corrupt one falls back to older.
@@ -406,6 +415,12 @@ class Trainer:
         raise CheckpointError(f"cannot resume: {detail}")
 
     def _load_state(self, state: dict[str, Any]) -> None:
+        trained = state.get("config", {}).get("quant", {})
+        for key in ("format", "precision"):  # (the checkpoint's layer formats would replace the new)
+            now = self.cfg.quant.model_dump(mode="json")[key]
+            if key in trained and trained[key] != now:
+                raise ConfigError(f"the run trained quant.{key} = {trained[key]!r}, not {now!r}: a run's formats do "
+                                  f"not change on resume; resume with its own, or start a new run")
         try:
             restore_formats(self.layers, state["formats"])  # a shifted format, before its scales
             self.model.load_state_dict(state["model"])
