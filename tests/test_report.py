@@ -1551,3 +1551,31 @@ def test_a_tie_bf16_leads_says_which_formats_it_left_out_on_calls_that_do_not_ho
     assert (tie.leader, tie.group) == (None, ("bf16", "e7m0"))
     assert not f.cells["e4m3", "adamw", "all", ()].family_wise.holds
     assert tie.text == "tie: bf16 ≈ e7m0 (intervals overlap; e4m3 left out as worse than bf16, not family-wise)"
+
+
+def test_an_axis_effect_not_taken_is_said_with_why(tmp_path):
+    """An extra axis's effect needs both values at full budget: where stored-in-format weights
+    stalled (the axis's real effect), the section says which pair and why instead of dropping it."""
+    records = seeded("bf16", [1.0, 1.0, 1.0])
+    for weights, cells in (("fp32", [seeded("e5m2", [1.0, 1.01, 1.02]), seeded("e4m3", [1.0, 1.01, 1.02])]),
+                           ("format", [seeded("e5m2", [1.03, 1.04, 1.05]),
+                                       [replace(trial("e4m3", seed=s, steps=30), stop_reason="bit_stall")
+                                        for s in range(3)]])):
+        for r in (r for cell in cells for r in cell):
+            r.axes = {"quant.master_weights": weights}
+            records.append(r)
+    f = compute_findings(records)
+    assert [d.a.format for d in f.axis_effects] == ["e5m2"]
+    line = "e4m3 / all, adamw: master_weights: format − fp32 (format: bit_stall)"
+    assert f.axis_effects_left_out() == [line]
+    assert f"Not compared, a side broke or ran short: {line}." in write_report(records, tmp_path).read_text()
+
+
+def test_bf16_leading_says_every_eligible_format_is_worse_and_names_those_not_eligible():
+    """"every format is worse" where a format was not eligible (it broke) overstated: it says
+    every eligible one, and names the others."""
+    stopped = [replace(trial("e7m0", seed=s, steps=30), stop_reason="asha") for s in range(3)]
+    f = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.20, 1.21, 1.22]), *stopped])
+    assert spot(f, "all").text == "bf16 (every eligible format is worse; not eligible: e7m0)"
+    f = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.20, 1.21, 1.22])])
+    assert spot(f, "all").text == "bf16 (every format is worse)"

@@ -315,6 +315,8 @@ class SweetSpot:
             return f"tie: {' ≈ '.join(self.group)} ({why})"
         if self.leader is None:
             caveat = f"; not family-wise for {', '.join(self.not_family_wise)}" if self.not_family_wise else ""
+            if self.excluded:
+                return f"{BASELINE} (every eligible format is worse{caveat}; not eligible: {', '.join(self.excluded)})"
             return f"{BASELINE} (every format is worse{caveat})"
         caveat = f" (better than {BASELINE}, not family-wise)" if self.not_family_wise else ""
         return f"{self.leader.name} at {self.leader.ratio.text(3)} × {BASELINE}{caveat}"
@@ -482,9 +484,20 @@ class Findings:
             b = self.cells.get((fmt, MANIFOLD, precision, axes))
             if optimizer != STANDARD or b is None or (fmt, precision, axes) in taken:
                 continue
-            short = "; ".join(f"{c.optimizer}: {', '.join(c.stops) or (RunStatus.RUNNING if c.running else 'short')}"
-                              for c in (a, b) if not c.full_budget)
-            out.append(f"{a.name} / {where_text(precision, '', axes)} ({short})")
+            out.append(f"{a.name} / {where_text(precision, '', axes)} ({_sides_short((STANDARD, a), (MANIFOLD, b))})")
+        return out
+
+    def axis_effects_left_out(self) -> list[str]:
+        """The pairs of cells an extra axis's effect would compare that it does not, as `e5m2 /
+        all, manifold: master_weights format − fp32 (format: bit_stall)`: a side broke or ran short."""
+        taken = {(id(d.a), id(d.b)) for d in self.axis_effects}
+        out = []
+        for what, a, b in _axis_pairs(self.cells, self.axes):
+            if (id(a), id(b)) not in taken:
+                held = tuple(i for i in a.axes if i in b.axes)
+                path = next(p for p, v in b.axes if (p, v) not in held)  # the axis the two differ in
+                sides = [(axis_value_text(dict(c.axes)[path]), c) for c in (a, b)]
+                out.append(f"{a.name} / {where_text(a.precision, a.optimizer, held)}: {what} ({_sides_short(*sides)})")
         return out
 
     def baseline_best(self, optimizer: str, axes: AxesKey = ()) -> Interval:
@@ -841,8 +854,10 @@ def _with_family_wise(diffs: list[Compared], left_out: Callable[[Compared], bool
     return [replace(d, family_wise=adjusted.get(id(d))) for d in diffs]
 
 
-def _axis_effects(cells: dict[tuple[str, str, str, AxesKey], Cell], axes: tuple[AxesKey, ...]) -> list[Difference]:
-    """Per extra axis: each value against the axis's first value (in grid order), all else equal."""
+def _axis_pairs(cells: dict[tuple[str, str, str, AxesKey], Cell],
+                axes: tuple[AxesKey, ...]) -> list[tuple[str, Cell, Cell]]:
+    """Per extra axis, each cell at another value with the cell at the axis's first value (in grid
+    order), all else equal: (what, first, other)."""
     out = []
     paths = list(dict.fromkeys(path for ax in axes for path, _ in ax))
     for path in paths:
@@ -852,7 +867,19 @@ def _axis_effects(cells: dict[tuple[str, str, str, AxesKey], Cell], axes: tuple[
             if values.get(path, first) == first:
                 continue
             a = cells.get((f, o, p, tuple(sorted({**values, path: first}.items()))))
-            what = f"{axis_names(paths)[path]}: {axis_value_text(values[path])} − {axis_value_text(first)}"
-            if a is not None and (d := _difference(what, a, b)):
-                out.append(d)
+            if a is not None:
+                out.append((f"{axis_names(paths)[path]}: {axis_value_text(values[path])} − {axis_value_text(first)}", a, b))
     return out
+
+
+def _axis_effects(cells: dict[tuple[str, str, str, AxesKey], Cell], axes: tuple[AxesKey, ...]) -> list[Difference]:
+    """Per extra axis: each value against the axis's first value, where both sides ran the full
+    budget (`_difference`)."""
+    return [d for what, a, b in _axis_pairs(cells, axes) if (d := _difference(what, a, b))]
+
+
+def _sides_short(*sides: tuple[str, Cell]) -> str:
+    """Why a difference of two cells (each named) is not taken: each side that did not run the
+    full budget, with its stops (`adamw: asha; manifold: asha`)."""
+    return "; ".join(f"{side}: {', '.join(c.stops) or (RunStatus.RUNNING if c.running else 'short')}"
+                     for side, c in sides if not c.full_budget)

@@ -207,8 +207,10 @@ def render(records: list[TrialRecord], findings: Findings, plots: dict[str, list
                                f"format and precision (ran: {', '.join(f.optimizers)})."),
         *([f"Not compared, a side broke or ran short: {', '.join(left_out)}."] if left_out else []),
     ]
-    if f.axis_effects:
-        sections += ["## Extra grid axes", _differences(f.axis_effects, "")]
+    axes_left_out = f.axis_effects_left_out()
+    if f.axis_effects or axes_left_out:
+        sections += ["## Extra grid axes", _differences(f.axis_effects, "No pair of cells ran the full budget on both sides."),
+                     *([f"Not compared, a side broke or ran short: {'; '.join(axes_left_out)}."] if axes_left_out else [])]
     if f.fidelity:
         sections += ["## Gradients against the FP32 shadow", _fidelity_table(f.fidelity)]
     sections += [
