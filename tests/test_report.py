@@ -1579,3 +1579,19 @@ def test_bf16_leading_says_every_eligible_format_is_worse_and_names_those_not_el
     assert spot(f, "all").text == "bf16 (every eligible format is worse; not eligible: e7m0)"
     f = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.20, 1.21, 1.22])])
     assert spot(f, "all").text == "bf16 (every format is worse)"
+
+
+def test_better_than_bf16_with_settings_of_its_own_points_at_the_settings():
+    """A format that ran with its own learning rate and trained better than bf16 at the base's:
+    the note names the settings as the first suspect, not published FP8 results; where bf16 ran
+    with the same settings, the gain is the format's and the anomaly note stands."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [0.90, 0.91, 0.92])]
+    for r in records:
+        r.overrides = {"optim.lr": 0.005} if r.format == "e5m2" else {}
+    (note,) = [n for n in compute_findings(records).notes if "trained better" in n]
+    assert "It ran with `optim.lr` = 0.005 (`grid.format_overrides`), bf16 with the base's: the gain may be " \
+           "those settings'" in note and "Published FP8" not in note
+    for r in records:
+        r.overrides = {"optim.lr": 0.005}
+    (note,) = [n for n in compute_findings(records).notes if "trained better" in n]
+    assert "Published FP8 results run slightly worse" in note

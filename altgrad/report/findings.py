@@ -578,10 +578,12 @@ def _baseline_compute(bf16: list[TrialRecord]) -> tuple[str, list[str]]:
         f"Every × {BASELINE} compares a format with fp32 compute."]
 
 
-def _better_than_bf16(c: Cell, lent: bool, deltas: list[Difference]) -> str:
+def _better_than_bf16(c: Cell, lent: bool, deltas: list[Difference], baseline_overrides: dict[str, Any]) -> str:
     """The note on a cell that trained better than bf16 beyond its interval. Where its optimizer's
     bf16 baseline is AdamW's training (`lent`), × bf16 holds the optimizer's own effect as well
-    as the format's, and the ablation to read is manifold − adamw, not the format's roles."""
+    as the format's, and the ablation to read is manifold − adamw, not the format's roles. Where
+    the format ran with settings of its own that bf16 did not (`grid.format_overrides`, its
+    learning rate say), those are the first suspect."""
     where = f"{c.name} / {c.precision} / {c.optimizer}{' / ' + axes_text(c.axes) if c.axes else ''}"
     head = (f"{where} trained better than {BASELINE} beyond its interval (× {BASELINE} {c.ratio.text(3)}; "
             f"{c.family_wise.text}). ")
@@ -591,6 +593,11 @@ def _better_than_bf16(c: Cell, lent: bool, deltas: list[Difference]) -> str:
                 else f"compare it with {c.format} / {c.precision} / {STANDARD}")
         return head + (f"Its {BASELINE} baseline took `{STANDARD}`'s steps, so this ratio holds `{c.optimizer}`'s own "
                        f"effect as well as the format's: {read}.")
+    if c.overrides and c.overrides != baseline_overrides:
+        return head + (f"It ran with {overrides_text(c.overrides)} (`grid.format_overrides`), {BASELINE} "
+                       + (f"with {overrides_text(baseline_overrides)}" if baseline_overrides else "with the base's")
+                       + f": the gain may be those settings', not the format's; give {BASELINE} the same "
+                       f"(`grid.format_overrides.{BASELINE}`) to tell them apart.")
     return head + ("Published FP8 results run slightly worse than 16-bit, so treat this as an anomaly until an "
                    "ablation explains it, e.g. forward-only quantization: `--set \"grid.axes={quant.roles."
                    "grad_output: [true, false]}\"`.")
@@ -833,7 +840,8 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     deltas = _with_family_wise([d for (f, o, p, ax), c in cells.items() if o == STANDARD
                                 and (m := cells.get((f, MANIFOLD, p, ax))) is not None
                                 and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None])
-    notes += [_better_than_bf16(c, c.optimizer in lent, deltas)
+    notes += [_better_than_bf16(c, c.optimizer in lent, deltas,
+                                next((t.overrides for t in bf16.get(c.optimizer, []) if t.overrides), {}))
               for c in cells.values() if c.full_budget and c.vs_bf16 == "better"]
     fidelity = [g for c in cells.values() if (g := _fidelity(c, bf16.get(c.optimizer, []))) is not None]
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
