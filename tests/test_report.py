@@ -715,8 +715,8 @@ def test_a_cell_whose_seeds_broke_together_says_how_far_behind_they_stopped(tmp_
     assert cell.broke and not cell.mixed_budgets and cell.steps == 30
     mean, hw = hand_interval(factors)
     assert cell.at_stop.mean == pytest.approx(mean) and cell.at_stop.half_width == pytest.approx(hw)
-    assert cell.vs_bf16 == (f"not compared (broke before the final evaluation: asha; val loss at its last "
-                            f"evaluation {mean:.2f} ± {hw:.2f} (n = 3, paired) × bf16's there)")
+    assert cell.vs_bf16 == (f"not compared (broke before the final evaluation: asha; val loss at the last "
+                            f"evaluation of seeds {{0, 1, 2}} {mean:.2f} ± {hw:.2f} (n = 3, paired) × bf16's there)")
     assert cell.family_wise is None and f.cells["e5m2", "adamw", "all", ()].family_wise.family == 1
     assert f"| {cell.vs_bf16} | — | asha |" in write_report(records, tmp_path).read_text()
 
@@ -1595,3 +1595,16 @@ def test_better_than_bf16_with_settings_of_its_own_points_at_the_settings():
         r.overrides = {"optim.lr": 0.005}
     (note,) = [n for n in compute_findings(records).notes if "trained better" in n]
     assert "Published FP8 results run slightly worse" in note
+
+
+def test_the_loss_at_the_stop_is_the_broken_seeds_not_mixed_with_those_that_ran_the_budget():
+    """One seed of three broke at step 30 (2.2x bf16's loss there), the others ran the full budget
+    at 0.9x: "how far behind it was when it stopped" is the broken seed's 2.2, not the three's mean
+    (1.33, which read as a format roughly on par)."""
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), trial("e4m3", seed=0, scale=0.9), diverged(1, 2.2),
+               trial("e4m3", seed=2, scale=0.9)]
+    cell = compute_findings(records).cells["e4m3", "adamw", "all", ()]
+    assert cell.broke_seeds == (1,) and cell.at_stop.n == 1 and cell.at_stop.mean == pytest.approx(2.2)
+    assert cell.vs_bf16 == ("not compared (broke before the final evaluation: asha; val loss at the last evaluation "
+                            "of seed 1 2.20 (n = 1, paired, no interval) × bf16's there; the other seeds ran the full budget; "
+                            "seeds stopped at different steps)")

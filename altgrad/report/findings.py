@@ -86,9 +86,10 @@ DEFINITIONS = f"""\
   was stopped (NaN, bit-stall, ASHA) stays, and the cell is marked broken. Where a seed broke
   before the final evaluation (bf16's furthest), the cell's × bf16 is shown but not read ("not
   compared") nor counted in the Holm family: that seed's best val loss is its best before it
-  broke, perhaps its first evaluation, so instead the table gives each seed's val loss at its last
-  evaluation over its bf16 seed's at that step (paired, over the seeds where both are finite; mean
-  ± t interval), how far behind it was when it stopped. A bf16 seed whose last evaluation came
+  broke, perhaps its first evaluation, so instead the table gives each such seed's val loss at its
+  last evaluation over its bf16 seed's at that step (paired, over the seeds where both are finite;
+  mean ± t interval), how far behind it was when it stopped; seeds of the cell that ran the full
+  budget are not in it, and said. A bf16 seed whose last evaluation came
   before the cell's steps is no baseline of it, and is said; a cell left with none (a format given
   a longer budget than bf16's, `grid.format_overrides`) is not compared.
 - **× bf16**: per seed, the cell's best val loss divided by bf16's (same optimizer, same seed, same
@@ -195,10 +196,12 @@ class Cell:
     short_baseline: tuple[int, ...] = ()  # bf16 seeds evaluated short of `steps`: no baseline of it
     family_wise: FamilyWise | None = None  # of `ratio`, over every cell's × bf16
     # A seed broke before the final evaluation: its best val loss may predate the breaking, so the
-    # cell's × bf16 is not read; `at_stop` is each seed's val loss at its last evaluation over its
-    # bf16 seed's at that step, how far behind it was when it stopped.
+    # cell's × bf16 is not read; `at_stop` is each such seed's val loss at its last evaluation over
+    # its bf16 seed's at that step, how far behind it was when it stopped (the seeds that ran the
+    # full budget are not in it: their ratio at the end is not a breaking's).
     broke_early: bool = False
     at_stop: Comparison | None = None
+    broke_seeds: tuple[int, ...] = ()  # the seeds that broke before the final evaluation
     # Why no bf16 seed is a baseline of it (every one evaluated short of its steps: a format that ran
     # longer than bf16, by `grid.format_overrides`), e.g. "no bf16 seed evaluated up to its step 50,
     # bf16's last evaluation being at step 40"; "" where some is.
@@ -273,9 +276,12 @@ class Cell:
         it stopped is said instead), or where its seeds stopped at different steps."""
         why = []
         if self.broke_early:
-            at = self.at_stop
-            there = (f"; val loss at its last evaluation {at.text(2)} × {BASELINE}'s there"
+            at, early = self.at_stop, self.broke_seeds
+            seeds = f"seed {early[0]}" if len(early) == 1 else f"seeds {seeds_text(early)}"
+            there = (f"; val loss at the last evaluation of {seeds} {at.text(2)} × {BASELINE}'s there"
                      if at is not None and math.isfinite(at.mean) else "")
+            if len(early) < len(self.trials):  # the others measured the budget: not mixed in
+                there += "; the other seeds ran the full budget"
             why.append(f"broke before the final evaluation: {', '.join(self.stops)}{there}")
         if self.mixed_budgets:
             why.append("seeds stopped at different steps")
@@ -637,11 +643,11 @@ def _make_cell(key: tuple[str, str, str, AxesKey], trials: tuple[TrialRecord, ..
     # A seed that broke before the final evaluation (bf16's furthest, else the cell's own) has a
     # best val loss that may predate the breaking; one stopped at or after it measured the budget.
     final = furthest_eval(baseline) or steps
-    cut = any(broke(t) and (last_eval(t) or 0) < final for t in trials)
-    at_stop = _at_stop([t for t in trials if t.seed not in short], baseline, label) if cut else None
+    early = [t for t in trials if broke(t) and (last_eval(t) or 0) < final and t.seed not in short]
+    at_stop = _at_stop(early, baseline, label) if early else None
     return Cell(*key, trials=trials, steps=steps, best=mean_interval(values.values()), ratio=ratio, also=also,
-                short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)), broke_early=cut,
-                at_stop=at_stop, no_baseline=no_baseline)
+                short=tuple(sorted(short)), short_baseline=tuple(sorted(short_bf16)), broke_early=bool(early),
+                at_stop=at_stop, broke_seeds=tuple(sorted(t.seed for t in early)), no_baseline=no_baseline)
 
 
 def _at_stop(trials: Sequence[TrialRecord], baseline: Sequence[TrialRecord], label: str) -> Comparison | None:
