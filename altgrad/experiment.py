@@ -172,7 +172,7 @@ class TrialRecord:
     stop_step: int | None = None  # the step at which the sweep (ASHA / stopper) stopped the trial
     stop_detail: str | None = None  # why, with the numbers: "asha: 23 % behind bf16 at step 20 (...)"
     axes: dict[str, Any] = field(default_factory=dict)  # extra grid-axis values (dotted field -> value)
-    same_as: str | None = None  # measured by this other grid point's trial (an equivalent format)
+    same_as: str | None = None  # measured by this other grid point's trial (an equivalent format or precision)
     reference: str | None = None  # the grid key of its bf16 reference (same optimizer, seed, axes)
     error: str | None = None  # the last line of the trial's error, when it errored
     unreadable: str | None = None  # why the trial's files could not be read (file and line)
@@ -383,8 +383,10 @@ def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
 
 
 def _alias(record: TrialRecord, labels: dict[str, Any]) -> TrialRecord:
-    """The measured trial listed under an equivalent format's name (one measurement, two names)."""
-    return replace(record, key=labels["key"], format=labels["format"], same_as=labels["same_as"],
+    """The measured trial listed under an equivalent grid point's name, format and precision (one
+    measurement, two names)."""
+    return replace(record, key=labels["key"], format=labels["format"], precision=labels["precision"],
+                   same_as=labels["same_as"],
                    reference=labels.get("reference"))
 
 

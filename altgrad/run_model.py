@@ -10,7 +10,7 @@ import torch
 from altgrad.config import ConfigError, RunConfig
 from altgrad.model import GPT, GPTConfig
 from altgrad.quant.convert import LayerPolicy, convert_to_quantized, linear_layers
-from altgrad.quant.formats import get_format
+from altgrad.quant.formats import FormatSpec, get_format
 from altgrad.quant.linear import LinearQuantPolicy
 
 
@@ -39,16 +39,22 @@ def layer_policy(cfg: RunConfig) -> LayerPolicy:
     return LayerPolicy.build(precision, q.format, template)
 
 
-def check_layer_policy(cfg: RunConfig) -> None:
-    """ConfigError where a rule of `quant.precision` matches no linear layer of the run's model
-    (SPEC §3), found on the model built without storage (the meta device): before any data is
-    prepared, any directory written or any trial started. Layer names come from the model, so
-    the check cannot drift from what `build_model` swaps."""
+def assigned_formats(cfg: RunConfig) -> dict[str, FormatSpec]:
+    """Each linear layer the run quantizes, with its format: the run's precision rules matched
+    against its model's layers, built without storage (the meta device); the baseline's none.
+    ValueError where a rule matches no layer."""
     if cfg.quant.is_baseline:
-        return
+        return {}
     with torch.device("meta"):
         model = GPT(GPTConfig(**cfg.model.model_dump()))
+    return layer_policy(cfg).assign(linear_layers(model))
+
+
+def check_layer_policy(cfg: RunConfig) -> None:
+    """ConfigError where a rule of `quant.precision` matches no linear layer of the run's model
+    (SPEC §3): before any data is prepared, any directory written or any trial started. Layer
+    names come from the model, so the check cannot drift from what `build_model` swaps."""
     try:
-        layer_policy(cfg).assign(linear_layers(model))
+        assigned_formats(cfg)
     except ValueError as e:
         raise ConfigError(f"quant.precision: {e}") from None

@@ -117,7 +117,7 @@ def _counts(rows: list[dict[str, Any]]) -> str:
         return ", ".join(f"{v} {values.count(v)}" for v in sorted(set(values)))
 
     aliases = len(rows) - len(measured)
-    also = f" (+{aliases} listed under an equivalent format)" if aliases else ""
+    also = f" (+{aliases} listed under an equivalent format or precision)" if aliases else ""
     return f"{len(measured)} trials{also}: {count('status')}" + (
         f"; stopped: {count('stop_reason')}" if any(r["stop_reason"] for r in measured) else "")
 

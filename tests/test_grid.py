@@ -20,7 +20,7 @@ def test_default_grid(capsys, tmp_path):
     n_opt = len(OPTIMIZERS)
     out = dry_run(capsys, "--storage-path", str(tmp_path), "--set", "preset=cpu")
     assert f"sweep format_ablation: {(7 * n_opt + n_opt) * 2} trials" in out
-    assert f"less {2 * n_opt} equivalent-format points measured once" in out
+    assert f"less {2 * n_opt} points measured by an equivalent one" in out
     assert "e1m6-adamw-all-s43" in out and "= e0m7-adamw-all-s43 (equivalent format" in out
     assert "per trial 1 CPU, 0 GPU" in out
     assert f"experiment dir: {tmp_path}/format_ablation" in out
@@ -147,3 +147,22 @@ def test_axis_values_that_agree_to_six_digits_are_two_trials():
                             smoke=True)
     keys = [p.key for p in build_grid(cfg)]
     assert keys == ["e4m3-adamw-all-lr=0.1234567-s42", "e4m3-adamw-all-lr=0.1234568-s42", "e4m3-adamw-all-lr=0.002-s42"]
+
+
+def test_a_policy_that_is_a_preset_for_a_format_is_measured_once(capsys, tmp_path):
+    """The config's own example policy puts attention in e5m2 and the rest in the grid's format:
+    for e5m2 that quantizes every layer as `all` does, so its points are aliases of `all`'s (one
+    measurement: run twice, the report counted it twice in each Holm family); for e3m4 it differs."""
+    custom = tmp_path / "custom.yaml"
+    data = yaml.safe_load(ABLATION.read_text())
+    data["grid"] = {"formats": ["bf16", "e3m4", "e5m2"], "optimizers": ["adamw"], "precisions": ["all", "attn_e5m2"],
+                    "seeds": [1, 2], "policies": {"attn_e5m2": [{"pattern": "*.attn.*", "format": "e5m2"},
+                                                                {"pattern": "*", "format": "{fmt}"}]}}
+    data["per_preset"] = {}
+    custom.write_text(yaml.safe_dump(data))
+    out = dry_run(capsys, "--config", str(custom), "--set", "preset=cpu")
+    assert "sweep format_ablation: 8 trials" in out and "less 2 points measured by an equivalent one" in out
+    for seed in (1, 2):
+        assert (f"e5m2-adamw-attn_e5m2-s{seed}  e5m2   adamw     attn_e5m2 {seed}  = e5m2-adamw-all-s{seed} "
+                "(the same layers in the same formats as precision all: one measurement)") in out
+        assert f"e3m4-adamw-attn_e5m2-s{seed}  e3m4" in out and f"e3m4-adamw-attn_e5m2-s{seed}  e3m4   adamw     attn_e5m2 {seed}  =" not in out

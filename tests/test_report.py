@@ -1286,7 +1286,7 @@ def test_tiny_sweep_with_an_axis_and_seeds(ray_address, eurlex_dir, data_root, t
     argv = [a for s in sets for a in ("--set", s)] + ["--name", "tiny", "--storage-path", str(tmp_path)]
     assert sweep_main(FormatAblation, config, "test", argv, after=report_after_sweep) == 0
     out = capsys.readouterr().out
-    assert "6 trials (+4 listed under an equivalent format)" in out  # 2 bf16 + e0m7 x 2 roundings x 2
+    assert "6 trials (+4 listed under an equivalent format or precision)" in out  # 2 bf16 + e0m7 x 2 roundings x 2
     exp = tmp_path / "tiny"
     records = load_experiment(exp)
     keys = [r.key for r in records]
@@ -1608,3 +1608,25 @@ def test_the_loss_at_the_stop_is_the_broken_seeds_not_mixed_with_those_that_ran_
     assert cell.vs_bf16 == ("not compared (broke before the final evaluation: asha; val loss at the last evaluation "
                             "of seed 1 2.20 (n = 1, paired, no interval) × bf16's there; the other seeds ran the full budget; "
                             "seeds stopped at different steps)")
+
+
+def test_a_precision_that_measures_what_another_does_is_one_cell_twice_and_one_family_member(tmp_path):
+    """e5m2 / attn_e5m2 (attention in e5m2, the rest in the grid's format) is e5m2 / all: the grid
+    runs it once and lists the trials under both. The report has the cell in both precisions, with
+    one set of numbers, says so, and counts it once in each Holm family (twice, it made the family
+    bigger and moved a call that held to one that did not)."""
+    def keyed(records, prec):
+        return [replace(r, key=f"{r.format}-adamw-{prec}-s{r.seed}") for r in records]
+    e5m2 = keyed(seeded("e5m2", [1.05, 1.06, 1.07]), "all")
+    records = [*keyed(seeded("bf16", [1.0, 1.0, 1.0]), "all"), *keyed(seeded("e3m4", [1.0, 1.01, 1.02]), "all"),
+               *keyed(seeded("e3m4", [1.02, 1.03, 1.04], prec="attn_e5m2"), "attn_e5m2"), *e5m2,
+               *(replace(r, key=f"e5m2-adamw-attn_e5m2-s{r.seed}", precision="attn_e5m2", same_as=r.key) for r in e5m2)]
+    f = compute_findings(records)
+    twin, cell = f.cells["e5m2", "adamw", "attn_e5m2", ()], f.cells["e5m2", "adamw", "all", ()]
+    assert twin.twin_of == "all" and twin.ratio == cell.ratio and twin.family_wise is cell.family_wise
+    assert cell.family_wise.family == 3 and not f.aliases
+    assert f.multiplicity()[0].startswith("× bf16: 3 comparisons with an interval")
+    assert spot(f, "attn_e5m2").text.startswith("bf16 (every format is worse")  # e5m2 eligible there too
+    text = write_report(records, tmp_path).read_text()
+    assert ("e5m2 / attn_e5m2 quantizes the same layers in the same formats as e5m2 / all: one measurement") in text
+    assert "| e5m2 | adamw | attn_e5m2 ≡ all | — | 0, 1, 2 |" in text

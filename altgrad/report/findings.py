@@ -206,7 +206,16 @@ class Cell:
     # longer than bf16, by `grid.format_overrides`), e.g. "no bf16 seed evaluated up to its step 50,
     # bf16's last evaluation being at step 40"; "" where some is.
     no_baseline: str = ""
+    # The layer precision whose cell measured this one: its precision quantizes the same layers in
+    # the same formats for this format (a custom policy that is a preset here), so its trials are
+    # that cell's, listed under both, and each comparison counts once in its Holm family.
+    twin_of: str = ""
     NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
+
+    @property
+    def measurement(self) -> tuple[str, str, str, AxesKey]:
+        """The cell whose trials measured it: itself, or its `twin_of`'s."""
+        return self.format, self.optimizer, self.twin_of or self.precision, self.axes
 
     @property
     def name(self) -> str:
@@ -433,7 +442,7 @@ class Findings:
                     (f"gradient cosine − {BASELINE}", [g.family_wise for g in self.fidelity]))
         out = []
         for what, members in families:
-            tested = [fw for fw in members if fw is not None]
+            tested = list({id(fw): fw for fw in members if fw is not None}.values())  # (a twin's is its cell's)
             if tested:
                 called = [fw for fw in tested if fw.called]
                 holding = sum(fw.holds for fw in called)
@@ -797,24 +806,35 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     measured = [r for r in started if not r.same_as]
     quantized = [r for r in measured if r.format != BASELINE]
     by_key = {r.key: r for r in measured}
-    aliases = {r.format: by_key[r.same_as].format for r in started if r.same_as and r.same_as in by_key}
-    formats = _ordered([*(r.format for r in quantized), *aliases], key=format_key)
+    # an alias of another format is listed under the measured format's cells ("e0m7 ≡ e1m6"); one of
+    # another precision, the same format, is a cell of its own precision (`Cell.twin_of`)
+    aliases = {r.format: by_key[r.same_as].format for r in started
+               if r.same_as in by_key and by_key[r.same_as].format != r.format}
+    twins = [r for r in started if r.same_as in by_key and by_key[r.same_as].format == r.format]
+    twin_of = {(r.format, r.optimizer, r.precision, axes_key(r)): by_key[r.same_as].precision for r in twins}
+    twin_ids = {id(r) for r in twins}
+    celled = [r for r in started if r.format != BASELINE and (not r.same_as or id(r) in twin_ids)]  # grid order
+    formats = _ordered([*(r.format for r in celled), *aliases], key=format_key)
     optimizers = _ordered(r.optimizer for r in measured)
-    precisions = _ordered(r.precision for r in (quantized or measured))
-    axes = tuple(dict.fromkeys(axes_key(r) for r in quantized))  # in grid order (records are)
+    precisions = _ordered(r.precision for r in (celled or measured))
+    axes = tuple(dict.fromkeys(axes_key(r) for r in celled))
     axes_order = {ax: i for i, ax in enumerate(axes)}
     notes: list[str] = _overrides_note(started)
+    notes += [f"{fmt} / {precision} quantizes the same layers in the same formats as {fmt} / {measured_by}: one "
+              "measurement (the latter's trials), listed under both; each comparison counts once in its Holm family."
+              for fmt, precision, measured_by in dict.fromkeys((k[0], k[2], m) for k, m in twin_of.items())]
     bf16, lent = _baselines(measured, optimizers, notes)
     baseline_name, compute_notes = _baseline_compute([t for trials in bf16.values() for t in trials])
     notes += compute_notes
 
     cells: dict[tuple[str, str, str, AxesKey], Cell] = {}
-    for key in sorted({(r.format, r.optimizer, r.precision, axes_key(r)) for r in quantized}):
-        trials = tuple(r for r in quantized if (r.format, r.optimizer, r.precision, axes_key(r)) == key)
+    for key in sorted({(r.format, r.optimizer, r.precision, axes_key(r)) for r in celled}):
+        trials = tuple(r for r in celled if (r.format, r.optimizer, r.precision, axes_key(r)) == key)
         also = tuple(sorted((a for a, m in aliases.items() if m == key[0]), key=format_key))
-        cells[key] = _make_cell(key, trials, bf16.get(key[1], []), also)
+        cells[key] = replace(_make_cell(key, trials, bf16.get(key[1], []), also), twin_of=twin_of.get(key, ""))
     cells = dict(zip(cells, _with_family_wise(list(cells.values()), left_out=lambda c: not c.compared,
-                                              measured=lambda c: c.ratio), strict=True))  # the × bf16 family
+                                              measured=lambda c: c.ratio, key=lambda c: c.measurement),
+                     strict=True))  # the × bf16 family
 
     spots = []
     for p in precisions:
@@ -848,7 +868,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
                                 and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None])
     notes += [_better_than_bf16(c, c.optimizer in lent, deltas,
                                 next((t.overrides for t in bf16.get(c.optimizer, []) if t.overrides), {}))
-              for c in cells.values() if c.full_budget and c.vs_bf16 == "better"]
+              for c in cells.values() if c.full_budget and c.vs_bf16 == "better" and not c.twin_of]
     fidelity = [g for c in cells.values() if (g := _fidelity(c, bf16.get(c.optimizer, []))) is not None]
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
                     deltas, _with_family_wise(_axis_effects(cells, axes)),
@@ -858,14 +878,26 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
                     warnings_raised(measured))
 
 
+def _measurements(d: Difference | GradientFidelity) -> tuple[Any, ...]:
+    """What a difference or a gradient comparison compares: the measurements of its cells."""
+    if isinstance(d, GradientFidelity):
+        return (d.cell.measurement,)
+    return d.what, d.a.measurement, d.b.measurement
+
+
 def _with_family_wise(diffs: list[Compared], left_out: Callable[[Compared], bool] = lambda d: False,
-                      measured: Callable[[Compared], Comparison] = lambda d: d.diff) -> list[Compared]:
+                      measured: Callable[[Compared], Comparison] = lambda d: d.diff,
+                      key: Callable[[Compared], Any] = _measurements) -> list[Compared]:
     """The comparisons of one table, each with its `FamilyWise` over the table (of the interval
     `measured`, against the comparison's `NULL`); those `left_out` (not compared) are out of the
-    family and have none."""
-    inside = [d for d in diffs if not left_out(d)]
-    adjusted = dict(zip(map(id, inside), family_wise([(measured(d), d.NULL) for d in inside]), strict=True))
-    return [replace(d, family_wise=adjusted.get(id(d))) for d in diffs]
+    family and have none. Comparisons of one `key` (the trials they compare: a twin cell's are its
+    cell's) are one member of the family and share its `FamilyWise`."""
+    members: dict[Any, Compared] = {}
+    for d in diffs:
+        if not left_out(d):
+            members.setdefault(key(d), d)
+    adjusted = dict(zip(members, family_wise([(measured(d), d.NULL) for d in members.values()]), strict=True))
+    return [replace(d, family_wise=None if left_out(d) else adjusted[key(d)]) for d in diffs]
 
 
 def _axis_pairs(cells: dict[tuple[str, str, str, AxesKey], Cell],

@@ -157,7 +157,8 @@ def _seeds(c: Cell) -> str:
 
 
 def _cells(f: Findings) -> str:
-    rows = [[c.name, c.optimizer, c.precision, axes_text(c.axes) or "—", _seeds(c),
+    rows = [[c.name, c.optimizer, f"{c.precision} ≡ {c.twin_of}" if c.twin_of else c.precision,
+             axes_text(c.axes) or "—", _seeds(c),
              "not evaluated yet" if c.unevaluated else c.best.text(), c.steps,
              "—" if c.unevaluated or c.no_baseline else c.ratio.text(3), "—" if c.unevaluated else c.vs_bf16,
              _family_wise(c.family_wise), _stops(c)]

@@ -394,6 +394,8 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
                     text = "× " + (",".join(cell.stops) or "no finite loss")
             if formats[i] in findings.aliases and cell is not None:
                 text += f"\n≡ {findings.aliases[formats[i]]}"
+            if cell is not None and cell.twin_of:  # measured by another precision's cell
+                text += f"\n≡ {cell.twin_of}"
             if cell is not None and cell.shifted:  # its numbers are not its format's alone
                 text += "\nformat shift"
             ax.text(j, i, text, ha="center", va="center", fontsize=7)

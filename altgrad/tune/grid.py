@@ -3,8 +3,10 @@
 bf16 is the baseline and quantizes nothing, so it runs once per optimizer, seed and value of each
 extra axis that applies to it (axes under `quant.` do not), not once per layer precision. A format
 that quantizes every tensor exactly like an earlier one of the same cell (`quant.equivalence`: e1m6
-≡ e0m7 under amax scaling) is not run again: its point is an alias (`same_as`) that readers list
-under its own name, marked as one measurement. Every point carries its validated run config, so a
+≡ e0m7 under amax scaling), or a layer precision that quantizes the same layers in the same formats
+as an earlier one for that format (a custom policy that puts attention in e5m2 is `all` for e5m2),
+is not run again: its point is an alias (`same_as`) that readers list under its own name, marked
+as one measurement. Every point carries its validated run config, so a
 bad combination fails here, before Ray starts, with the point and the field named.
 """
 
@@ -21,7 +23,7 @@ from altgrad.config import ConfigError, RunConfig, deep_merge, flattened, nested
 from altgrad.experiment import axis_names, axis_value_text, overrides_text
 from altgrad.precision import BASELINE, policy_rules
 from altgrad.quant.equivalence import quantize_identically
-from altgrad.run_model import check_layer_policy
+from altgrad.run_model import assigned_formats, check_layer_policy
 from altgrad.tune.asha import asha_milestones
 from altgrad.tune.config import (
     AxisValue,
@@ -128,18 +130,28 @@ def trials_to_run(points: list[GridPoint]) -> list[GridPoint]:
 
 def _same_training(measured: GridPoint, other: GridPoint) -> bool:
     """Whether `other` would train bit for bit like the already measured point: its format
-    quantizes identically under the run's scaling, and nothing else of the run differs."""
+    quantizes identically under the run's scaling, or its layer precision quantizes the same
+    layers in the same formats (a custom policy that, for this format, is a preset), and nothing
+    else of the run differs."""
     if measured.same_as is not None or measured.format == BASELINE:
         return False
-    if (measured.optimizer, measured.precision, measured.seed, measured.axes) != \
-            (other.optimizer, other.precision, other.seed, other.axes):
+    if (measured.optimizer, measured.seed, measured.axes) != (other.optimizer, other.seed, other.axes):
         return False
+    if measured.precision != other.precision:
+        return (measured.format == other.format
+                and _without_precision(measured.run) == _without_precision(other.run)
+                and assigned_formats(measured.run_config) == assigned_formats(other.run_config))
     quant = other.run["quant"]
     amax_scaled = quant["scaling"]["mode"] != "none"
     # An emergency mantissa shift moves the two along different format chains.
     unshifted = other.run["stability"]["shift_patience"] is None
     return (unshifted and quantize_identically(measured.format, other.format, amax_scaled)
             and _without_format(measured.run, measured.format) == _without_format(other.run, other.format))
+
+
+def _without_precision(run: dict[str, Any]) -> dict[str, Any]:
+    """The run with its layer precision (a preset's name or rules) blanked out."""
+    return {**run, "quant": dict(run["quant"], precision=None)}
 
 
 def _without_format(run: dict[str, Any], fmt: str) -> dict[str, Any]:
@@ -214,7 +226,7 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
     size = " + ".join(parts) + f", × {_n(seeds, 'seed')}"
     aliases = len(points) - len(runs)
     lines = [f"sweep {cfg.name}: {len(runs)} trials = {size}"
-             + (f", less {aliases} equivalent-format points measured once" if aliases else ""),
+             + (f", less {aliases} points measured by an equivalent one" if aliases else ""),
              *describe_resources(cfg, len(runs), max_steps=max(p.run["train"]["max_steps"] for p in runs))]
     if cfg.asha.enabled:
         a = cfg.asha
@@ -242,11 +254,19 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
               + "".join(f"{names[a]:<12} " for a in grid.axes) + "seed"]
     for p in points:
         axis_cells = "".join(f"{axis_value_text(p.axes[a]) if a in p.axes else '-':<12} " for a in grid.axes)
-        note = f"  = {p.same_as} (equivalent format: one measurement)" if p.same_as else ""
+        note = f"  = {p.same_as} ({_alias_kind(p, points)}: one measurement)" if p.same_as else ""
         index = "" if p.same_as else str(runs.index(p))
         lines.append(f"  {index:>3}  {p.key:<{width}}  {p.format:<6} {p.optimizer:<9} {p.precision:<9} "
                      f"{axis_cells}{p.seed}{note}")
     return "\n".join(lines)
+
+
+def _alias_kind(point: GridPoint, points: list[GridPoint]) -> str:
+    """How an alias point equals the point that measures it."""
+    measured = next(p for p in points if p.key == point.same_as)
+    if measured.format == point.format:
+        return f"the same layers in the same formats as precision {measured.precision}"
+    return "equivalent format"
 
 
 def _n(count: int, noun: str) -> str:
