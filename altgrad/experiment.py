@@ -180,6 +180,9 @@ class TrialRecord:
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     # Whether what the run does not quantize computed in bf16 autocast (CUDA), not fp32; None: unknown.
     autocast: bool | None = None
+    # Whether its weights were stored in their format (`quant.master_weights: format`), where a
+    # stalled update is lost: only there is bit-stall a failure (over fp32 master weights, no).
+    stored_in_format: bool = False
     # The run settings its format sets on top of the sweep's base (`grid.format_overrides`), by
     # dotted path: its numbers are then the format's with these settings, not the format's alone.
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -449,18 +452,20 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any], stop: dic
         config = read_yaml(run / CONFIG_FILE) if (run / CONFIG_FILE).is_file() else {}  # none: not started
         stability = run_stability(config)
         autocast = summary["autocast"] if "autocast" in summary else run_autocast(config)
+        quant = config.get("quant") or {}
+        stored = quant.get("master_weights") == "format" and quant.get("format") != BASELINE
     except ValueError as e:  # one corrupt trial must not hide the others
         return _record(entry, trial_id=trial_id, status=TrialStatus.ERROR, stop_reason=StopReason.ERROR,
                        trial_dir=trial_dir, unreadable=_as_named(str(e), exp_dir, shown))
     if stop is None:
         return _record(entry, trial_id=trial_id, status=entry["status"], history=history, events=events,
                        summary=summary, trial_dir=trial_dir, error=entry.get("error"), stability=stability,
-                       autocast=autocast)
+                       autocast=autocast, stored_in_format=stored)
     step = int(stop[STEP])
     cut = _record(entry, trial_id=trial_id, status=entry["status"], stop_reason=stop["reason"],
                   history=[r for r in history if r[STEP] <= step], events=[e for e in events if e[STEP] <= step],
                   summary=summary, trial_dir=trial_dir, stop_step=step, stop_detail=stop_detail(stop),
-                  error=entry.get("error"), stability=stability, autocast=autocast)
+                  error=entry.get("error"), stability=stability, autocast=autocast, stored_in_format=stored)
     values = cut.val_series()[1]
     cut.summary = {**summary, "best_val_loss": cut.best_val_loss(upto=step),
                    "final_val_loss": values[-1] if values else math.nan,

@@ -65,6 +65,16 @@ def test_what_a_trial_computed_in_comes_from_its_summary_else_its_config(experim
     assert autocast_with({"autocast": True}, None) is True
 
 
+def test_whether_a_trial_stored_its_weights_in_their_format_comes_from_its_config(experiment):
+    """What the failure analysis reads bit-stall by: weights stored in their format (quant.master_weights
+    format, a quantized format), not fp32 masters, and never bf16's."""
+    config = experiment / "trials" / KEYS[0] / "run" / "config.yaml"
+    for quant, stored in (({"format": "e4m3", "master_weights": "format"}, True),
+                          ({"format": "e4m3", "master_weights": "fp32"}, False), ({"format": "bf16"}, False)):
+        config.write_text(yaml.safe_dump({"quant": quant}))
+        assert load_experiment(experiment)[0].stored_in_format is stored
+
+
 def test_a_driver_on_another_host_is_alive_while_its_heartbeat_is_fresh(tmp_path):
     """A sweep whose head node was lost can be resumed from a new head once the beat is stale."""
     store = StateStore(str(tmp_path))

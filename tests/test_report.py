@@ -1630,3 +1630,16 @@ def test_a_precision_that_measures_what_another_does_is_one_cell_twice_and_one_f
     text = write_report(records, tmp_path).read_text()
     assert ("e5m2 / attn_e5m2 quantizes the same layers in the same formats as e5m2 / all: one measurement") in text
     assert "| e5m2 | adamw | attn_e5m2 ≡ all | — | 0, 1, 2 |" in text
+
+
+def test_bit_stall_names_the_optimizer_as_the_failure_site_only_for_weights_stored_in_their_format():
+    """Over fp32 master weights healthy runs stall most of their 8-bit view's updates (the master
+    keeps them): an ASHA stop there was put down to an optimizer stall. Only a run whose weights are
+    stored in their format loses a stalled update, and only there is bit-stall the site."""
+    record = trial("e5m2", summary={"stop_reason": "asha"}, steps=40)
+    for row in record.history:
+        row["quant/bit_stall_rate"] = 0.9
+    record.stop_reason = "asha"
+    assert compute_findings([trial("bf16"), record]).failures[0].where == "—"
+    (failure,) = compute_findings([trial("bf16"), replace(record, stored_in_format=True)]).failures
+    assert failure.where == "optimizer stall" and "quant/bit_stall_rate = 0.9 > 0.5" in failure.evidence

@@ -135,7 +135,9 @@ DEFINITIONS = f"""\
   f"{k} → {s}" for k, _, s in _DEFAULT_SIGNALS)}); "—" when none is. Overflow and underflow are read
   at every logged step up to the stop (a run that diverged often shows its cause early and only its
   symptoms near the stop); a stall (bit-stall, zero updates), a state, in those last rows (the
-  learning-rate warm-up's first steps stall by construction). Every threshold
+  learning-rate warm-up's first steps stall by construction), and bit-stall only where the weights
+  are stored in their format (over fp32 master weights a healthy run stalls most of its 8-bit
+  view's updates, which the master keeps). Every threshold
   is the run's own `stability` setting (its config.yaml; by default {", ".join(
   f"`{k}` > {t:g}" for k, t, _ in _DEFAULT_SIGNALS)}); the evidence names the one that applied.
 - **Warnings**: the events a run raises and trains on (SPEC §5), per grid point and kind: a

@@ -199,7 +199,7 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
     step, _ = stop_step(r)
     upto = [row for row in r.history if step is None or row[STEP] <= step]
     rows = upto[-WINDOW:]
-    signal = _strongest_signal(upto, rows, r.stability)
+    signal = _strongest_signal(upto, rows, r.stability, r.stored_in_format)
     also = f"; {signal[1]}" if signal else ""
     if r.summary.get("collapse_where") in WHERE:
         return WHERE[r.summary["collapse_where"]], "recorded by the trainer" + also
@@ -219,14 +219,18 @@ def failure_site(r: TrialRecord) -> tuple[str, str]:
 
 
 def _strongest_signal(upto: list[dict[str, float]], last: list[dict[str, float]],
-                      stability: StabilityConfig) -> tuple[str, str] | None:
+                      stability: StabilityConfig, stored_in_format: bool) -> tuple[str, str] | None:
     """(where, evidence) of the signal furthest above its threshold (by ratio), with the step where
     it was (its first, if several), if any is. Overflow and underflow are events, read in all the
     rows `upto` the stop: a run that diverged may have shown its cause at the start and only
     symptoms near the stop. A stall (bit-stall, updates left unchanged) is a state, read in the
-    `last` rows: the learning-rate warm-up's first steps stall by construction."""
+    `last` rows: the learning-rate warm-up's first steps stall by construction. Bit-stall counts
+    only for weights `stored_in_format`: over fp32 master weights, which keep what the 8-bit view
+    rounds away, healthy runs stall most of their updates (`train.stability.stall_halts_learning`)."""
     best: tuple[float, str, str] | None = None
     for key, threshold, site in signals(stability):
+        if key == BIT_STALL_RATE and not stored_in_format:
+            continue
         rows = last if site == WHERE["optimizer"] else upto
         found = [(v, int(row[STEP])) for row in rows if math.isfinite(v := _metric(row, key))]
         value, at = max(found, key=lambda vs: (vs[0], -vs[1]), default=(0.0, 0))
