@@ -166,3 +166,23 @@ def test_a_policy_that_is_a_preset_for_a_format_is_measured_once(capsys, tmp_pat
         assert (f"e5m2-adamw-attn_e5m2-s{seed}  e5m2   adamw     attn_e5m2 {seed}  = e5m2-adamw-all-s{seed} "
                 "(the same layers in the same formats as precision all: one measurement)") in out
         assert f"e3m4-adamw-attn_e5m2-s{seed}  e3m4" in out and f"e3m4-adamw-attn_e5m2-s{seed}  e3m4   adamw     attn_e5m2 {seed}  =" not in out
+
+
+@pytest.mark.parametrize("precisions", [["all", "mine"], ["mine", "all"]])
+def test_equivalent_formats_and_equivalent_precisions_alias_one_measurement(capsys, tmp_path, precisions):
+    """e1m6 is e0m7 under amax scaling, and `mine` (every layer in the grid's format, spelled out) is
+    `all`: of the four points of a seed only the first runs, whichever order the grid lists them in
+    (an alias of an alias measured nothing: e1m6 ran again under one of the precisions)."""
+    custom = tmp_path / "custom.yaml"
+    data = yaml.safe_load(ABLATION.read_text())
+    data["grid"] = {"formats": ["bf16", "e0m7", "e1m6"], "optimizers": ["adamw"], "precisions": precisions,
+                    "seeds": [1], "policies": {"mine": [{"pattern": "*", "format": "{fmt}"}]}}
+    data["per_preset"] = {}
+    custom.write_text(yaml.safe_dump(data))
+    out = dry_run(capsys, "--config", str(custom), "--set", "preset=cpu")
+    first = precisions[0]
+    assert "sweep format_ablation: 2 trials" in out and "less 3 points measured by an equivalent one" in out
+    assert f"= e0m7-adamw-{first}-s1 (equivalent format: one measurement)" in out
+    (line,) = [x for x in out.splitlines() if x.strip().startswith(f"e1m6-adamw-{precisions[1]}-s1 ")]
+    assert line.endswith(f"= e0m7-adamw-{first}-s1 (equivalent format; the same layers in the same formats as "
+                         f"precision {first}: one measurement)")

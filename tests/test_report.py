@@ -624,6 +624,8 @@ def test_a_collapsed_trial_s_non_finite_shadow_steps_after_its_collapse_are_coun
     after = [s for s in EVAL_STEPS if s >= 25]
     assert fid.cell.steps == STEPS and (fid.nonfinite, fid.shadow_steps) == (3 * len(after), 3 * len(EVAL_STEPS))
     assert fid.cosine.mean == pytest.approx(0.99 - sum(s for s in EVAL_STEPS if s < 25) / len(EVAL_STEPS[:3]) / 1e4)
+    # bf16's cosine (the same curve) over the same steps, up to the collapse: no difference
+    assert fid.diff.mean == pytest.approx(0.0, abs=1e-12) and fid.verdict == "indistinguishable"
 
 
 @pytest.mark.parametrize("status, stop, why", [("RUNNING", None, "still running")])
@@ -1589,8 +1591,12 @@ def test_better_than_bf16_with_settings_of_its_own_points_at_the_settings():
     for r in records:
         r.overrides = {"optim.lr": 0.005} if r.format == "e5m2" else {}
     (note,) = [n for n in compute_findings(records).notes if "trained better" in n]
-    assert "It ran with `optim.lr` = 0.005 (`grid.format_overrides`), bf16 with the base's: the gain may be " \
-           "those settings'" in note and "Published FP8" not in note
+    assert "It ran with `optim.lr` = 0.005, bf16 with the base's settings (`grid.format_overrides`): the gain may " \
+           "be the settings'" in note and "Published FP8" not in note
+    for r in records:  # bf16's own settings alone are as much a suspect
+        r.overrides = {"optim.lr": 0.0005} if r.format == "bf16" else {}
+    (note,) = [n for n in compute_findings(records).notes if "trained better" in n]
+    assert "It ran with the base's settings, bf16 with `optim.lr` = 0.0005" in note
     for r in records:
         r.overrides = {"optim.lr": 0.005}
     (note,) = [n for n in compute_findings(records).notes if "trained better" in n]
@@ -1606,7 +1612,7 @@ def test_the_loss_at_the_stop_is_the_broken_seeds_not_mixed_with_those_that_ran_
     cell = compute_findings(records).cells["e4m3", "adamw", "all", ()]
     assert cell.broke_seeds == (1,) and cell.at_stop.n == 1 and cell.at_stop.mean == pytest.approx(2.2)
     assert cell.vs_bf16 == ("not compared (broke before the final evaluation: asha; val loss at the last evaluation "
-                            "of seed 1 2.20 (n = 1, paired, no interval) × bf16's there; the other seeds ran the full budget; "
+                            "of seed 1 2.20 (n = 1, paired, no interval) × bf16's there; seeds {0, 2} ran to the final evaluation; "
                             "seeds stopped at different steps)")
 
 
@@ -1643,3 +1649,18 @@ def test_bit_stall_names_the_optimizer_as_the_failure_site_only_for_weights_stor
     assert compute_findings([trial("bf16"), record]).failures[0].where == "—"
     (failure,) = compute_findings([trial("bf16"), replace(record, stored_in_format=True)]).failures
     assert failure.where == "optimizer stall" and "quant/bit_stall_rate = 0.9 > 0.5" in failure.evidence
+
+
+def test_an_equivalent_format_of_a_precision_twin_reads_the_twin_cell():
+    """e1m6 ≡ e0m7 and `mine` ≡ `all`: one measurement (e0m7 / all) under four names. e1m6 / mine
+    reads the `mine` cell, which is e0m7 / all's numbers, named `e0m7 ≡ e1m6`."""
+    base = [replace(r, key=f"e0m7-adamw-all-s{r.seed}") for r in seeded("e0m7", [1.05, 1.06, 1.07])]
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *base]
+    for fmt, prec in (("e1m6", "all"), ("e0m7", "mine"), ("e1m6", "mine")):
+        records += [replace(r, key=f"{fmt}-adamw-{prec}-s{r.seed}", format=fmt, precision=prec, same_as=r.key)
+                    for r in base]
+    f = compute_findings(records)
+    assert f.aliases == {"e1m6": "e0m7"} and set(f.cells) == {("e0m7", "adamw", p, ()) for p in ("all", "mine")}
+    mine = f.cell("e1m6", "adamw", "mine", ())
+    assert mine.twin_of == "all" and mine.name == "e0m7 ≡ e1m6" and mine.ratio == f.cells["e0m7", "adamw", "all", ()].ratio
+    assert mine.family_wise.family == 1

@@ -85,15 +85,19 @@ def test_train_writes_a_run_dir_and_resumes(eurlex_dir, data_root, tmp_path, cap
         assert "a run's formats do not change on resume" in err and "Traceback" not in err
         assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
-    # a corrupt line before the last of metrics.jsonl (not a kill's torn last line): exit 2, named
-    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (out / "metrics.jsonl").write_text("".join([lines[0], lines[1][:20] + "\n", *lines[2:]]))
-    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    assert main(["train", "--resume", str(out), "--set", "train.max_steps=12", "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert "metrics.jsonl: line 2 is not valid JSON" in err and "mend or remove that line" in err
-    assert "Traceback" not in err and {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
-    (out / "metrics.jsonl").write_text("".join(lines))
+    # a corrupt line before the last of a log (not a kill's torn last line): exit 2, named, and
+    # nothing rewritten, whichever log it is in (every one is read before any is truncated)
+    logs = ["metrics.jsonl", "events.jsonl", "bit_positions.jsonl"]
+    assert all(len((out / log).read_text().splitlines()) >= 2 for log in logs)
+    for log in logs:
+        lines = (out / log).read_text().splitlines(keepends=True)
+        (out / log).write_text("".join([lines[0][:20] + "\n", *lines[1:]]))
+        files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert main(["train", "--resume", str(out), "--set", "train.max_steps=12", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert f"{log}: line 1 is not valid JSON" in err and "mend or remove that line" in err
+        assert "Traceback" not in err and {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+        (out / log).write_text("".join(lines))
     files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
     # a new run cannot take over the directory: it would delete this run's metrics and mix checkpoints

@@ -17,7 +17,7 @@ from bitwise import same_values
 from host_reads import CPU_ONLY_READS, host_reads
 
 from altgrad.__main__ import main
-from altgrad.config import ConfigError, QuantConfig, load_config
+from altgrad.config import ConfigError, QuantConfig, StabilityConfig, load_config
 from altgrad.experiment import BIT_POSITIONS_FILE, CHECKPOINT_FILE, read_jsonl
 from altgrad.metrics import TOKENS_PER_S
 from altgrad.optim import OPTIMIZERS
@@ -34,6 +34,7 @@ from altgrad.train.checkpoint import (
     CheckpointError,
     CheckpointManager,
     orphaned_writes,
+    save_checkpoint,
     step_checkpoints,
 )
 
@@ -349,13 +350,14 @@ def same_state(a, b) -> bool:
     return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
 
 
-def test_the_anomaly_checkpoint_is_the_state_the_first_nan_step_started_from(make_config, tmp_path):
+@pytest.mark.parametrize("weights", ["quant.master_weights=fp32", "quant.master_weights=format"])
+def test_the_anomaly_checkpoint_is_the_state_the_first_nan_step_started_from(make_config, tmp_path, weights):
     """SPEC §5's save-on-anomaly: the checkpoint saved at the first non-finite step is the state it
     started from, the checkpoint the step before wrote, entry for entry, not what the skipped step
     left: its forward recorded amaxes in the scalers' histories, it set its learning rate, and the
     monitor counted it (resumed from there, the run stopped a step early)."""
     cfg = make_config("quant.format=e4m3", "train.max_steps=12", "stability.nan_patience=3",
-                      "train.checkpoint_interval=1", "train.keep_last=20", "optim.partition_clip_k=4")
+                      "train.checkpoint_interval=1", "train.keep_last=20", "optim.partition_clip_k=4", weights)
     trainer = Trainer(cfg, tmp_path)
     nan_gradients_from(trainer, 5)
     assert trainer.fit()["steps"] == 7
@@ -591,10 +593,17 @@ def test_the_best_checkpoint_survives_a_writer_killed_before_best_json_and_a_cor
         manager.save(step, {"step": step, "model": {}}, val_loss=val)
     assert [p.name for p in step_checkpoints(root)] == ["step_00000005", "step_00000015", "step_00000020"]
     assert json.loads((root / "best.json").read_text()) == {"name": "step_00000005", "step": 5, "val_loss": 1.0}
+    (root / "best.json").write_text('{"name": "step_00000020"}')  # no step, no val loss: ranks nothing
+    manager.save(24, {"step": 24, "model": {}}, val_loss=0.7)
     (root / "best.json").write_text('{"name": "step_0000')  # torn
     manager.save(25, {"step": 25, "model": {}}, val_loss=0.5)
     assert json.loads((root / "best.json").read_text())["name"] == "step_00000025"
-    assert [p.name for p in step_checkpoints(root)] == ["step_00000020", "step_00000025"]
+    assert [p.name for p in step_checkpoints(root)] == ["step_00000024", "step_00000025"]
+    # a checkpoint written before meta.json existed ranks by the best.json of its day
+    old = save_checkpoint(root / "step_00000002", {"step": 2, "model": {}})
+    (root / "best.json").write_text(json.dumps({"name": old.name, "step": 2, "val_loss": 0.1}))
+    manager.save(30, {"step": 30, "model": {}}, val_loss=0.4)
+    assert old.is_dir() and json.loads((root / "best.json").read_text())["name"] == old.name
 
 
 def test_kurtosis_matches_its_definition(path):
@@ -646,3 +655,30 @@ def test_format_master_weights_with_the_baseline_is_a_cli_error(tmp_path, capsys
     assert main(["train", "--set", "quant.format=bf16", "--set", "quant.master_weights=format",
                  "--out", str(tmp_path / "run"), "--quiet"]) == 2
     assert "master_weights" in capsys.readouterr().err
+
+
+def test_a_resume_may_spell_the_precision_otherwise_but_not_change_the_formats(make_config, tmp_path):
+    """The checkpoint's layer formats replace a resumed run's, so a resume that would quantize other
+    layers or formats is refused (its records would name what it never trained); a precision
+    written otherwise that assigns the same formats (`all` as a rule list) is the same run."""
+    overrides = ("quant.format=e4m3", "train.max_steps=4", "train.checkpoint_interval=2", "train.diag_every=0")
+    Trainer(make_config(*overrides), tmp_path).fit()
+    spelled = "quant.precision=[{pattern: '*', format: '{fmt}'}]"
+    assert Trainer(make_config(*overrides, spelled, "train.max_steps=6"), tmp_path).fit(resume=tmp_path)["steps"] == 6
+    for changed in ("quant.precision=mlp", "quant.format=e5m2"):
+        with pytest.raises(ConfigError, match="a run's formats do not change on resume"):
+            Trainer(make_config(*overrides, changed, "train.max_steps=8"), tmp_path).fit(resume=tmp_path)
+
+
+def test_a_monitor_from_a_checkpoint_inside_a_nan_streak_does_not_open_a_new_run_of_them():
+    """A checkpoint written before the monitor kept `last_finite`, inside a streak: the next NaN step
+    continues the run of them (no second anomaly checkpoint); outside a streak it opens one."""
+    from altgrad.train.stability import StabilityMonitor
+
+    nan = {"stability/loss_is_nan": 1.0, "stability/grad_has_nan": 0.0}
+    for streak, opens in ((2, False), (0, True)):
+        monitor = StabilityMonitor(StabilityConfig(), stall_shifts=False)
+        old = monitor.state_dict()
+        del old["last_finite"]
+        monitor.load_state_dict({**old, "nan_streak": streak})
+        assert monitor.opens_nan_run(nan) is opens

@@ -105,7 +105,8 @@ DEFINITIONS = f"""\
   alone, and a report reads many. So every comparison with an interval also has its two-sided p
   (the t test its interval inverts: p < 0.05 when the interval excludes the null) and
   Holm's adjustment of it over its family, the comparisons of its kind in this report: every × bf16,
-  every manifold − standard, every extra-axis effect, every gradient cosine − bf16. A call "holds"
+  every manifold − standard, every extra-axis effect, every gradient cosine − bf16 (one measurement
+  listed under two names, a precision marked ≡ another, counts once). A call "holds"
   when its adjusted p is below 0.05: then the chance of any false call in its family is at most 5 %.
   A call that does not hold is a lead for more seeds, not a finding. The verdict is one comparison
   named in advance and is not adjusted; sweet-spot ties use the unadjusted intervals (a tie is
@@ -152,12 +153,14 @@ DEFINITIONS = f"""\
   format, precision and axes; both at full budget), mean ± t interval; negative = manifold helps.
   **Extra axes**: the same per-seed difference between two values of one axis, all else equal.
 - **Gradient cosine** of a trial: the mean of `{SHADOW_COS_MEAN}` over its logged FP32-shadow steps
-  (`shadow_every`, as logged) up to the last step it logged or its cell's steps, whichever is first:
+  (`shadow_every`, as logged) up to its stop (where it collapsed, else the last step it logged) or
+  its cell's steps, whichever is first:
   the cosine between each linear layer's weight gradient and the one an FP32 copy of the same
   weights computes on the same batch, averaged over the layers. 1 is the FP32 direction; it
   measures what the format does to the gradient step by step, where the loss shows only what
   accumulated. A shadow step with a non-finite cosine (a non-finite gradient has no direction) is
-  left out of the mean and counted in the table; a trial without a finite one has no cosine (left
+  left out of the mean and counted in the table (after a collapse too, up to the last step it
+  logged); a trial without a finite one has no cosine (left
   out, and said). **Cosine − bf16**: per seed, the cell's minus bf16's over the same steps, mean ±
   t interval; "lower" when the interval lies below 0; "not compared" (and out of the Holm family)
   where the cell's seeds stopped at different steps (its spread is then the budgets'; a cell
@@ -291,8 +294,8 @@ class Cell:
             seeds = f"seed {early[0]}" if len(early) == 1 else f"seeds {seeds_text(early)}"
             there = (f"; val loss at the last evaluation of {seeds} {at.text(2)} × {BASELINE}'s there"
                      if at is not None and math.isfinite(at.mean) else "")
-            if len(early) < len(self.trials):  # the others measured the budget: not mixed in
-                there += "; the other seeds ran the full budget"
+            if ran := sorted(t.seed for t in self.trials if t.seed not in early and t.seed not in self.short):
+                there += f"; seed{'s' * (len(ran) > 1)} {seeds_text(ran) if len(ran) > 1 else ran[0]} ran to the final evaluation"
             why.append(f"broke before the final evaluation: {', '.join(self.stops)}{there}")
         if self.mixed_budgets:
             why.append("seeds stopped at different steps")
@@ -610,11 +613,12 @@ def _better_than_bf16(c: Cell, lent: bool, deltas: list[Difference], baseline_ov
                 else f"compare it with {c.format} / {c.precision} / {STANDARD}")
         return head + (f"Its {BASELINE} baseline took `{STANDARD}`'s steps, so this ratio holds `{c.optimizer}`'s own "
                        f"effect as well as the format's: {read}.")
-    if c.overrides and c.overrides != baseline_overrides:
-        return head + (f"It ran with {overrides_text(c.overrides)} (`grid.format_overrides`), {BASELINE} "
-                       + (f"with {overrides_text(baseline_overrides)}" if baseline_overrides else "with the base's")
-                       + f": the gain may be those settings', not the format's; give {BASELINE} the same "
-                       f"(`grid.format_overrides.{BASELINE}`) to tell them apart.")
+    if c.overrides != baseline_overrides:
+        def settings(overrides: dict[str, Any]) -> str:
+            return f"with {overrides_text(overrides)}" if overrides else "with the base's settings"
+        return head + (f"It ran {settings(c.overrides)}, {BASELINE} {settings(baseline_overrides)} "
+                       "(`grid.format_overrides`): the gain may be the settings', not the format's; run both "
+                       "with the same to tell them apart.")
     return head + ("Published FP8 results run slightly worse than 16-bit, so treat this as an anomaly until an "
                    "ablation explains it, e.g. forward-only quantization: `--set \"grid.axes={quant.roles."
                    "grad_output: [true, false]}\"`.")
@@ -783,16 +787,21 @@ def _difference(what: str, a: Cell, b: Cell) -> Difference | None:
 
 
 def _fidelity(cell: Cell, bf16: list[TrialRecord]) -> GradientFidelity | None:
-    """The cell's gradient cosine against bf16's, each seed over the steps its trial logged (up to
-    the cell's steps) on both sides, over the seeds its loss numbers use; None when none of its
-    trials logged a shadow step."""
+    """The cell's gradient cosine against bf16's, each seed over the steps its trial ran up to its
+    stop (a collapse: its first non-finite step) and the cell's steps, on both sides, over the
+    seeds its loss numbers use; its non-finite shadow steps counted up to the last step it logged
+    (a collapsed run goes on logging them). None when none of its trials logged a shadow step."""
     trials = [t for t in cell.trials if t.seed not in cell.short]
-    upto = {t.seed: cell.steps if (last := last_logged_step(t)) is None else min(cell.steps, last) for t in trials}
-    logged = [shadow_cosines(t, upto[t.seed]) for t in trials]
+
+    def upto(t: TrialRecord, last: int | None) -> int:
+        return cell.steps if last is None else min(cell.steps, last)
+
+    logged = [shadow_cosines(t, upto(t, last_logged_step(t))) for t in trials]
     if not any(logged):
         return None
-    values = {t.seed: gradient_cosine(t, upto[t.seed]) for t in trials}
-    base = {t.seed: gradient_cosine(t, upto.get(t.seed, cell.steps)) for t in baseline_trials(bf16, cell.axes)
+    ran = {t.seed: upto(t, stop_step(t)[0]) for t in trials}  # (where the means are compared)
+    values = {t.seed: gradient_cosine(t, ran[t.seed]) for t in trials}
+    base = {t.seed: gradient_cosine(t, ran.get(t.seed, cell.steps)) for t in baseline_trials(bf16, cell.axes)
             if t.seed not in cell.short_baseline}
     diff = difference_interval(values, base, labels=(cell.name, BASELINE))
     if diff.paired:  # bf16's column over the seeds the difference pairs it on
@@ -810,8 +819,9 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
     by_key = {r.key: r for r in measured}
     # an alias of another format is listed under the measured format's cells ("e0m7 ≡ e1m6"); one of
     # another precision, the same format, is a cell of its own precision (`Cell.twin_of`)
+    own = {r.format for r in measured}  # (a format measured anywhere has cells of its own)
     aliases = {r.format: by_key[r.same_as].format for r in started
-               if r.same_as in by_key and by_key[r.same_as].format != r.format}
+               if r.same_as in by_key and by_key[r.same_as].format != r.format and r.format not in own}
     twins = [r for r in started if r.same_as in by_key and by_key[r.same_as].format == r.format]
     twin_of = {(r.format, r.optimizer, r.precision, axes_key(r)): by_key[r.same_as].precision for r in twins}
     twin_ids = {id(r) for r in twins}

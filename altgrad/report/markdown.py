@@ -25,7 +25,8 @@ PLOT_SECTIONS = (
      "Mean over seeds of the per-seed ratio to bf16, ± the half-width of its 95 % interval; lower is "
      "better, 1.000 = bf16. Grey hatched: no trial, not evaluated yet, no finite loss, no bf16 seed "
      "evaluated up to the cell's steps, or a trial that broke (× and its stop reason). \"format shift\": a seed moved layers to another format before "
-     "an evaluation. A row marked ≡ repeats an equivalent format's measurement."),
+     "an evaluation. A row marked ≡ repeats an equivalent format's measurement; a square marked "
+     "\"≡ <precision>\", that precision's (its layers quantized the same way)."),
     ("loss", "Validation loss vs step",
      "Per format, the mean over seeds, with the band from the lowest to the highest seed, up to the last "
      "step every seed evaluated; past it, each seed that went further alone (dotted); "
@@ -127,11 +128,16 @@ def _family_wise(fw: FamilyWise | None) -> str:
     return fw.text if fw is not None else "—"
 
 
+def _precision_text(c: Cell) -> str:
+    """A cell's layer precision, `attn_e5m2 ≡ all` where another precision's cell measured it."""
+    return f"{c.precision} ≡ {c.twin_of}" if c.twin_of else c.precision
+
+
 def _differences(diffs: list[Difference], empty: str) -> str:
     if not diffs:
         return empty
     # The axes both sides share: held fixed (an axis's effect differs in that axis alone, named by `what`).
-    rows = [[d.what, d.a.name, d.a.precision, d.a.optimizer if d.a.optimizer == d.b.optimizer else "—",
+    rows = [[d.what, d.a.name, _precision_text(d.a), d.a.optimizer if d.a.optimizer == d.b.optimizer else "—",
              axes_text(tuple(i for i in d.a.axes if i in d.b.axes)) or "—",
              d.a.best.text(), d.b.best.text(), d.diff.text(), d.verdict, _family_wise(d.family_wise),
              "; ".join([*filter(None, [d.diff.note]), *_shift_notes(d)]) or "—"]
@@ -157,7 +163,7 @@ def _seeds(c: Cell) -> str:
 
 
 def _cells(f: Findings) -> str:
-    rows = [[c.name, c.optimizer, f"{c.precision} ≡ {c.twin_of}" if c.twin_of else c.precision,
+    rows = [[c.name, c.optimizer, _precision_text(c),
              axes_text(c.axes) or "—", _seeds(c),
              "not evaluated yet" if c.unevaluated else c.best.text(), c.steps,
              "—" if c.unevaluated or c.no_baseline else c.ratio.text(3), "—" if c.unevaluated else c.vs_bf16,
@@ -168,7 +174,7 @@ def _cells(f: Findings) -> str:
 
 
 def _fidelity_table(fidelity: list[GradientFidelity]) -> str:
-    rows = [[g.cell.name, g.cell.optimizer, g.cell.precision, axes_text(g.cell.axes) or "—", g.cell.steps,
+    rows = [[g.cell.name, g.cell.optimizer, _precision_text(g.cell), axes_text(g.cell.axes) or "—", g.cell.steps,
              f"{g.nonfinite} of {g.shadow_steps}", g.cosine.text(4),
              *(("none", "—") if g.cell.no_baseline else (g.baseline.text(4), g.diff.text(4))),
              g.verdict, _family_wise(g.family_wise), g.cell.vs_bf16, _stops(g.cell)]

@@ -72,17 +72,12 @@ class BitTracker:
 
 
 class BitPositionsFile:
-    """`bit_positions.jsonl` in the run dir, truncated on resume like the metrics."""
+    """`bit_positions.jsonl` in the run dir: one of its logs, started and truncated on resume with
+    the metrics (`RunFiles.start`)."""
 
     def __init__(self, files: RunFiles):
         self.files = files
-        self.path = Path(files.dir) / BIT_POSITIONS_FILE
-
-    def start(self, resume_step: int | None) -> None:
-        if resume_step is None:
-            self.path.unlink(missing_ok=True)
-        else:
-            self.files.truncate(self.path, resume_step)
+        self.path = files.log(Path(files.dir) / BIT_POSITIONS_FILE)
 
     def write(self, row: dict) -> None:
         self.files.append(self.path, row)

@@ -125,12 +125,13 @@ class CheckpointManager:
         for p in step_checkpoints(self.root):
             meta = _read_json(p / META_FILE)
             if meta is not None:
-                ranked.append({"name": p.name, **meta})
+                ranked.append({**meta, "name": p.name})
         named = _read_json(self.best_file)
         if (named is not None and (self.root / str(named.get("name"))).is_dir()
                 and all(m["name"] != named["name"] for m in ranked)):
             ranked.append(named)
-        ranked = [m for m in ranked if isinstance(m.get("val_loss"), float | int) and not math.isnan(m["val_loss"])]
+        ranked = [m for m in ranked if isinstance(m.get("step"), int) and isinstance(m.get("val_loss"), float | int)
+                  and not math.isnan(m["val_loss"])]  # (an entry written otherwise ranks nothing)
         return min(ranked, key=lambda m: (m["val_loss"], m["name"]), default=None)
 
     def save(self, step: int, state: dict[str, Any], val_loss: float | None) -> Path:

@@ -28,33 +28,37 @@ class RunFiles:
         self.events = self.dir / EVENTS_FILE
         self.summary = self.dir / SUMMARY_FILE
         self.config = self.dir / CONFIG_FILE
+        self.logs = [self.metrics, self.events]  # the JSON-lines files a step appends to (`log`)
+
+    def log(self, path: Path) -> Path:
+        """Another JSON-lines file of the run, started and resumed with the others."""
+        self.logs.append(path)
+        return path
 
     def start(self, config_yaml: str, resume_step: int | None) -> None:
-        """Create the run dir; on resume, drop rows after the checkpoint (they will be redone).
-        The config is written last: a resume refused for a corrupt file leaves the run as it was."""
+        """Create the run dir; on resume, drop every log's rows after the checkpoint (they will be
+        redone). Every log is read before any is rewritten, and the config written last: a resume
+        refused for a corrupt file leaves the run as it was."""
         self.dir.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
-            for f in (self.metrics, self.events):
+            for f in self.logs:
                 f.unlink(missing_ok=True)
         else:
-            for f in (self.metrics, self.events):
-                self.truncate(f, resume_step)
+            kept = {f: [r for r in self._rows(f, resume_step) if int(r.get(STEP, 0)) <= resume_step]
+                    for f in self.logs if f.exists()}
+            for f, rows in kept.items():  # (a file the run never wrote stays unwritten)
+                tmp = f.with_suffix(".tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                os.replace(tmp, f)
         self.config.write_text(config_yaml)
 
-    def truncate(self, path: Path, step: int) -> None:
-        """Keep only the rows of `path` up to `step` (a resumed run redoes the rest). A file the run
-        never wrote stays unwritten, so a resumed run's metrics are the uninterrupted run's; its
-        events add the resume itself (`EventKind.RESUME`)."""
-        if not path.exists():
-            return
+    @staticmethod
+    def _rows(path: Path, step: int) -> list[dict[str, Any]]:
         try:
-            rows = [r for r in read_jsonl(path) if int(r.get(STEP, 0)) <= step]
+            return read_jsonl(path)
         except ValueError as e:  # (a line that is not JSON, before the last)
             raise RunFileError(f"cannot resume: {e}; the run keeps its rows up to step {step}: mend or "
                                "remove that line and resume again") from None
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, path)
 
     def append(self, path: Path, row: dict[str, Any]) -> None:
         with open(path, "a") as f:

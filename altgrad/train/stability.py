@@ -184,6 +184,8 @@ class StabilityMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+        if "last_finite" not in state:  # (a checkpoint from before it was kept: inside a streak, not)
+            self.last_finite = self.nan_streak == 0
 
 
 def _finite_step(m: dict[str, float]) -> bool:

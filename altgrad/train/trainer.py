@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from altgrad.config import ConfigError, RunConfig, dump_config
+from altgrad.config import ConfigError, RunConfig, deep_merge, dump_config
 from altgrad.data import TokenBatches, prepare_dataset
 from altgrad.experiment import EventKind, RunStatus, StopReason
 from altgrad.metrics import (
@@ -53,7 +53,7 @@ from altgrad.quant.convert import quantized_layers
 from altgrad.quant.formats import get_format
 from altgrad.quant.kernels import StepGraph, compile_status
 from altgrad.quant.quantize import quantize
-from altgrad.run_model import build_model
+from altgrad.run_model import assigned_formats, build_model
 from altgrad.train.bit_tracking import BitPositionsFile, BitTracker
 from altgrad.train.checkpoint import (
     CheckpointError,
@@ -191,7 +191,6 @@ class Trainer:
             raise ConfigError(f"the run's checkpoint is at step {start}, past train.max_steps="
                               f"{self.cfg.train.max_steps}: resume with max_steps >= {start}")
         self.files.start(dump_config(self.cfg), resume_step=start if resume is not None else None)
-        self.bit_file.start(start if resume is not None else None)
         for problem in skipped:
             self._log_event(start, Event(EventKind.CHECKPOINT_SKIPPED, problem))
         if resume is not None:
@@ -323,11 +322,14 @@ class Trainer:
     @torch.no_grad()
     def _requantize_weights(self) -> None:
         """`master_weights: format`: the stored weights are the format's values, so a stalled
-        update is lost. A skipped step re-quantizes on-grid weights, which leaves them unchanged."""
+        update is lost. A skipped step leaves them as they were (decided on the device): its
+        forward may have moved the weight scale, and rounding at the new scale would change
+        weights no update touched (and the anomaly checkpoint's, `StepStart`)."""
         rounding = self.cfg.quant.weight_rounding
+        skipped = self.optimizer.found_inf > 0
         for layer in self.layers.values():
             w = layer.weight
-            w.copy_(quantize(w, layer.policy.weight, layer.weight_scale, rounding=rounding))
+            w.copy_(torch.where(skipped, w, quantize(w, layer.policy.weight, layer.weight_scale, rounding=rounding)))
 
     @torch.no_grad()
     def _evaluate(self) -> torch.Tensor:
@@ -395,6 +397,28 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),
         }
 
+    def _check_same_formats(self, trained: dict[str, Any]) -> None:
+        """ConfigError where the checkpoint's run (its config's `quant`) quantized its layers in
+        other formats than this config does: its layer formats, which keep its emergency shifts,
+        would replace this config's, and the run's records would name formats it never trained.
+        The precision is compared by the formats it assigns, not by how it is written."""
+        now = self.cfg.quant
+        if "format" in trained and trained["format"] != now.format:
+            raise ConfigError(f"the run trained quant.format = {trained['format']!r}, not {now.format!r}: a run's "
+                              "formats do not change on resume; resume with its own, or start a new run")
+        if "precision" not in trained:
+            return
+        written = now.model_dump(mode="json")["precision"]
+        try:
+            then = RunConfig.model_validate(deep_merge(self.cfg.model_dump(mode="json"),
+                                                       {"quant": {"precision": trained["precision"]}}))
+            same = assigned_formats(then) == assigned_formats(self.cfg)
+        except ValueError:  # (a precision this version cannot read: as written, then)
+            same = trained["precision"] == written
+        if not same:
+            raise ConfigError(f"the run trained quant.precision = {trained['precision']!r}, not {written!r}: a run's "
+                              "formats do not change on resume; resume with its own, or start a new run")
+
     def _val_state(self) -> dict[str, float]:
         return {"best": self.best_val, "last": self.val_loss, "step": self.val_step}
 
@@ -415,12 +439,7 @@ class Trainer:
         raise CheckpointError(f"cannot resume: {detail}")
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        trained = state.get("config", {}).get("quant", {})
-        for key in ("format", "precision"):  # (the checkpoint's layer formats would replace the new)
-            now = self.cfg.quant.model_dump(mode="json")[key]
-            if key in trained and trained[key] != now:
-                raise ConfigError(f"the run trained quant.{key} = {trained[key]!r}, not {now!r}: a run's formats do "
-                                  f"not change on resume; resume with its own, or start a new run")
+        self._check_same_formats(state.get("config", {}).get("quant", {}))
         try:
             restore_formats(self.layers, state["formats"])  # a shifted format, before its scales
             self.model.load_state_dict(state["model"])

@@ -101,6 +101,13 @@ def build_grid(cfg: SweepConfig) -> list[GridPoint]:
     names = axis_names(list(grid.axes))
     combos = [dict(zip(grid.axes, values, strict=True)) for values in itertools.product(*grid.axes.values())]
     points: dict[str, GridPoint] = {}
+    assigned: dict[str, dict[str, Any]] = {}
+
+    def formats_of(p: GridPoint) -> dict[str, Any]:  # (each builds a model on the meta device: once)
+        if p.key not in assigned:
+            assigned[p.key] = assigned_formats(p.run_config)
+        return assigned[p.key]
+
     for seed, optimizer, axes in itertools.product(seeds, grid.optimizer_names, combos):
         baseline_axes = {p: v for p, v in axes.items() if applies_to_baseline(p)}
         reference = (point_key(BASELINE, optimizer, "all", seed, baseline_axes, names)
@@ -117,9 +124,9 @@ def build_grid(cfg: SweepConfig) -> list[GridPoint]:
                 if point.key in points:  # bf16 again for an axis value that does not apply to it
                     continue
                 twin = None if fmt == BASELINE else next(
-                    (p for p in points.values() if _same_training(p, point)), None)
+                    (p for p in points.values() if _same_training(p, point, formats_of)), None)
                 points[point.key] = GridPoint(
-                    **{**asdict(point), "same_as": twin.key if twin else None,
+                    **{**asdict(point), "same_as": (twin.same_as or twin.key) if twin else None,
                        "reference": None if fmt == BASELINE else reference})
     return list(points.values())
 
@@ -128,25 +135,27 @@ def trials_to_run(points: list[GridPoint]) -> list[GridPoint]:
     return [p for p in points if p.same_as is None]
 
 
-def _same_training(measured: GridPoint, other: GridPoint) -> bool:
-    """Whether `other` would train bit for bit like the already measured point: its format
-    quantizes identically under the run's scaling, or its layer precision quantizes the same
-    layers in the same formats (a custom policy that, for this format, is a preset), and nothing
-    else of the run differs."""
-    if measured.same_as is not None or measured.format == BASELINE:
+def _same_training(earlier: GridPoint, other: GridPoint, formats_of: Callable[[GridPoint], dict[str, Any]]) -> bool:
+    """Whether `other` would train bit for bit like an earlier point (measured, or an alias that
+    its own measured point trains like): its format quantizes identically under the run's scaling,
+    or its layer precision quantizes the same layers in the same formats (`formats_of`: a custom
+    policy that, for this format, is a preset; two presets always differ), and nothing else of the
+    run differs."""
+    if earlier.format == BASELINE:
         return False
-    if (measured.optimizer, measured.seed, measured.axes) != (other.optimizer, other.seed, other.axes):
+    if (earlier.optimizer, earlier.seed, earlier.axes) != (other.optimizer, other.seed, other.axes):
         return False
-    if measured.precision != other.precision:
-        return (measured.format == other.format
-                and _without_precision(measured.run) == _without_precision(other.run)
-                and assigned_formats(measured.run_config) == assigned_formats(other.run_config))
+    if earlier.precision != other.precision:
+        custom = isinstance(earlier.run["quant"]["precision"], list) or isinstance(other.run["quant"]["precision"], list)
+        return (custom and earlier.format == other.format
+                and _without_precision(earlier.run) == _without_precision(other.run)
+                and formats_of(earlier) == formats_of(other))
     quant = other.run["quant"]
     amax_scaled = quant["scaling"]["mode"] != "none"
     # An emergency mantissa shift moves the two along different format chains.
     unshifted = other.run["stability"]["shift_patience"] is None
-    return (unshifted and quantize_identically(measured.format, other.format, amax_scaled)
-            and _without_format(measured.run, measured.format) == _without_format(other.run, other.format))
+    return (unshifted and quantize_identically(earlier.format, other.format, amax_scaled)
+            and _without_format(earlier.run, earlier.format) == _without_format(other.run, other.format))
 
 
 def _without_precision(run: dict[str, Any]) -> dict[str, Any]:
@@ -264,9 +273,10 @@ def describe_grid(cfg: SweepConfig, points: list[GridPoint]) -> str:
 def _alias_kind(point: GridPoint, points: list[GridPoint]) -> str:
     """How an alias point equals the point that measures it."""
     measured = next(p for p in points if p.key == point.same_as)
-    if measured.format == point.format:
-        return f"the same layers in the same formats as precision {measured.precision}"
-    return "equivalent format"
+    kinds = ["equivalent format"] if measured.format != point.format else []
+    if measured.precision != point.precision:
+        kinds.append(f"the same layers in the same formats as precision {measured.precision}")
+    return "; ".join(kinds)
 
 
 def _n(count: int, noun: str) -> str:
