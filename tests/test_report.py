@@ -1636,6 +1636,12 @@ def test_a_precision_that_measures_what_another_does_is_one_cell_twice_and_one_f
     text = write_report(records, tmp_path).read_text()
     assert ("e5m2 / attn_e5m2 quantizes the same layers in the same formats as e5m2 / all: one measurement") in text
     assert "| e5m2 | adamw | attn_e5m2 ≡ all | — | 0, 1, 2 |" in text
+    # listed first, `attn_e5m2` is measured and `all` its twin: the verdict's cell says whose trials
+    swapped = [replace(r, precision={"all": "attn_e5m2", "attn_e5m2": "all"}[r.precision])
+               if r.format == "e5m2" else r for r in records]
+    swapped = [replace(r, same_as=r.key.replace("attn_e5m2", "all") if r.same_as else None) for r in swapped]
+    verdict = compute_findings(swapped).verdict
+    assert verdict.cell.twin_of == "attn_e5m2" and verdict.reason.startswith("e5m2 / all ≡ attn_e5m2 / adamw")
 
 
 def test_bit_stall_names_the_optimizer_as_the_failure_site_only_for_weights_stored_in_their_format():

@@ -733,7 +733,8 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], bf16: dict[str, l
     pool = named or [c for c in candidates if c.own_full_run] or candidates
     cell = min(pool, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD,
                                     axes_order.get(c.axes, 0)))
-    where = " / ".join(x for x in (cell.name, cell.precision, cell.optimizer, axes_text(cell.axes)) if x)
+    precision = f"{cell.precision} ≡ {cell.twin_of}" if cell.twin_of else cell.precision  # (its trials: the twin's)
+    where = " / ".join(x for x in (cell.name, precision, cell.optimizer, axes_text(cell.axes)) if x)
     if cell.overrides:
         where += f" (with {overrides_text(cell.overrides)})"
     if base := next((t.overrides for t in bf16.get(cell.optimizer, []) if t.overrides), None):
