@@ -452,8 +452,9 @@ def _trial_record(exp_dir: Path, trial_id: str, entry: dict[str, Any], stop: dic
         config = read_yaml(run / CONFIG_FILE) if (run / CONFIG_FILE).is_file() else {}  # none: not started
         stability = run_stability(config)
         autocast = summary["autocast"] if "autocast" in summary else run_autocast(config)
-        quant = config.get("quant") or {}
-        stored = quant.get("master_weights") == "format" and quant.get("format") != BASELINE
+        # `QuantConfig.stores_weights_in_format` of the validated config it wrote (which refuses it
+        # for bf16), read off the field: validating the section here would import torch
+        stored = (config.get("quant") or {}).get("master_weights") == "format"
     except ValueError as e:  # one corrupt trial must not hide the others
         return _record(entry, trial_id=trial_id, status=TrialStatus.ERROR, stop_reason=StopReason.ERROR,
                        trial_dir=trial_dir, unreadable=_as_named(str(e), exp_dir, shown))

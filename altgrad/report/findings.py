@@ -218,6 +218,11 @@ class Cell:
     NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
 
     @property
+    def precision_label(self) -> str:
+        """Its layer precision as the report names it: `attn_e5m2 ≡ all` for a twin."""
+        return f"{self.precision} ≡ {self.twin_of}" if self.twin_of else self.precision
+
+    @property
     def measurement(self) -> tuple[str, str, str, AxesKey]:
         """The cell whose trials measured it: itself, or its `twin_of`'s."""
         return self.format, self.optimizer, self.twin_of or self.precision, self.axes
@@ -733,8 +738,7 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], bf16: dict[str, l
     pool = named or [c for c in candidates if c.own_full_run] or candidates
     cell = min(pool, key=lambda c: (c.precision != VERDICT_PRECISION, c.optimizer != STANDARD,
                                     axes_order.get(c.axes, 0)))
-    precision = f"{cell.precision} ≡ {cell.twin_of}" if cell.twin_of else cell.precision  # (its trials: the twin's)
-    where = " / ".join(x for x in (cell.name, precision, cell.optimizer, axes_text(cell.axes)) if x)
+    where = " / ".join(x for x in (cell.name, cell.precision_label, cell.optimizer, axes_text(cell.axes)) if x)
     if cell.overrides:
         where += f" (with {overrides_text(cell.overrides)})"
     if base := next((t.overrides for t in bf16.get(cell.optimizer, []) if t.overrides), None):

@@ -128,16 +128,11 @@ def _family_wise(fw: FamilyWise | None) -> str:
     return fw.text if fw is not None else "—"
 
 
-def _precision_text(c: Cell) -> str:
-    """A cell's layer precision, `attn_e5m2 ≡ all` where another precision's cell measured it."""
-    return f"{c.precision} ≡ {c.twin_of}" if c.twin_of else c.precision
-
-
 def _differences(diffs: list[Difference], empty: str) -> str:
     if not diffs:
         return empty
     # The axes both sides share: held fixed (an axis's effect differs in that axis alone, named by `what`).
-    rows = [[d.what, d.a.name, _precision_text(d.a), d.a.optimizer if d.a.optimizer == d.b.optimizer else "—",
+    rows = [[d.what, d.a.name, d.a.precision_label, d.a.optimizer if d.a.optimizer == d.b.optimizer else "—",
              axes_text(tuple(i for i in d.a.axes if i in d.b.axes)) or "—",
              d.a.best.text(), d.b.best.text(), d.diff.text(), d.verdict, _family_wise(d.family_wise),
              "; ".join([*filter(None, [d.diff.note]), *_shift_notes(d)]) or "—"]
@@ -163,7 +158,7 @@ def _seeds(c: Cell) -> str:
 
 
 def _cells(f: Findings) -> str:
-    rows = [[c.name, c.optimizer, _precision_text(c),
+    rows = [[c.name, c.optimizer, c.precision_label,
              axes_text(c.axes) or "—", _seeds(c),
              "not evaluated yet" if c.unevaluated else c.best.text(), c.steps,
              "—" if c.unevaluated or c.no_baseline else c.ratio.text(3), "—" if c.unevaluated else c.vs_bf16,
@@ -174,7 +169,7 @@ def _cells(f: Findings) -> str:
 
 
 def _fidelity_table(fidelity: list[GradientFidelity]) -> str:
-    rows = [[g.cell.name, g.cell.optimizer, _precision_text(g.cell), axes_text(g.cell.axes) or "—", g.cell.steps,
+    rows = [[g.cell.name, g.cell.optimizer, g.cell.precision_label, axes_text(g.cell.axes) or "—", g.cell.steps,
              f"{g.nonfinite} of {g.shadow_steps}", g.cosine.text(4),
              *(("none", "—") if g.cell.no_baseline else (g.baseline.text(4), g.diff.text(4))),
              g.verdict, _family_wise(g.family_wise), g.cell.vs_bf16, _stops(g.cell)]

@@ -90,9 +90,8 @@ class StabilityMonitor:
         events: list[Event] = []
         patience = self.cfg.shift_patience if shift is not None else None
         loss_bad = m[LOSS_IS_NAN] > 0
-        grad_bad = m[GRAD_HAS_NAN] > 0
         self.last_finite = _finite_step(m)
-        if loss_bad or grad_bad:
+        if not self.last_finite:
             self.nan_streak += 1
             where = "forward" if loss_bad else "backward"
             if self.nan_streak == 1:

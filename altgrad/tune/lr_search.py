@@ -97,16 +97,21 @@ def samples_at_once(max_concurrent_trials: int | None) -> int:
     return max_concurrent_trials or 1
 
 
-def judged(record: TrialRecord, tolerance: float) -> tuple[bool, bool]:
-    """(stable, diverged) of a trial's record: `trial_spec.verdict` of its evaluations, its last
-    report and its stop, as that report told the searcher. Stable takes the run's whole budget
-    (a stopped trial's record says why it stopped)."""
+def _evidence(record: TrialRecord) -> tuple[list[float], bool, str | None]:
+    """What `trial_spec.verdict` reads of a trial's record, as its last report told the searcher:
+    its val losses, whether that report was broken (a NaN step, a non-finite val loss), and its
+    stop (None: it ran its budget)."""
     vals = record.val_series()[1]
     last = record.history[-1] if record.history else {}
-    stop = None if record.stop_reason == StopReason.COMPLETED else record.stop_reason
-    latest = vals[-1] if vals else math.nan
-    broken = last.get(LOSS_IS_NAN, 0) > 0 or (bool(vals) and not math.isfinite(latest))
-    return verdict(vals[0] if vals else None, worst(vals), latest, broken, stop, tolerance)
+    broken = last.get(LOSS_IS_NAN, 0) > 0 or (bool(vals) and not math.isfinite(vals[-1]))
+    return vals, broken, None if record.stop_reason == StopReason.COMPLETED else record.stop_reason
+
+
+def judged(record: TrialRecord, tolerance: float) -> tuple[bool, bool]:
+    """(stable, diverged) of a trial's record: `trial_spec.verdict` of its `_evidence`. Stable
+    takes the run's whole budget (a stopped trial's record says why it stopped)."""
+    vals, broken, stop = _evidence(record)
+    return verdict(vals[0] if vals else None, worst(vals), vals[-1] if vals else math.nan, broken, stop, tolerance)
 
 
 def stability_edge(results: Iterable[tuple[float, bool]]) -> tuple[float | None, float | None]:
@@ -127,14 +132,14 @@ def why_unstable(record: TrialRecord) -> str:
     trainer, with the reason), or, having run its budget, its val loss ended non-finite, rose above
     its first on the way, or did not fall far enough (`NOT_LEARNING`: too small a rate, or too
     short a run)."""
-    vals = record.val_series()[1]
-    if record.stop_reason != StopReason.COMPLETED:
-        return f"was stopped ({record.stop_reason})"
+    vals, broken, stop = _evidence(record)
+    if stop is not None:
+        return f"was stopped ({stop})"
     if vals and not math.isfinite(vals[-1]):
         return "ended with a non-finite val loss"
     if not judged(record, 0.0)[1]:
         return NOT_LEARNING
-    if (record.history[-1] if record.history else {}).get(LOSS_IS_NAN, 0) > 0:  # `judged`'s `broken`
+    if broken:
         return "diverged (a non-finite step at its end)"
     # where it ended too: a run that spiked and recovered may end lower than a stable one
     return f"diverged (its val loss rose to {worst(vals):.4g}, above its first, {vals[0]:.4g}; it ended at {vals[-1]:.4g})"
