@@ -1636,6 +1636,10 @@ def test_a_precision_that_measures_what_another_does_is_one_cell_twice_and_one_f
     text = write_report(records, tmp_path).read_text()
     assert ("e5m2 / attn_e5m2 quantizes the same layers in the same formats as e5m2 / all: one measurement") in text
     assert "| e5m2 | adamw | attn_e5m2 ≡ all | — | 0, 1, 2 |" in text
+    # its warnings are listed under both precisions too, as the note says
+    assert {(w.precision, w.what) for w in compute_findings([*records[:3], *(
+        replace(r, events=[{"step": 5, "kind": "overflow_warn"}]) for r in records[3:])]).warnings
+        if w.format == "e5m2"} == {("all", "overflow"), ("attn_e5m2", "overflow")}
     # listed first, `attn_e5m2` is measured and `all` its twin: the verdict's cell says whose trials
     swapped = [replace(r, precision={"all": "attn_e5m2", "attn_e5m2": "all"}[r.precision])
                if r.format == "e5m2" else r for r in records]

@@ -892,7 +892,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
                     replace(_verdict(cells, bf16, axes_order), baseline=baseline_name),
                     _missing(records, missing or []), notes,
                     _with_family_wise(fidelity, left_out=lambda g: not g.compared),
-                    warnings_raised(measured))
+                    warnings_raised([*measured, *twins]))  # (a twin's under its own precision too)
 
 
 def _measurements(d: Difference | GradientFidelity) -> tuple[Any, ...]:

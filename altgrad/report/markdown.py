@@ -118,7 +118,9 @@ def _failures(f: Findings) -> str:
 def _warnings(f: Findings) -> str:
     if not f.warnings:
         return "None: no run skipped a non-finite step or crossed a warning threshold."
-    rows = [[f.measured_name(w.format), w.optimizer, w.precision, axes_text(w.axes) or "—", w.what,
+    rows = [[f.measured_name(w.format), w.optimizer,
+             c.precision_label if (c := f.cells.get((w.format, w.optimizer, w.precision, w.axes))) else w.precision,
+             axes_text(w.axes) or "—", w.what,
              f"{seeds_text(w.seeds)} of {w.of}", w.first, w.events] for w in f.warnings]
     return _table(["format", "optimizer", "precision", "extra axes", "warning", "seeds", "first at step",
                    "times raised"], rows)
