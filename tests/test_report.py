@@ -1632,7 +1632,14 @@ def test_a_precision_that_measures_what_another_does_is_one_cell_twice_and_one_f
     assert twin.twin_of == "all" and twin.ratio == cell.ratio and twin.family_wise is cell.family_wise
     assert cell.family_wise.family == 3 and not f.aliases
     assert f.multiplicity()[0].startswith("× bf16: 3 comparisons with an interval")
-    assert spot(f, "attn_e5m2").text.startswith("bf16 (every format is worse")  # e5m2 eligible there too
+    # e5m2 is eligible there too, and each ranking under attn_e5m2 says whose trials its e5m2 are
+    assert spot(f, "attn_e5m2").text.startswith("bf16 (every format is worse")
+    assert spot(f, "attn_e5m2").text.endswith("[e5m2: the trials of e5m2 / all]")
+    assert "[" not in spot(f, "all").text
+    grads = {line.split(":")[0]: line for line in f.fidelity_summary()}
+    assert grads["attn_e5m2, adamw"].endswith(") [e5m2: the trials of e5m2 / all]") and "[" not in grads["all, adamw"]
+    panels = plot_loss(f, "adamw", (), tmp_path / "loss.png").texts
+    assert panels.get("precision: attn_e5m2") == ["e5m2: the trials of e5m2 / all"] and "precision: all" not in panels
     text = write_report(records, tmp_path).read_text()
     assert ("e5m2 / attn_e5m2 quantizes the same layers in the same formats as e5m2 / all: one measurement") in text
     assert "| e5m2 | adamw | attn_e5m2 ≡ all | — | 0, 1, 2 |" in text

@@ -125,7 +125,8 @@ DEFINITIONS = f"""\
   rest on × bf16 calls (bf16 leading: every eligible cell it leaves out is worse; a format alone: it
   is better than bf16) and say which of them do not hold family-wise ("bf16 (every format is worse;
   not family-wise for e4m3)", "tie: bf16 ≈ e7m0 (...; e4m3 left out as worse than bf16, not
-  family-wise)"): a noisy cell ties where a precise one a hair behind is called worse.
+  family-wise)"): a noisy cell ties where a precise one a hair behind is called worse. A ranking
+  with a cell another precision's trials measured says so ("[e5m2: the trials of e5m2 / all]").
 - **Failures**: every trial whose stop reason is not `completed` or that recorded a collapse. Step:
   `collapse_step` from the summary, else the first non-finite training loss, else the last step.
   Where: `collapse_where` when the trainer recorded it ({", ".join(f"{k} → {v}" for k, v in WHERE.items()
@@ -328,9 +329,16 @@ class SweetSpot:
     # equal to bf16"; "bf16 left out: e4m3 better than bf16" and "yet e7m0 indistinguishable from
     # bf16" in one without, which would read as "all better than bf16".
     apart: tuple[str, ...] = ()
+    # (format, precision) of each cell here measured by another precision's trials (`Cell.twin_of`):
+    # a ranking that reads as this precision's own result would otherwise hide that it is not
+    twins: tuple[tuple[str, str], ...] = ()
 
     @property
     def text(self) -> str:
+        return f"{self._ranking} [{twins}]" if (twins := twins_text(self.twins)) else self._ranking
+
+    @property
+    def _ranking(self) -> str:
         if not self.group:
             return "none (no eligible cell)"
         if len(self.group) > 1:
@@ -345,6 +353,12 @@ class SweetSpot:
             return f"{BASELINE} (every format is worse{caveat})"
         caveat = f" (better than {BASELINE}, not family-wise)" if self.not_family_wise else ""
         return f"{self.leader.name} at {self.leader.ratio.text(3)} × {BASELINE}{caveat}"
+
+
+def twins_text(twins: Iterable[tuple[str, str]]) -> str:
+    """"e5m2: the trials of e5m2 / all" for each (cell name, `Cell.twin_of`) among cells ranked or
+    drawn together that another precision's trials measured; "" for none."""
+    return "; ".join(f"{name}: the trials of {name} / {precision}" for name, precision in twins)
 
 
 @dataclass(frozen=True)
@@ -492,6 +506,8 @@ class Findings:
                     for g in further))
                 if hidden := [g.cell.name for g in further if not g.cell.ratio.excludes(g.cell.NULL)]:
                     parts.append(f"loss not separated from {BASELINE}'s for {', '.join(hidden)}")
+            if twins := twins_text((g.cell.name, g.cell.twin_of) for g in group.values() if g.cell.twin_of):
+                parts[-1] += f" [{twins}]"
             out.append(f"{where_text(*where)}: {'; '.join(parts)}")
         return out
 
@@ -711,7 +727,8 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
     unheld = tuple(c.name for c in calls if not holds(c.family_wise))
     no_interval = tuple(name for name, e in entries if name in group and e.half_width is None)
     apart = _tie_and_bf16([c for c in eligible if c.name in group], leader) if len(group) > 1 else ()
-    return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld, no_interval, apart)
+    twins = tuple((c.name, c.twin_of) for c in cells if c.twin_of)
+    return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld, no_interval, apart, twins)
 
 
 def _tie_and_bf16(tied: list[Cell], leader: Cell | None) -> tuple[str, ...]:

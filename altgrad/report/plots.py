@@ -35,7 +35,7 @@ from altgrad.metrics import (
     ZERO_UPDATE_FRAC,
 )
 from altgrad.precision import BASELINE
-from altgrad.report.findings import Findings
+from altgrad.report.findings import Findings, twins_text
 from altgrad.report.records import (
     AxesKey,
     axes_text,
@@ -240,9 +240,14 @@ def plot_loss(findings: Findings, optimizer: str, axes: AxesKey, path: Path) -> 
         cells = [c for c in sorted(findings.cells.values(), key=lambda c: format_key(c.format))
                  if (c.optimizer, c.precision, c.axes) == (optimizer, precision, axes)]
         groups += [(c.format, c.name, [t for t in c.trials if t.seed not in c.short]) for c in cells]
+        # in the panel: the legend, figure-wide, names a format once for every precision
+        said = []
         if broken := [f"{c.name} ({', '.join(c.stops)})" for c in cells if c.broke]:
-            # in the panel: the legend, figure-wide, names a format once for every precision
-            whole.text(0.01, 0.01, f"broke: {'; '.join(broken)}", transform=whole.transAxes, fontsize=7,
+            said.append(f"broke: {'; '.join(broken)}")
+        if twins := twins_text((c.name, c.twin_of) for c in cells if c.twin_of):
+            said.append(twins)
+        if said:
+            whole.text(0.01, 0.01, "\n".join(said), transform=whole.transAxes, fontsize=7,
                        ha="left", va="bottom", bbox={"facecolor": "white", "alpha": 0.7, "lw": 0})
         last = furthest_eval(t for _, _, trials in groups for t in trials)
         half, late = last // 2, []
