@@ -14,7 +14,10 @@ Every logged row
 Diagnostic steps (`is_diagnostic_step`), quantized runs
     model-wide OVERFLOW_RATE, UNDERFLOW_RATE (and each by pass: FORWARD_OVERFLOW_RATE, ...),
     CODES_USED, BIT_STALL_RATE, ZERO_UPDATE_FRAC, KURTOSIS_MAX, and per layer (`per_layer(metric, layer)`) the first four, ACT_KURTOSIS and
-    `gradient_stat(stat)` for each of `diagnostics.GRADIENT_STATS` (GRAD_DEAD_FRAC among them).
+    `gradient_stat(stat)` for each of `diagnostics.GRADIENT_STATS` (GRAD_DEAD_FRAC among them;
+    `grad/snr` is the weight gradient's SQNR in dB under the run's grad_format, a format the bench
+    never puts it in: `diagnostics.gradient_stats`). The quantizer counters behind the rates and
+    CODES_USED count large tensors on a sample (`quant.step.sample`), scaled to the tensor's size.
 Shadow steps (`is_shadow_step`)
     SHADOW_COS_MEAN, SHADOW_COS_MIN, and per layer SHADOW_COS.
 Added by a sweep's trial to what it reports to Tune (not in metrics.jsonl)

@@ -19,7 +19,7 @@ from altgrad.quant.codes import (
 )
 from altgrad.quant.kernels import scale_tensors
 from altgrad.quant.stall import stiffness
-from altgrad.quant.step import STATS_RUNS, STATS_SAMPLE, TensorStats
+from altgrad.quant.step import STATS_RUNS, STATS_SAMPLE, TensorStats, sample
 
 ALL = sorted(FORMATS)
 ML_DTYPES = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "e3m4": ml_dtypes.float8_e3m4}
@@ -63,13 +63,13 @@ def test_encode_with_a_scale_is_encode_of_the_scaled_values(name, path):
 
 
 @pytest.mark.parametrize("name", ["e4m3", "e7m0", "e2m5"])
-# scatter, bincount, and a tensor counted on a sample of STATS_RUNS runs (a strided view)
+# scatter, bincount, and a tensor counted on a sample of STATS_RUNS runs
 @pytest.mark.parametrize("n", [BINCOUNT_MIN_CODES // 4, 4 * BINCOUNT_MIN_CODES, 3 * STATS_SAMPLE + 5])
 def test_the_code_histogram_counts_each_code(name, n, path):
     """The counters' 256-code histogram, on either side of the size where it changes method, is
     the count of gfloat's codes of quantize(x * s), with overflow and underflow counted too. A
-    tensor over STATS_SAMPLE elements counts STATS_RUNS runs of STATS_SAMPLE / STATS_RUNS
-    contiguous elements, one at the start of each STATS_RUNS-th of it."""
+    tensor over STATS_SAMPLE elements histograms STATS_SAMPLE of its elements (each code at most as
+    often as in the whole) and counts overflow and underflow as estimates of the whole's."""
     f = FORMATS[name]
     x = torch.cat([torch.tensor([f.max * 4, 0.0]), random_values(f, n=n, seed=5)])
     x = x[x.isfinite()][:n]
@@ -77,13 +77,60 @@ def test_the_code_histogram_counts_each_code(name, n, path):
     stats = TensorStats()
     stats.observe(x, quantize(x, f, s), f, s)
     (overflow, underflow, elements), histogram = (t.tolist() for t in stats.counts())
-    if n > STATS_SAMPLE:
-        run, period = STATS_SAMPLE // STATS_RUNS, n // STATS_RUNS
-        x = torch.cat([x[k * period:k * period + run] for k in range(STATS_RUNS)])
     want = torch.bincount(gfloat_codes(f, x * s).long(), minlength=CODE_COUNT)
-    assert histogram == want.tolist() and elements == min(n, STATS_SAMPLE)
-    assert overflow == int(((x * s).abs() > f.max).sum()) > 0
-    assert underflow == int(((x != 0) & (quantize(x, f, s) == 0)).sum())
+    want_overflow, want_underflow = int(((x * s).abs() > f.max).sum()), int(((x != 0) & (quantize(x, f, s) == 0)).sum())
+    assert elements == n and want_overflow > 0
+    if n <= STATS_SAMPLE:
+        assert histogram == want.tolist() and (overflow, underflow) == (want_overflow, want_underflow)
+    else:
+        assert sum(histogram) == STATS_SAMPLE and all(h <= w for h, w in zip(histogram, want.tolist(), strict=True))
+        assert overflow == pytest.approx(want_overflow, rel=0.2) and underflow == pytest.approx(want_underflow, rel=0.2)
+
+
+def test_a_sample_is_one_run_in_each_stratum_at_offsets_that_differ():
+    """Sampled positions: STATS_RUNS runs of contiguous positions (wrapping around in their
+    stratum), one in each STATS_RUNS-th of the tensor, none twice, at offsets that are not all the
+    stratum's start (runs at the starts saw only a row's first columns)."""
+    n = 64 * 50257
+    positions = sample(torch.arange(n, dtype=torch.float64)).long().view(STATS_RUNS, -1)
+    period = n // STATS_RUNS
+    assert positions.shape == (STATS_RUNS, STATS_SAMPLE // STATS_RUNS) and positions.unique().numel() == STATS_SAMPLE
+    within = positions - torch.arange(STATS_RUNS)[:, None] * period
+    assert ((0 <= within) & (within < period)).all()
+    assert (((within[:, 1:] - within[:, :-1]) % period) == 1).all()
+    assert within[:, 0].unique().numel() == STATS_RUNS
+
+
+@pytest.mark.parametrize("rows, columns", [(64, 50257), (128, 5000), (64, 4096), (192, 1031)])
+def test_a_sampled_tensors_rates_estimate_the_whole_tensors_whatever_its_row_length(rows, columns, path):
+    """A logits gradient's columns differ (token ids): here the first 1024 columns underflow and the
+    last 512 overflow. The counters' rates of a sampled tensor are within 0.05 of the whole tensor's
+    for any row length, one that lines the rows up with the strata included (runs at each stratum's
+    start read 1.0 underflow for 64 x 50257, where the tensor has 0.02)."""
+    f = FORMATS["e4m3"]
+    x = torch.ones(rows, columns) * torch.linspace(1, 2, columns)
+    x[:, :1024] = 1e-9
+    x[:, -512:] = 1e6
+    s = torch.tensor(1.0)
+    q = quantize(x, f, s)
+    stats = TensorStats()
+    stats.observe(x, q, f, s)
+    overflow, underflow, elements = stats.counts()[0].tolist()
+    assert elements == x.numel()
+    whole_underflow = ((x != 0) & (q == 0)).double().mean().item()
+    whole_overflow = ((x * s).abs() > f.max).double().mean().item()
+    assert abs(underflow / elements - whole_underflow) < 0.05 and abs(overflow / elements - whole_overflow) < 0.05
+
+
+def test_counts_summed_over_tensors_weigh_each_by_its_size():
+    """A small tensor counted whole (every element overflows) and a large one sampled (none does):
+    the summed overflow rate is the elements' rate, 1000 / 1,001,000, not the samples' (1000 of
+    1000 + STATS_SAMPLE)."""
+    f, s = FORMATS["e4m3"], torch.tensor(1.0)
+    stats = TensorStats()
+    for x in (torch.full((1000,), 1e6), torch.ones(1_000_000)):
+        stats.observe(x, quantize(x, f, s), f, s)
+    assert stats.counts()[0].tolist() == [1000, 0, 1_001_000]
 
 
 def reference_moves(w_old: torch.Tensor, w_new: torch.Tensor, f: FormatSpec, s: torch.Tensor,

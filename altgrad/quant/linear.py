@@ -9,7 +9,7 @@ state_dict and the same probes whatever its roles.
 
 Diagnostics (overflow / underflow counts and a 256-bin code histogram per tensor) are collected
 only while `collect_stats` is on, into on-device buffers the trainer reads in its one host sync;
-tensors larger than `step.STATS_SAMPLE` elements are counted on an evenly spread sample.
+tensors larger than `step.STATS_SAMPLE` elements are counted on a stratified sample (`step.sample`).
 """
 
 from __future__ import annotations

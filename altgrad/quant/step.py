@@ -7,9 +7,14 @@ steps the counters too (`TensorStats`), so a diagnostic step makes no call of it
 Traced into a step graph (`kernels.StepGraph`) all of it is lowered into that graph's fused loops.
 
 The counters see at most STATS_SAMPLE elements of a tensor: smaller tensors are counted exactly;
-larger ones (the logits gradient has B * T * vocab elements) on STATS_RUNS evenly spaced runs of
-contiguous elements, which estimates the rates without bias for a fraction of the cost (contiguous
-runs, not a stride: one element per cache line over 100 MB costs more than counting them all).
+larger ones (the logits gradient has B * T * vocab elements) on one run of contiguous elements in
+each STATS_RUNS-th of the tensor, from an offset in it drawn once per size (a stratified sample:
+contiguous runs, not a stride, because one element per cache line over 100 MB costs more than
+counting them all; offsets drawn, not each run at its stratum's start, because a tensor's rows line
+up with its strata: the logits gradient's 64 strata all began at vocab id 0, and the sample saw
+only ids below 1024, whose gradients are not the rest's). A sample's overflow and underflow counts
+are scaled up to the whole tensor (`whole_tensor_counts`), so that rates summed over tensors weigh
+each by its size, not by its sample's.
 """
 
 from __future__ import annotations
@@ -35,36 +40,56 @@ from altgrad.quant.scaling import TensorScaler, abs_max, amax_of, next_scale, re
 
 STATS_SAMPLE = 1 << 16
 STATS_RUNS = 64
+# Each run's offset in its stratum: a Weyl sequence (i * 2^32 / golden ratio, modulo the stratum's
+# length) spreads the runs over the columns of whatever row length the strata line up with.
+_OFFSET_STEP, _OFFSET_START = 2654435769, 12345
 
 
 def sample(x: torch.Tensor) -> torch.Tensor:
-    """x itself up to STATS_SAMPLE elements, else STATS_RUNS evenly spaced contiguous runs (a view)."""
+    """x itself (flat) up to STATS_SAMPLE elements, else STATS_RUNS runs of STATS_SAMPLE / STATS_RUNS
+    contiguous elements, one in each STATS_RUNS-th of x from an offset drawn once for x's size and
+    wrapping around to that stratum's start (so every element of a stratum is as likely to be in
+    its run: the sample's rates estimate the tensor's without bias), gathered into a flat tensor."""
     flat = x.detach().reshape(-1)
     if flat.numel() <= STATS_SAMPLE:
         return flat
-    period = flat.numel() // STATS_RUNS
-    return flat[:STATS_RUNS * period].view(STATS_RUNS, period)[:, :STATS_SAMPLE // STATS_RUNS]
+    run, period = STATS_SAMPLE // STATS_RUNS, flat.numel() // STATS_RUNS
+    stratum = torch.arange(STATS_RUNS, device=flat.device)[:, None]
+    within = (stratum * _OFFSET_STEP + _OFFSET_START) % period + torch.arange(run, device=flat.device)
+    within = torch.where(within < period, within, within - period)  # (a modulo per element costs a division)
+    return flat[(stratum * period + within).reshape(-1)]
+
+
+def whole_tensor_counts(counts: torch.Tensor, numel: int) -> torch.Tensor:
+    """`quantization_counts` of a tensor's sample (int32) as int64 counts of the whole tensor of
+    `numel` elements: overflow and underflow scaled by numel / elements sampled (floored; exact
+    for a tensor counted whole), elements = numel; the code histogram stays the sample's (which
+    codes occur). int64: a diagnostic step sums over its micro-batches up to billions of elements."""
+    counts = counts.long()
+    estimated = counts[:2] * numel // counts[2].clamp_min(1)
+    return torch.cat([estimated, counts.new_full((1,), numel), counts[3:]])
 
 
 class TensorStats(nn.Module):
     """What quantizing one tensor role did since `reset`: overflow, underflow, elements and the
-    256-code histogram, summed over its quantizations in one int32 buffer (`codes.COUNTED` long).
+    256-code histogram, summed over its quantizations in one int64 buffer (`codes.COUNTED` long;
+    overflow, underflow and elements of the whole tensor, the histogram of its sample).
     A training step counts inside its quantizing call (`quantize_step(..., stats=)`); `observe`
     counts a quantization made elsewhere. The buffer is written in place, also from backward
     (grad_output), so a step graph returns it like any other buffer it updates."""
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("counted", torch.zeros(COUNTED, dtype=torch.int32), persistent=False)
+        self.register_buffer("counted", torch.zeros(COUNTED, dtype=torch.int64), persistent=False)
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, q: torch.Tensor, fmt: FormatSpec, scale: torch.Tensor) -> None:
         """Count x and q = quantize(x, fmt, scale), sampled."""
         p = grid_params(fmt, True, torch.float32, x.device)
-        # A sample's runs copied into one flat tensor first: flattened inside the compiled call,
-        # the view was gathered element by element there (docs/design.md, the quantizer counters).
-        x, q = sample(x).reshape(-1), sample(q).reshape(-1)
-        self.counted.add_(_COUNT(x, q, scale.detach().float(), p, code_params(fmt, x.device), *family(fmt)))
+        # the sample gathered before the compiled call (docs/design.md, the quantizer counters)
+        numel, x, q = x.numel(), sample(x), sample(q)
+        counts = _COUNT(x, q, scale.detach().float(), p, code_params(fmt, x.device), *family(fmt))
+        self.counted.add_(whole_tensor_counts(counts, numel))
 
     def reset(self) -> None:
         self.counted.zero_()
@@ -98,7 +123,8 @@ def _step(x: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None, sca
     s = next_scale(state, amax if scale_amax is None else scale_amax, sp)
     q = nearest_scaled(x, s, p, m0, ftz, pow2) if noise is None else stochastic(x, s, p, ftz, noise, pow2)
     if counted is not None:
-        counted = counted + quantization_counts(sample(x), sample(q), s, p32, c, m0, ftz)
+        counted = counted + whole_tensor_counts(quantization_counts(sample(x), sample(q), s, p32, c, m0, ftz),
+                                                x.numel())
     record_step(state, amax, s)
     return q, s, counted
 
