@@ -11,7 +11,8 @@ import pytest
 from sweep_helpers import pickle_roundtrip
 
 from altgrad.experiment import ASHA_FILE, STATE_DIR, stop_detail
-from altgrad.tune.asha import StabilityRungs, asha_milestones
+from altgrad.tune.asha import StabilityRungs
+from altgrad.tune.config import asha_milestones
 from altgrad.tune.store import StateStore
 
 STOP, CONTINUE = "STOP", "CONTINUE"
@@ -156,3 +157,21 @@ def test_restored_rungs_decide_like_the_original(tmp_path):
     assert got == {t: expected[t] for t in ("e4m3-s1", "e5m2-s1", "nan-s1")}
     assert json.loads((tmp_path / "b" / STATE_DIR / ASHA_FILE).read_text()) == \
         json.loads((tmp_path / "a" / STATE_DIR / ASHA_FILE).read_text())
+
+
+def test_a_skipped_nan_step_on_a_rung_does_not_stop_a_trial_its_stability_policy_keeps(tmp_path):
+    """The trainer skips a step whose loss is NaN and stops a run only after `nan_patience` of them
+    in a row. One such step on a rung's step, the val loss finite, is not a broken trial there:
+    ASHA sees the val loss (it saw +inf and stopped the run as `nan`). A non-finite evaluation is."""
+    from altgrad.config import StabilityConfig
+    from altgrad.metrics import LOSS_IS_NAN, NAN_STREAK, STABLE_LR, STEP, VAL_LOSS, VAL_STEP
+    from altgrad.tune.trainable import SweepSignals
+
+    s = rungs(StateStore(str(tmp_path)))
+    feed(s, "bf16-s1", {10: 5.0})
+    skipped = {STEP: 10, VAL_LOSS: 5.05, VAL_STEP: 10, LOSS_IS_NAN: 1.0, NAN_STREAK: 1.0}
+    signals = SweepSignals(StabilityConfig(nan_patience=5), 1e-3).observe(skipped)
+    assert feed(s, "e4m3-s1", {10: signals[VAL_LOSS]}) == [(10, CONTINUE)]
+    assert signals[STABLE_LR] == 0.0  # (the learning-rate search still counts it against the rate)
+    collapsed = SweepSignals(StabilityConfig(nan_patience=5), 1e-3).observe({**skipped, VAL_LOSS: math.nan})
+    assert feed(s, "e5m2-s1", {10: collapsed[VAL_LOSS]}) == [(10, STOP)]

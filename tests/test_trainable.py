@@ -78,14 +78,15 @@ def test_checkpoints_go_to_tune_only_on_remote_storage(monkeypatch, tmp_path, at
         assert sent[4].path == str(tmp_path / "step_000005")
 
 
-def test_signals_report_inf_for_broken_steps():
+def test_signals_report_inf_for_a_non_finite_evaluation_and_no_stable_rate_for_a_nan_step():
     s = SweepSignals(StabilityConfig(), 1e-2)
     ok = s.observe({"step": 1.0, "val/loss": 5.0, "val/step": 1.0})
     assert ok["val/loss"] == 5.0 and ok[STABLE_LR] == 0.0  # not below its first evaluation yet
     nan = s.observe({"step": 2.0, "val/loss": 5.0, "val/step": 1.0, "stability/loss_is_nan": 1.0})
-    assert nan["val/loss"] == math.inf and nan[STABLE_LR] == 0.0
+    assert nan["val/loss"] == 5.0 and nan[STABLE_LR] == 0.0  # a skipped step: the evaluation stands
     learning = s.observe({"step": 3.0, "val/loss": 4.0, "val/step": 3.0})
     assert learning[STABLE_LR] == 1e-2
+    assert s.observe({"step": 4.0, "val/loss": math.nan, "val/step": 4.0})["val/loss"] == math.inf
 
 
 def test_a_run_dir_whose_checkpoint_never_arrived_resumes_from_tunes(monkeypatch, tmp_path):

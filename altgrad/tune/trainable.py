@@ -195,7 +195,10 @@ def resume_point(run_dir: Path) -> Iterator[Path | None]:
 class SweepSignals:
     """What the sweep's deciders read on top of the trainer's metrics, from the stream of rows.
 
-    - `val/loss` as ASHA sees it: +inf while the loss is NaN or the evaluation non-finite;
+    - `val/loss` as ASHA sees it: +inf where the evaluation is non-finite. Not where this step's
+      training loss is NaN: the trainer skips such a step, and the stability stopper ends a run
+      only after `nan_patience` of them in a row; a single one on a rung's step ended a run the
+      stability policy calls healthy (for the learning-rate search's verdict it still counts);
     - `sweep/stall_streak`: consecutive reports with bit-stall at or above the run's
       `stability.stall_stop`, for a run where stall halts learning (`stall_halts_learning`), else
       always 0;
@@ -227,7 +230,7 @@ class SweepSignals:
                 self.first_val = val
             self.worst_val = worst([self.worst_val, val])
         broken = row.get(LOSS_IS_NAN, 0) > 0 or not math.isfinite(val)
-        signals = {VAL_LOSS: math.inf if broken else val, STALL_STREAK: float(self.stall_streak)}
+        signals = {VAL_LOSS: val if math.isfinite(val) else math.inf, STALL_STREAK: float(self.stall_streak)}
         stop = stability_stop({**row, **signals}, self.stability)
         stable, gone = verdict(self.first_val, self.worst_val, val, broken, stop and stop["reason"], self.tolerance)
         return {**signals, STABLE_LR: self.lr if stable else 0.0, DIVERGED: float(gone)}
