@@ -182,6 +182,34 @@ def test_a_grid_whose_asha_has_no_rung_is_warned_about():
         SweepConfig, ABLATION, ["preset=cpu", "base.train.max_steps=41", "asha.grace_period=40"]).warnings())
 
 
+def test_a_rung_before_the_first_evaluation_is_warned_about():
+    """A rung before the first evaluation after step 1 reads the val loss of step 1: it judges a
+    trial by where it started (the gpu preset's rung at step 20 did, evaluating every 50)."""
+    warned = load_sweep_config(SweepConfig, ABLATION, ["preset=gpu", "asha.grace_period=20",
+                                                       "asha.reduction_factor=2"]).warnings()
+    assert [w for w in warned if "ASHA's rung" in w] == [
+        "ASHA's rungs at step 20, 40 come before the first evaluation after step 1 (train.eval_interval 50): "
+        "they judge each trial by its loss at step 1, not by what it learned (set asha.grace_period to at least 50)"]
+    for fine in (["asha.grace_period=50"], ["asha.grace_period=20", "asha.enabled=false"]):
+        assert not any("ASHA's rung" in w for w in load_sweep_config(
+            SweepConfig, ABLATION, ["preset=gpu", *fine]).warnings())
+
+
+def test_the_gpu_preset_trains_on_the_corpus_and_the_cpu_preset_on_the_fixture():
+    """The research plan's model for 2000 steps would pass 3.3 times over the 354 documents of the
+    jsonl fixture: the gpu preset reads multi_eurlex (`hf`), the cpu preset the fixture."""
+    sources = {preset: load_sweep_config(SweepConfig, ABLATION, [f"preset={preset}"]).base_run.data.source
+               for preset in ("gpu", "cpu")}
+    assert sources["gpu"] == "hf" and sources["cpu"].startswith("jsonl:")
+
+
+def test_a_set_for_this_preset_is_not_checked_against_the_other_presets_section():
+    """`--set base.train.max_steps=40` on the cpu preset is fine, though under the gpu preset's
+    section (warmup 100) it would be invalid; a typo in that section still fails (above)."""
+    cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "base.train.max_steps=40"])
+    assert cfg.base_run.train.max_steps == 40
+
+
 def test_a_format_given_more_steps_than_bf16_is_warned_about():
     """Its cells would have no bf16 seed evaluated at their budget: the report compares them with
     nothing. Fewer steps, or bf16 given the same, is fine."""

@@ -28,18 +28,9 @@ from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
 from altgrad.experiment import ASHA_FILE, StopReason
 from altgrad.metrics import STEP
+from altgrad.tune.config import asha_milestones
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import trial_key
-
-
-def asha_milestones(grace_period: int, reduction_factor: float, max_t: int) -> list[int]:
-    """The rungs: grace_period × rf^k below max_t (a rung at the last step could save nothing)."""
-    rungs, t = [], float(grace_period)
-    while t < max_t:
-        rungs.append(int(round(t)))
-        t *= reduction_factor
-    return rungs
-
 
 PENDING = object()  # `_judge`: the trial's bf16 reference has not reached the rung yet
 

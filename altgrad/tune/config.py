@@ -356,6 +356,15 @@ class GridSettings(StrictModel):
         return registered_optimizers() if self.optimizers == "all" else list(self.optimizers)
 
 
+def asha_milestones(grace_period: int, reduction_factor: float, max_t: int) -> list[int]:
+    """The rungs: grace_period × rf^k below max_t (a rung at the last step could save nothing)."""
+    rungs, t = [], float(grace_period)
+    while t < max_t:
+        rungs.append(int(round(t)))
+        t *= reduction_factor
+    return rungs
+
+
 class AshaSettings(StrictModel):
     """Rungs at which a broken trial is stopped (see `altgrad.tune.asha`): never the best-k rule."""
 
@@ -445,7 +454,21 @@ class SweepConfig(SweepSettings):
         return [*super().warnings(), *(
             f"grid.axes.{path} overrides base.{path} in every trial; the base value is not used"
             for path in self.grid.axes if self.sets_in_base(path)),
-            *([rungless] if self.asha.grace_period >= self.max_t else []), *self.budgets_past_baseline()]
+            *([rungless] if self.asha.grace_period >= self.max_t else []), *self.rungs_before_evaluating(),
+            *self.budgets_past_baseline()]
+
+    def rungs_before_evaluating(self) -> list[str]:
+        """ASHA's rungs that come before the first evaluation after step 1: they judge a trial by
+        the loss it started from, not by anything it learned."""
+        if not self.asha.enabled:
+            return []
+        every = self.base_run.train.eval_interval
+        early = [m for m in asha_milestones(self.asha.grace_period, self.asha.reduction_factor, self.max_t)
+                 if m < every]
+        return [f"ASHA's rung{'s' * (len(early) > 1)} at step {', '.join(map(str, early))} come{'s' * (len(early) == 1)} "
+                f"before the first evaluation after step 1 (train.eval_interval {every}): "
+                f"{'they judge' if len(early) > 1 else 'it judges'} each trial by its loss at step 1, not by "
+                f"what it learned (set asha.grace_period to at least {every})"] if early else []
 
     def budgets_past_baseline(self) -> list[str]:
         """Formats given more steps than bf16 (`grid.format_overrides`): no bf16 seed is evaluated
@@ -550,10 +573,10 @@ def load_sweep_config(
     if not isinstance(per_preset, dict) or not all(isinstance(v, dict) for v in per_preset.values()):
         raise ConfigError("per_preset: expected {cpu: {...}, gpu: {...}} mappings of sweep keys")
 
-    def layered(preset: str) -> dict[str, Any]:
+    def layered(preset: str, document: dict[str, Any], sets: list[str]) -> dict[str, Any]:
         # from the overridden document, so that `--set smoke.x=…` (or `per_preset.cpu.x=…`) is
         # layered where its section is; `--set` then comes last again
-        out = deep_merge(overridden, per_preset.get(preset) or {})
+        out = deep_merge(document, per_preset.get(preset) or {})
         if smoke:
             section = out.get("smoke") or {}
             if not isinstance(section, dict):
@@ -561,7 +584,7 @@ def load_sweep_config(
             out = deep_merge(out, section)
             if "name" not in section and "name" in out:
                 out["name"] = f"{out['name']}-smoke"
-        out = apply_overrides(out, overrides or [])
+        out = apply_overrides(out, sets)
         if name is not None:
             out["name"] = name
         if storage_path is not None:
@@ -576,14 +599,17 @@ def load_sweep_config(
             out["base"] = absolute_data_paths(base)
         return out
 
-    for other in set(per_preset) - {preset}:  # a typo in another preset's section fails here too
+    # A typo in another preset's section fails here too. That section is checked on the file as
+    # written (with `--set per_preset.<it>.…`), not with this run's other `--set`s: those are meant
+    # for this preset (`base.train.max_steps=40` is no error because the gpu preset warms up 100).
+    for other in set(per_preset) - {preset}:
         if other not in PRESETS:
             raise ConfigError(f"per_preset.{other}: unknown preset; choose from {sorted(PRESETS)}")
         try:
-            model.validated(layered(other))
+            model.validated(layered(other, {**data, "per_preset": per_preset}, []))
         except ConfigError as e:
             raise ConfigError(f"under preset {other} (with per_preset.{other}): {e}") from None
-    return model.validated(layered(preset))
+    return model.validated(layered(preset, overridden, overrides or []))
 
 
 def absolute_data_paths(run: dict[str, Any], base: Path | None = None) -> dict[str, Any]:

@@ -24,12 +24,12 @@ from altgrad.experiment import axis_names, axis_value_text, overrides_text
 from altgrad.precision import BASELINE, policy_rules
 from altgrad.quant.equivalence import quantize_identically
 from altgrad.run_model import assigned_formats, check_layer_policy
-from altgrad.tune.asha import asha_milestones
 from altgrad.tune.config import (
     AxisValue,
     SweepConfig,
     SweepSettings,
     absolute_data_paths,
+    asha_milestones,
 )
 
 
@@ -206,7 +206,9 @@ def describe_resources(settings: SweepSettings, n_trials: int,
         f"this machine: {cpus} CPUs, {gpus} GPUs -> {at_once} trial(s) at a time"
         + ("" if at_once else "  (NOT ENOUGH for one trial: lower resources.* or use preset cpu)"),
         f"each trial: up to {max_steps or t.max_steps} steps of a {m.n_layer}-layer, {m.n_embd}-wide model "
-        f"(block {m.block_size}, batch {t.batch_size}), checkpoint every {t.checkpoint_interval} steps",
+        f"(block {m.block_size}, batch {t.batch_size}) on data.source {run.data.source}"
+        + (f" (max_docs {run.data.max_docs})" if run.data.max_docs else "")
+        + f", checkpoint every {t.checkpoint_interval} steps",
     ]
     if at_once:
         rounds = waves(at_once) if waves else math.ceil(n_trials / at_once)
