@@ -460,6 +460,14 @@ def flattened(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths where two config documents differ, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for key in sorted(set(old) | set(new), key=str)
+                for line in config_diff(old.get(key), new.get(key), f"{prefix}{key}.")]
+    return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
+
+
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     """Recursively merge `update` into a copy of `base` (lists and scalars are replaced)."""
     out = copy.deepcopy(base)

@@ -101,12 +101,14 @@ def test_a_sample_is_one_run_in_each_stratum_at_offsets_that_differ():
     assert within[:, 0].unique().numel() == STATS_RUNS
 
 
-@pytest.mark.parametrize("rows, columns", [(64, 50257), (128, 5000), (64, 4096), (192, 1031)])
+@pytest.mark.parametrize("rows, columns", [(64, 50257), (128, 5000), (512, 50304), (64, 4096), (192, 1031)])
 def test_a_sampled_tensors_rates_estimate_the_whole_tensors_whatever_its_row_length(rows, columns, path):
     """A logits gradient's columns differ (token ids): here the first 1024 columns underflow and the
-    last 512 overflow. The counters' rates of a sampled tensor are within 0.05 of the whole tensor's
+    last 512 overflow. The counters' rates of a sampled tensor are within 0.02 of the whole tensor's
     for any row length, one that lines the rows up with the strata included (runs at each stratum's
-    start read 1.0 underflow for 64 x 50257, where the tensor has 0.02)."""
+    start read 1.0 underflow for 64 x 50257, where the tensor has 0.02), and with several rows to a
+    stratum (runs evenly spread through their strata, the k-th k/64 of the way in, read 0.07 for
+    512 x 50304, the cpu preset's logits: 8 rows a stratum put them on 8 columns)."""
     f = FORMATS["e4m3"]
     x = torch.ones(rows, columns) * torch.linspace(1, 2, columns)
     x[:, :1024] = 1e-9
@@ -119,7 +121,7 @@ def test_a_sampled_tensors_rates_estimate_the_whole_tensors_whatever_its_row_len
     assert elements == x.numel()
     whole_underflow = ((x != 0) & (q == 0)).double().mean().item()
     whole_overflow = ((x * s).abs() > f.max).double().mean().item()
-    assert abs(underflow / elements - whole_underflow) < 0.05 and abs(overflow / elements - whole_overflow) < 0.05
+    assert abs(underflow / elements - whole_underflow) < 0.02 and abs(overflow / elements - whole_overflow) < 0.02
 
 
 def test_counts_summed_over_tensors_weigh_each_by_its_size():

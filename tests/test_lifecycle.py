@@ -18,7 +18,7 @@ def existing(tmp_path, status: str, **config_changes) -> Path:
 
     cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu"], storage_path=str(tmp_path))
     doc = cfg.model_dump(mode="json")
-    doc["base"] = {**doc["base"], **config_changes}
+    doc["base"] = {**doc["base"], **{k: {**doc["base"].get(k, {}), **v} for k, v in config_changes.items()}}
     exp = tmp_path / "format_ablation"
     (exp / STATE_DIR).mkdir(parents=True)
     (exp / STATE_DIR / SWEEP_FILE).write_text(json.dumps({"status": status, "config": doc, "points": [],
@@ -35,6 +35,18 @@ def test_rerun_with_another_config_is_refused(tmp_path, capsys):
     assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", "--resume",
                     "--set", "base.optim.lr=1e-3") == 2  # --resume with an explicit, different config
     assert "different config" in capsys.readouterr().err
+
+
+def test_a_dry_run_shows_what_the_run_would_do_with_an_existing_experiment(tmp_path, capsys):
+    """`--resume --dry-run` plans the stored config (it printed the config file's grid), and a dry
+    run the real run would refuse is refused the same way."""
+    existing(tmp_path, "interrupted", train={"max_steps": 30})
+    assert ablation("--storage-path", str(tmp_path), "--resume", "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert "exists (interrupted): a run continues it with its stored config" in out
+    assert "up to 30 steps" in out and "up to 160 steps" not in out
+    assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", "--dry-run") == 2
+    assert "already exists with a different config" in capsys.readouterr().err
 
 
 def test_resume_needs_an_experiment_and_dirs_are_never_clobbered(tmp_path, capsys):

@@ -48,10 +48,21 @@ def test_train_writes_a_run_dir_and_resumes(eurlex_dir, data_root, tmp_path, cap
     for name in ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json", "checkpoints"):
         assert (out / name).exists(), name
     assert main(["train", "--resume", str(out), "--set", "train.max_steps=9", "--quiet"]) == 0
-    assert "completed after 9 steps" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "completed after 9 steps" in said.out
+    # a resume that changes the run's settings says so, and its events record it
+    assert "note: resumed from step 6 with changed settings: train.max_steps: 6 -> 9" in said.err
+    resumed = [e for e in map(json.loads, (out / "events.jsonl").read_text().splitlines()) if e["kind"] == "resume"]
+    assert resumed[-1]["changed"] == ["train.max_steps: 6 -> 9"]
+
+    # resuming a complete run trains nothing and touches nothing (it rewrote its summary, losing
+    # the first step's time, and logged a resume)
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["train", "--resume", str(out), "--quiet"]) == 0
+    assert "is complete (9 steps): nothing to train" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
     # resuming to fewer steps than the checkpoint has taken is refused, and nothing is rewritten
-    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert main(["train", "--resume", str(out), "--set", "train.max_steps=6", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "checkpoint is at step 9, past train.max_steps=6" in err and "Traceback" not in err

@@ -182,6 +182,16 @@ def test_a_grid_whose_asha_has_no_rung_is_warned_about():
         SweepConfig, ABLATION, ["preset=cpu", "base.train.max_steps=41", "asha.grace_period=40"]).warnings())
 
 
+def test_a_budget_no_checkpoint_falls_inside_is_warned_about():
+    """`--set base.train.max_steps=30` at the cpu preset (checkpoints every 40): no trial saves a
+    checkpoint before its end, so a killed sweep redoes every trial it had started."""
+    warned = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "base.train.max_steps=30"]).warnings()
+    assert ("base.train.checkpoint_interval (40) is not below the trials' 30 steps: a trial saves no checkpoint "
+            "before its end, so one interrupted starts over (lower base.train.checkpoint_interval)") in warned
+    assert not any("checkpoint_interval" in w for w in load_sweep_config(
+        SweepConfig, ABLATION, ["preset=cpu", "base.train.max_steps=41"]).warnings())
+
+
 def test_a_rung_before_the_first_evaluation_is_warned_about():
     """A rung before the first evaluation after step 1 reads the val loss of step 1: it judges a
     trial by where it started (the gpu preset's rung at step 20 did, evaluating every 50)."""

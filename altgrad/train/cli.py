@@ -7,10 +7,11 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from altgrad.config import ConfigError, load_config
 from altgrad.data import DataError
-from altgrad.experiment import CONFIG_FILE, StopReason
+from altgrad.experiment import CONFIG_FILE, SUMMARY_FILE, EventKind, StopReason, read_json
 from altgrad.metrics import (
     BIT_STALL_RATE,
     OVERFLOW_RATE,
@@ -33,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="override a config field, e.g. --set quant.format=e5m2 (repeatable)")
     p.add_argument("--out", type=Path, help="run directory (default: runs/<time>-<format>-<optimizer>)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                   help="continue a run from its newest good checkpoint, with the run's own config")
+                   help="continue a run from its newest good checkpoint, with the run's own config "
+                        "(a --set changes it from there on, and the run's events say what changed)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
 
@@ -56,6 +58,15 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_config(args.resume / CONFIG_FILE, args.overrides)
             check_layer_policy(cfg)  # `--set` may name new rules
             run_dir = args.resume
+            try:
+                done = read_json(run_dir / SUMMARY_FILE) or {}
+            except ValueError:  # a torn summary: the resume writes it anew
+                done = {}
+            if (done.get("stop_reason"), done.get("steps")) == (StopReason.COMPLETED, cfg.train.max_steps):
+                # (resumed anyway, it would train nothing and rewrite its summary as a process that did)
+                print(f"{run_dir} is complete ({cfg.train.max_steps} steps): nothing to train; "
+                      "--set train.max_steps=N continues it to step N")
+                return 0
             if not resume_candidates(run_dir):
                 # stopped before its first checkpoint: continuing is starting over, and the steps
                 # it had logged come out the same again (batches and inits are functions of the seed)
@@ -71,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         summary = trainer.fit(
             report=None if args.quiet else ProgressPrinter(cfg.train.max_steps),
             resume=resume,
+            on_event=say_changed_settings,
         )
     except (ConfigError, DataError, CheckpointError, RunFileError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -89,6 +101,13 @@ def run(args: argparse.Namespace) -> int:
         f"{summary['best_val_loss']:.4f}, run dir {run_dir}"
     )
     return 0 if summary["stop_reason"] == StopReason.COMPLETED else 1
+
+
+def say_changed_settings(event: dict[str, Any]) -> None:
+    """A resume whose `--set` changed the run's settings says so (the events record it too): the
+    run is then not one run of one config (a longer max_steps stretches its lr schedule)."""
+    if event["kind"] == EventKind.RESUME and event.get("changed"):
+        print(f"note: {event['message']}", file=sys.stderr)
 
 
 def _drop_if_unused(run_dir: Path | None, claimed: bool) -> None:

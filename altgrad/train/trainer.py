@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from altgrad.config import ConfigError, RunConfig, deep_merge, dump_config
+from altgrad.config import ConfigError, RunConfig, config_diff, deep_merge, dump_config
 from altgrad.data import TokenBatches, prepare_dataset
 from altgrad.experiment import EventKind, RunStatus, StopReason
 from altgrad.metrics import (
@@ -173,6 +173,7 @@ class Trainer:
         self.bit_tracker = BitTracker(self.layers, seed=t.seed, replay=replay) if self.layers and t.diag_every else None
         self.bit_file = BitPositionsFile(self.files)
         self.step_start = StepStart({"model": self.model, **({"partition_clip": self.clipper} if self.clipper else {})})
+        self.resumed_changes: list[str] = []  # `_load_state`: this config against the checkpoint's
         self.best_val = math.inf
         self.val_loss = math.nan
         self.val_step = 0
@@ -194,7 +195,9 @@ class Trainer:
         for problem in skipped:
             self._log_event(start, Event(EventKind.CHECKPOINT_SKIPPED, problem))
         if resume is not None:
-            self._log_event(start, Event(EventKind.RESUME, f"resumed from step {start}"))
+            changed = f" with changed settings: {'; '.join(self.resumed_changes)}" if self.resumed_changes else ""
+            self._log_event(start, Event(EventKind.RESUME, f"resumed from step {start}{changed}",
+                                         {"changed": self.resumed_changes} if changed else {}))
         max_steps = self.cfg.train.max_steps
         stop_reason = None
         trained = start  # the last step trained
@@ -440,6 +443,9 @@ class Trainer:
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self._check_same_formats(state.get("config", {}).get("quant", {}))
+        # what this config changes from the checkpoint's (a longer max_steps stretches the lr
+        # schedule, so the lr jumps): said in the resume event, the run's own record of it
+        self.resumed_changes = config_diff(state["config"], self.cfg.model_dump(mode="json")) if "config" in state else []
         try:
             restore_formats(self.layers, state["formats"])  # a shifted format, before its scales
             self.model.load_state_dict(state["model"])

@@ -49,7 +49,7 @@ def sweep_parser(description: str, default_config: Path) -> argparse.ArgumentPar
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", type=Path, help=f"sweep YAML (default: {default_config})")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny grid, few steps (the config's smoke: section); name gets '-smoke'")
+                   help="tiny grid, few steps (the config's smoke: section); the config's name gets '-smoke'")
     p.add_argument("--name", help="experiment name (default: the config's name)")
     p.add_argument("--storage-path", help="where experiments live: a directory or s3://bucket/prefix")
     mode = p.add_mutually_exclusive_group()
@@ -88,16 +88,9 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     cfg = load_sweep_config(kind.model, args.config or default_config, args.overrides, args.smoke,
                             args.name, args.storage_path)
     experiments = kind.experiments(cfg)  # builds and validates every trial's run config
-    if args.dry_run:
-        _warn(cfg)
-        try:
-            print(kind.describe(cfg, experiments))
-        except DataError as e:  # a measured estimate trains on the data
-            raise ConfigError(str(e)) from None
-        return 0
     mode = "resume" if args.resume else "fresh" if args.fresh else "auto"
     stored = next((doc for e in experiments if (doc := stored_sweep(e.path))), None)
-    if stored is not None:
+    if stored is not None and not args.dry_run:
         _refuse_if_running(stored, cfg.experiment_path)
     if mode == "fresh":
         check_movable(cfg.experiment_path)
@@ -116,6 +109,15 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
         raise ConfigError(f"nothing to resume: no sweep at {cfg.experiment_path} (check --name / --storage-path)")
     elif mode == "auto":
         check_new_location(cfg.experiment_path)
+    if args.dry_run:  # what the run would do: an existing experiment's stored config, or its refusal
+        _warn(cfg)
+        if stored is not None:
+            print(f"{cfg.experiment_path} exists ({stored.get('status')}): a run continues it with its stored config")
+        try:
+            print(kind.describe(cfg, experiments))
+        except DataError as e:  # a measured estimate trains on the data
+            raise ConfigError(str(e)) from None
+        return 0
 
     status = {e.path: None if mode == "fresh" else (stored_sweep(e.path) or {}).get("status")
               for e in experiments}

@@ -222,7 +222,16 @@ class SweepSettings(StrictModel):
 
     def warnings(self) -> list[str]:
         """What is legal but probably not meant; printed before a sweep (and its dry run)."""
-        return [w for w in (self.stall_window_warning(), *self.base_warnings()) if w]
+        return [w for w in (self.stall_window_warning(), self.checkpointless_warning(), *self.base_warnings()) if w]
+
+    def checkpointless_warning(self) -> str | None:
+        """Why an interrupted trial would start over: its first checkpoint is its last step."""
+        t = self.base_run.train
+        if t.checkpoint_interval < t.max_steps:
+            return None
+        return (f"base.train.checkpoint_interval ({t.checkpoint_interval}) is not below the trials' {t.max_steps} "
+                "steps: a trial saves no checkpoint before its end, so one interrupted starts over (lower "
+                "base.train.checkpoint_interval)")
 
     def fixed_fields(self) -> dict[str, str]:
         """The run settings the sweep sets in every trial itself (dotted path -> the sweep key

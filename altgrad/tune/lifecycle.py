@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from altgrad.config import ConfigError
+from altgrad.config import ConfigError, config_diff
 from altgrad.experiment import STATE_DIR, SWEEP_FILE
 from altgrad.remote import cannot, is_remote, storage_errors
 from altgrad.tune.config import MOVED_STOPPER_KEYS, SweepSettings, absolute_data_paths
@@ -96,14 +96,6 @@ def _has_data(base: dict[str, Any], directory: Path) -> bool:
     if isinstance(source, str) and source.startswith("jsonl:"):
         return Path(source.removeprefix("jsonl:")).is_dir()
     return isinstance(data.get("data_root"), str) and Path(data["data_root"]).is_dir()
-
-
-def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted paths where two config documents differ, with both values."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [line for key in sorted(set(old) | set(new), key=str)
-                for line in config_diff(old.get(key), new.get(key), f"{prefix}{key}.")]
-    return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
