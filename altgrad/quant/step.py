@@ -66,6 +66,8 @@ def whole_tensor_counts(counts: torch.Tensor, numel: int) -> torch.Tensor:
     for a tensor counted whole), elements = numel; the code histogram stays the sample's (which
     codes occur). int64: a diagnostic step sums over its micro-batches up to billions of elements."""
     counts = counts.long()
+    if numel <= STATS_SAMPLE:  # counted whole
+        return counts
     estimated = counts[:2] * numel // counts[2].clamp_min(1)
     return torch.cat([estimated, counts.new_full((1,), numel), counts[3:]])
 
