@@ -576,7 +576,12 @@ def build_run_config(data: dict[str, Any], overrides: list[str] | None = None) -
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a run config from YAML (optional) with `--set` overrides applied on top."""
-    return build_run_config(read_yaml(path) if path else {}, overrides)
+    data = read_yaml(path) if path else {}
+    if {"grid", "base"} & set(data):  # (neither is a run's field)
+        raise ConfigError(f"{path} is a sweep config (it has {', '.join(sorted({'grid', 'base'} & set(data)))}), not "
+                          f"a run config: run it with its sweep, python sweeps/format_ablation.py (or sweeps/lr_search.py) "
+                          f"--config {path}, or give train a run's fields (a trial's config.yaml is one)")
+    return build_run_config(data, overrides)
 
 
 def dump_config(cfg: RunConfig) -> str:

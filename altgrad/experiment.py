@@ -86,6 +86,12 @@ TERMINAL_STATUSES = (TrialStatus.TERMINATED, TrialStatus.ERROR)
 UNFINISHED = tuple(s for s in TrialStatus if s not in TERMINAL_STATUSES)
 
 
+def unfinished_text(status: str) -> str:
+    """How the tables and the report say an unfinished trial's state: a trial Ray lists as RUNNING
+    in a sweep whose driver is gone is PAUSED (`read_experiment`): interrupted, not running."""
+    return {TrialStatus.PENDING: "not started", TrialStatus.PAUSED: "interrupted"}.get(status, "still running")
+
+
 class RunStatus(StrEnum):
     """`summary.json`'s status: the run's own, whatever Ray's status of its trial."""
 
@@ -376,7 +382,11 @@ def read_experiment(experiment: str | Path) -> ExperimentSnapshot:
     try:
         with readable(experiment) as exp_dir:
             records = load_experiment(exp_dir, shown=experiment)
-            return ExperimentSnapshot(exp_dir.resolve().name, read_json(exp_dir / STATE_DIR / SWEEP_FILE), records)
+            sweep = read_json(exp_dir / STATE_DIR / SWEEP_FILE)
+            if sweep is not None and not sweep_alive(sweep):  # its RUNNING trials stopped with it
+                records = [replace(r, status=TrialStatus.PAUSED) if r.status == TrialStatus.RUNNING else r
+                           for r in records]
+            return ExperimentSnapshot(exp_dir.resolve().name, sweep, records)
     except ExperimentError:
         raise
     except ValueError as e:  # a corrupt sweep or trial-index file
@@ -495,6 +505,11 @@ def run_autocast(config: dict[str, Any]) -> bool | None:
 def _by_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per step (the last one written wins), in step order."""
     return sorted({r[STEP]: r for r in rows if STEP in r}.values(), key=lambda r: r[STEP])
+
+
+def sweep_alive(sweep: dict[str, Any]) -> bool:
+    """Whether a sweep (its sweep.json) is running now: so stored, and its driver alive."""
+    return sweep.get("status") == SweepStatus.RUNNING and driver_alive(sweep.get("driver", {}))
 
 
 def driver_alive(driver: dict[str, Any]) -> bool:

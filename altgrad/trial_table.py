@@ -19,7 +19,7 @@ from altgrad.experiment import (
     TrialRecord,
     TrialStatus,
     axis_names,
-    driver_alive,
+    sweep_alive,
 )
 from altgrad.metrics import BIT_STALL_RATE, OVERFLOW_RATE, SHADOW_COS_MEAN, STEP
 
@@ -135,7 +135,7 @@ def sweep_banner(experiment: str | Path, sweep: dict[str, Any], records: list[Tr
     """One line: the sweep's state (from its `sweep.json`) and, when it stopped before the end, how
     to resume it (`experiment` as the user named it)."""
     status = sweep.get("status", "unknown")
-    if status == SweepStatus.RUNNING and not driver_alive(sweep.get("driver", {})):
+    if status == SweepStatus.RUNNING and not sweep_alive(sweep):
         status = "interrupted (its driver is gone)"
     text = f"experiment {experiment}: {status}"
     unfinished = any(r.status != TrialStatus.TERMINATED for r in records)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -107,6 +109,9 @@ def test_malformed_files_and_overrides(tmp_path):
     bad.write_text("preset: [a]\n")
     with pytest.raises(ConfigError, match=r"unknown preset \['a'\]"):
         load_config(bad)
+    # a sweep's config given to a run says so (each of its keys was an "unknown field")
+    with pytest.raises(ConfigError, match=r"ablation.yaml is a sweep config \(it has base, grid\), not a run config"):
+        load_config(Path(__file__).parents[1] / "sweeps" / "configs" / "format_ablation.yaml")
 
 
 def test_precision_names_are_case_insensitive_and_an_unknown_one_is_one_error():

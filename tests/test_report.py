@@ -6,7 +6,9 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -910,13 +912,15 @@ def run_dir(root, r: TrialRecord):
 
 def write_state(root, records: list[TrialRecord]):
     """The sweep's state files that `load_experiment` reads (see altgrad/experiment.py): one grid
-    point per record, keyed by its trial id, whose run directory is `run_dir(root, record)`."""
+    point per record, keyed by its trial id, whose run directory is `run_dir(root, record)`; its
+    sweep running in this process (a RUNNING trial of a sweep whose driver is gone reads PAUSED)."""
     points = [{"key": r.trial_id, "format": r.format, "optimizer": r.optimizer,
                "precision": r.precision, "seed": r.seed, "params": {}} for r in records]
     trials = {r.trial_id: {**point, "dir": r.trial_id, "status": r.status, "failures": 0, "error": None}
               for r, point in zip(records, points, strict=True) if r.status != "PENDING"}
     (root / STATE_DIR).mkdir(parents=True)
-    (root / STATE_DIR / SWEEP_FILE).write_text(json.dumps({"points": points}))
+    driver = {"pid": os.getpid(), "host": socket.gethostname()}
+    (root / STATE_DIR / SWEEP_FILE).write_text(json.dumps({"points": points, "status": "running", "driver": driver}))
     (root / STATE_DIR / TRIALS_FILE).write_text(json.dumps(trials))
     return root
 

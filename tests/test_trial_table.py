@@ -20,7 +20,8 @@ def test_trials_table_csv_json(experiment, capsys):
     assert "interrupted (its driver is gone)" in out and "resume with: python x --resume" in out
     for header in ("stop reason", "best val loss", "bit-stall", "overflow", "shadow cos", "wall time"):
         assert header in out
-    assert "6 trials: ERROR 1, PENDING 1, RUNNING 1, TERMINATED 3; stopped: asha 1, completed 1, error 1, nan 1" in out
+    # the trial Ray last listed as RUNNING stopped with its driver: PAUSED, resumed with the sweep
+    assert "6 trials: ERROR 1, PAUSED 1, PENDING 1, TERMINATED 3; stopped: asha 1, completed 1, error 1, nan 1" in out
 
     assert main(["trials", str(experiment), "--json"]) == 0
     rows = {r["trial"]: r for r in json.loads(capsys.readouterr().out)}
@@ -56,3 +57,21 @@ def test_a_trial_that_shifted_formats_says_how_often(experiment, capsys):
     assert header.index("shadow cos") < at < header.index("wall time")
     row = next(line for line in lines if line.startswith(KEYS[1]))
     assert row[at:at + len("format shifts")].strip() == "1"
+
+
+def test_a_running_trial_of_a_live_sweep_stays_running_and_an_interrupted_ones_report_says_so(
+        experiment, tmp_path, capsys):
+    """RUNNING in Ray's last snapshot means running only while the sweep's driver lives; the report
+    of an interrupted sweep calls its unfinished trial interrupted, not still running."""
+    import os
+
+    from altgrad.experiment import STATE_DIR, SWEEP_FILE
+
+    assert main(["report", str(experiment), "--out", str(tmp_path / "report")]) == 0
+    assert "interrupted at step 7, numbers provisional" in (tmp_path / "report" / "report.md").read_text()
+    sweep = experiment / STATE_DIR / SWEEP_FILE
+    doc = json.loads(sweep.read_text())
+    sweep.write_text(json.dumps({**doc, "driver": {**doc["driver"], "pid": os.getpid()}}))
+    assert main(["trials", str(experiment)]) == 0
+    out = capsys.readouterr().out
+    assert "experiment" in out and ": running" in out and "PENDING 1, RUNNING 1, TERMINATED 3" in out

@@ -26,6 +26,7 @@ from altgrad.experiment import (
     axis_names,
     axis_value_text,
     overrides_text,
+    unfinished_text,
 )
 from altgrad.metrics import SHADOW_COS_MEAN
 from altgrad.precision import BASELINE
@@ -767,7 +768,8 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], bf16: dict[str, l
                                     f"{VERDICT_FORMAT}'s alone")
     if cell.running:
         behind = {t.seed: last_eval(t) or 0 for t in cell.trials if t.status in UNFINISHED}
-        return Verdict(False, cell, f"{where} still running (seed{'s' if len(behind) > 1 else ''} "
+        state = " / ".join(dict.fromkeys(unfinished_text(t.status) for t in cell.trials if t.status in UNFINISHED))
+        return Verdict(False, cell, f"{where} {state} (seed{'s' if len(behind) > 1 else ''} "
                                     f"{seeds_text(behind)} evaluated up to step {min(behind.values())}): "
                                     "no verdict on a partial budget")
     if not cell.full_budget:
@@ -794,8 +796,8 @@ def _missing(records: list[TrialRecord], given: list[str]) -> list[str]:
     for r in records:
         if r.status in UNFINISHED and name(r) not in given and not r.same_as:
             step = stop_step(r)[0]
-            state = ("not started" if r.status == TrialStatus.PENDING else "still running, no step reported yet"
-                     if step is None else f"still running at step {step}, numbers provisional")
+            state = ("not started" if r.status == TrialStatus.PENDING else f"{unfinished_text(r.status)}, no step "
+                     "reported yet" if step is None else f"{unfinished_text(r.status)} at step {step}, numbers provisional")
             out.append(f"{name(r)} ({label(r)}): {state}")
     return list(dict.fromkeys(out))
 

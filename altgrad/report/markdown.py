@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from altgrad.experiment import UNFINISHED, RunStatus, StopReason, TrialRecord
+from altgrad.experiment import UNFINISHED, RunStatus, StopReason, TrialRecord, unfinished_text
 from altgrad.report.findings import (
     DEFINITIONS,
     MANIFOLD,
@@ -68,8 +68,9 @@ def _overview(records: list[TrialRecord], f: Findings) -> str:
     status = ", ".join(f"{n} {s.lower()}" for s, n in sorted(Counter(r.status for r in measured).items()))
     seeds = sorted({r.seed for r in measured})
     baselines = ", ".join(f"{o} {f.baseline_best(o).text()}"
-                          + (" (provisional: still running)" if any(t.status in UNFINISHED for t in f.baselines[o])
-                             else "") for o in sorted(f.baselines))
+                          + "".join(f" (provisional: {state})" for state in dict.fromkeys(
+                              unfinished_text(t.status) for t in f.baselines[o] if t.status in UNFINISHED))
+                          for o in sorted(f.baselines))
     lines = [f"{len(measured)} trials ({status}), seeds {', '.join(map(str, seeds))}. Formats: "
              f"{', '.join(f.formats) or 'none'}; optimizers: {', '.join(f.optimizers)}; layer precisions: "
              f"{', '.join(f.precisions)}" + (f"; extra axes: {', '.join(sorted({p for ax in f.axes for p, _ in ax}))}"

@@ -22,6 +22,7 @@ from altgrad.experiment import (
     TrialRecord,
     axis_names,
     axis_value_text,
+    unfinished_text,
 )
 from altgrad.metrics import (
     BACKWARD_OVERFLOW_RATE,
@@ -300,5 +301,5 @@ def short_seeds(trials: Sequence[TrialRecord], steps: int | None = None) -> dict
     started). A bf16 seed among them is no baseline."""
     if steps is None:
         steps = furthest_eval(trials)
-    return {t.seed: (reached, t.stop_reason or ("still running" if t.history else "not started"))
+    return {t.seed: (reached, t.stop_reason or (unfinished_text(t.status) if t.history else "not started"))
             for t in trials if (reached := last_eval(t) or 0) < steps}

@@ -28,7 +28,10 @@ from altgrad.train.run_files import RunFileError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train one model (one format, optimizer and layer precision)")
+    p = sub.add_parser("train", help="train one model (one format, optimizer and layer precision)",
+                       description="Train one model (one format, optimizer and layer precision) outside any "
+                                   "sweep: a run directory with its config, metrics, events, summary and "
+                                   "checkpoints; --resume continues it.")
     p.add_argument("--config", type=Path, help="run config YAML (default: preset only)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set quant.format=e5m2 (repeatable)")

@@ -142,7 +142,7 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
     _warn(cfg)  # of the config it runs with: a resumed sweep's stored one
     table = experiments[0].path if len(experiments) == 1 else join(cfg.experiment_path, "<format>")
     up_to = "up to " if any(e.search_alg is not None for e in experiments) else ""  # a search may end sooner
-    print(f"{'resuming' if resuming else 'starting'} sweep {cfg.name}: {up_to}{total} trials in "
+    print(f"{'resuming' if resuming else 'starting'} sweep {cfg.name}: {up_to}{total} trial{'s' * (total != 1)} in "
           f"{cfg.experiment_path}\n  trial table, any time: python -m altgrad trials {shlex.quote(table)}")
     # Stored before Ray starts (seconds): a sweep killed during the start-up has one to resume.
     exp = todo[0]

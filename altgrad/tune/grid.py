@@ -212,7 +212,8 @@ def describe_resources(settings: SweepSettings, n_trials: int,
     ]
     if at_once:
         rounds = waves(at_once) if waves else math.ceil(n_trials / at_once)
-        lines.append(f"{n_trials} trials in about {rounds} waves of up to {at_once}")
+        lines.append(f"{n_trials} trial{'s' * (n_trials != 1)} in about {rounds} wave{'s' * (rounds != 1)} "
+                     f"of up to {at_once}")
     lines.append(f"experiment dir: {settings.experiment_path}")
     return lines
 
