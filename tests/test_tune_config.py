@@ -34,6 +34,9 @@ from altgrad.tune.trial_spec import trial_limits, trial_run_config
     (["stopper.stall_reports=8"], "stopper.stall_reports moved to base.stability.stall_stop_reports"),
     (["base.preset=gpu"], "base: set the sweep's top-level `preset`"),
     (["per_preset.gpu.base.train.batch_size=0"], "under preset gpu (with per_preset.gpu)"),
+    # a typo in this preset's section, or in the smoke section of a run without --smoke, names it
+    (["per_preset.cpu.bse={}"], "with per_preset.cpu: invalid configuration:\n  bse: unknown field"),
+    (["smoke.asah={}"], "with --smoke (the smoke: section): invalid configuration:\n  asah: unknown field"),
     (["grid.axes={quant.roundin: [nearest]}"], "grid.axes: 'quant.roundin': quant has no field 'roundin'"),
     (["grid.axes={quant.rounding: [nearest, upward]}"], "grid.axes.quant.rounding: value 'upward' is not valid"),
     (["grid.axes={quant.format: [e4m3, e5m2]}"], "'quant.format' is a fixed axis of the grid: set it with grid.formats"),

@@ -582,11 +582,12 @@ def load_sweep_config(
     if not isinstance(per_preset, dict) or not all(isinstance(v, dict) for v in per_preset.values()):
         raise ConfigError("per_preset: expected {cpu: {...}, gpu: {...}} mappings of sweep keys")
 
-    def layered(preset: str, document: dict[str, Any], sets: list[str]) -> dict[str, Any]:
+    def layered(preset: str, document: dict[str, Any], sets: list[str], with_smoke: bool = smoke,
+                with_section: bool = True) -> dict[str, Any]:
         # from the overridden document, so that `--set smoke.x=…` (or `per_preset.cpu.x=…`) is
         # layered where its section is; `--set` then comes last again
-        out = deep_merge(document, per_preset.get(preset) or {})
-        if smoke:
+        out = deep_merge(document, (per_preset.get(preset) or {}) if with_section else {})
+        if with_smoke:
             section = out.get("smoke") or {}
             if not isinstance(section, dict):
                 raise ConfigError("smoke: expected a mapping of overrides")
@@ -608,17 +609,39 @@ def load_sweep_config(
             out["base"] = absolute_data_paths(base)
         return out
 
-    # A typo in another preset's section fails here too. That section is checked on the file as
-    # written (with `--set per_preset.<it>.…`), not with this run's other `--set`s: those are meant
-    # for this preset (`base.train.max_steps=40` is no error because the gpu preset warms up 100).
+    def valid(document: dict[str, Any]) -> bool:
+        try:
+            model.validated(document)
+        except ConfigError:
+            return False
+        return True
+
+    # A typo in another preset's section, or in the smoke section of a run without --smoke, fails
+    # here too. Those are checked on the file as written (with `--set per_preset.<it>.…` or
+    # `smoke.…`), not with this run's other `--set`s: those are meant for this run
+    # (`base.train.max_steps=40` is no error because the gpu preset warms up 100).
+    written = {**data, "per_preset": per_preset, "smoke": overridden.get("smoke")}
     for other in set(per_preset) - {preset}:
         if other not in PRESETS:
             raise ConfigError(f"per_preset.{other}: unknown preset; choose from {sorted(PRESETS)}")
         try:
-            model.validated(layered(other, {**data, "per_preset": per_preset}, []))
+            model.validated(layered(other, written, [], with_smoke=False))
         except ConfigError as e:
             raise ConfigError(f"under preset {other} (with per_preset.{other}): {e}") from None
-    return model.validated(layered(preset, overridden, overrides or []))
+    if not smoke and written["smoke"]:
+        try:
+            model.validated(layered(preset, written, [], with_smoke=True))
+        except ConfigError as e:
+            if valid(layered(preset, written, [])):
+                raise ConfigError(f"with --smoke (the smoke: section): {e}") from None
+    try:
+        return model.validated(layered(preset, overridden, overrides or []))
+    except ConfigError as e:  # say which section of the file it came from, where one did
+        if smoke and valid(layered(preset, overridden, overrides or [], with_smoke=False)):
+            raise ConfigError(f"with --smoke (the smoke: section): {e}") from None
+        if per_preset.get(preset) and valid(layered(preset, overridden, overrides or [], with_section=False)):
+            raise ConfigError(f"with per_preset.{preset}: {e}") from None
+        raise
 
 
 def absolute_data_paths(run: dict[str, Any], base: Path | None = None) -> dict[str, Any]:
