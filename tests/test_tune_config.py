@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 from sweep_helpers import ABLATION, LR_SEARCH, ablation
 
 from altgrad.config import ConfigError, build_run_config
@@ -216,11 +217,17 @@ def test_the_gpu_preset_trains_on_the_corpus_and_the_cpu_preset_on_the_fixture()
     assert sources["gpu"] == "hf" and sources["cpu"].startswith("jsonl:")
 
 
-def test_a_set_for_this_preset_is_not_checked_against_the_other_presets_section():
+def test_a_set_for_this_preset_is_not_checked_against_the_other_presets_section(tmp_path):
     """`--set base.train.max_steps=40` on the cpu preset is fine, though under the gpu preset's
-    section (warmup 100) it would be invalid; a typo in that section still fails (above)."""
+    section (warmup 100) it would be invalid; a typo in that section still fails (above). A config
+    without a smoke section checks the other preset's too (it read as `smoke: null`)."""
     cfg = load_sweep_config(SweepConfig, ABLATION, ["preset=cpu", "base.train.max_steps=40"])
     assert cfg.base_run.train.max_steps == 40
+    doc = yaml.safe_load(ABLATION.read_text())
+    del doc["smoke"]
+    (tmp_path / "no_smoke.yaml").write_text(yaml.safe_dump(doc))
+    for preset in ("cpu", "gpu"):
+        assert load_sweep_config(SweepConfig, tmp_path / "no_smoke.yaml", [f"preset={preset}"]).smoke == {}
 
 
 def test_a_format_given_more_steps_than_bf16_is_warned_about():

@@ -620,7 +620,7 @@ def load_sweep_config(
     # here too. Those are checked on the file as written (with `--set per_preset.<it>.…` or
     # `smoke.…`), not with this run's other `--set`s: those are meant for this run
     # (`base.train.max_steps=40` is no error because the gpu preset warms up 100).
-    written = {**data, "per_preset": per_preset, "smoke": overridden.get("smoke")}
+    written = {**data, "per_preset": per_preset, **{k: overridden[k] for k in ("smoke",) if k in overridden}}
     for other in set(per_preset) - {preset}:
         if other not in PRESETS:
             raise ConfigError(f"per_preset.{other}: unknown preset; choose from {sorted(PRESETS)}")
@@ -628,7 +628,7 @@ def load_sweep_config(
             model.validated(layered(other, written, [], with_smoke=False))
         except ConfigError as e:
             raise ConfigError(f"under preset {other} (with per_preset.{other}): {e}") from None
-    if not smoke and written["smoke"]:
+    if not smoke and written.get("smoke"):
         try:
             model.validated(layered(preset, written, [], with_smoke=True))
         except ConfigError as e:
