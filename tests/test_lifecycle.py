@@ -4,7 +4,9 @@ changed config, never clobber a directory, `--fresh` moves it aside."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 from pathlib import Path
 
 from sweep_helpers import ABLATION, ablation
@@ -47,6 +49,17 @@ def test_a_dry_run_shows_what_the_run_would_do_with_an_existing_experiment(tmp_p
     assert "up to 30 steps" in out and "up to 160 steps" not in out
     assert ablation("--storage-path", str(tmp_path), "--set", "preset=cpu", "--dry-run") == 2
     assert "already exists with a different config" in capsys.readouterr().err
+    assert ablation("--storage-path", str(tmp_path), "--fresh", "--dry-run") == 0
+    assert "exists (interrupted): a run moves it aside and starts over" in capsys.readouterr().out
+    # a finished one is complete; a running one is refused, as the run would be
+    sweep = tmp_path / "format_ablation" / STATE_DIR / SWEEP_FILE
+    doc = json.loads(sweep.read_text())
+    sweep.write_text(json.dumps({**doc, "status": "finished"}))
+    assert ablation("--storage-path", str(tmp_path), "--resume", "--dry-run") == 0
+    assert "exists (finished): complete: a run prints its trial table and report" in capsys.readouterr().out
+    sweep.write_text(json.dumps({**doc, "status": "running", "driver": {"pid": os.getpid(), "host": socket.gethostname()}}))
+    assert ablation("--storage-path", str(tmp_path), "--resume", "--dry-run") == 2
+    assert "is running right now" in capsys.readouterr().err
 
 
 def test_resume_needs_an_experiment_and_dirs_are_never_clobbered(tmp_path, capsys):

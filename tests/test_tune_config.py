@@ -228,6 +228,13 @@ def test_a_set_for_this_preset_is_not_checked_against_the_other_presets_section(
     (tmp_path / "no_smoke.yaml").write_text(yaml.safe_dump(doc))
     for preset in ("cpu", "gpu"):
         assert load_sweep_config(SweepConfig, tmp_path / "no_smoke.yaml", [f"preset={preset}"]).smoke == {}
+    # a field the file leaves to --set (an lr search's `lr`) is completed for every preset's check
+    doc = yaml.safe_load(LR_SEARCH.read_text())
+    del doc["lr"]
+    (tmp_path / "no_lr.yaml").write_text(yaml.safe_dump(doc))
+    lr = "lr={grid: [1.0e-3, 1.0e-2], low: 1.0e-4, high: 1.0, samples: 1}"
+    for preset in ("cpu", "gpu"):
+        assert load_sweep_config(LrSearchConfig, tmp_path / "no_lr.yaml", [f"preset={preset}", lr]).lr.grid == [1e-3, 1e-2]
 
 
 def test_a_format_given_more_steps_than_bf16_is_warned_about():

@@ -8,7 +8,7 @@ Traced into a step graph (`kernels.StepGraph`) all of it is lowered into that gr
 
 The counters see at most STATS_SAMPLE elements of a tensor: smaller tensors are counted exactly;
 larger ones (the logits gradient has B * T * vocab elements) on one run of contiguous elements in
-each STATS_RUNS-th of the tensor, from an offset in it drawn once per size (a stratified sample:
+each STATS_RUNS-th of the tensor, from an offset in it fixed per size (a stratified sample:
 contiguous runs, not a stride, because one element per cache line over 100 MB costs more than
 counting them all; offsets drawn, not each run at its stratum's start, because a tensor's rows line
 up with its strata: the logits gradient's 64 strata all began at vocab id 0, and the sample saw
@@ -47,9 +47,10 @@ _OFFSET_STEP, _OFFSET_START = 2654435769, 12345
 
 def sample(x: torch.Tensor) -> torch.Tensor:
     """x itself (flat) up to STATS_SAMPLE elements, else STATS_RUNS runs of STATS_SAMPLE / STATS_RUNS
-    contiguous elements, one in each STATS_RUNS-th of x from an offset drawn once for x's size and
-    wrapping around to that stratum's start (so every element of a stratum is as likely to be in
-    its run: the sample's rates estimate the tensor's without bias), gathered into a flat tensor."""
+    contiguous elements, one in each STATS_RUNS-th of x from an offset fixed for x's size (spread
+    over the strata by the Weyl sequence, not random: the same positions every step) and wrapping
+    around to that stratum's start, gathered into a flat tensor. The last numel % STATS_RUNS
+    elements are never in it."""
     flat = x.detach().reshape(-1)
     if flat.numel() <= STATS_SAMPLE:
         return flat

@@ -728,7 +728,7 @@ def _sweet_spot(cells: list[Cell], precision: str, optimizer: str, axes: AxesKey
     unheld = tuple(c.name for c in calls if not holds(c.family_wise))
     no_interval = tuple(name for name, e in entries if name in group and e.half_width is None)
     apart = _tie_and_bf16([c for c in eligible if c.name in group], leader) if len(group) > 1 else ()
-    twins = tuple((c.name, c.twin_of) for c in cells if c.twin_of)
+    twins = tuple((c.name, c.twin_of) for c in eligible if c.twin_of)
     return SweetSpot(precision, optimizer, axes, group, leader, excluded, unheld, no_interval, apart, twins)
 
 

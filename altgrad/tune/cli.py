@@ -89,8 +89,16 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
                             args.name, args.storage_path)
     experiments = kind.experiments(cfg)  # builds and validates every trial's run config
     mode = "resume" if args.resume else "fresh" if args.fresh else "auto"
-    stored = next((doc for e in experiments if (doc := stored_sweep(e.path))), None)
-    if stored is not None and not args.dry_run:
+    try:
+        stored = next((doc for e in experiments if (doc := stored_sweep(e.path))), None)
+    except ConfigError as e:  # storage out of reach: a plan of the config file still helps
+        if not args.dry_run:
+            raise
+        print(f"note: could not look for an existing experiment ({e}); planning the config as given",
+              file=sys.stderr)
+        stored = None
+    existing = stored
+    if stored is not None:
         _refuse_if_running(stored, cfg.experiment_path)
     if mode == "fresh":
         check_movable(cfg.experiment_path)
@@ -111,8 +119,11 @@ def _run(kind: SweepKind, args: argparse.Namespace, default_config: Path, after:
         check_new_location(cfg.experiment_path)
     if args.dry_run:  # what the run would do: an existing experiment's stored config, or its refusal
         _warn(cfg)
-        if stored is not None:
-            print(f"{cfg.experiment_path} exists ({stored.get('status')}): a run continues it with its stored config")
+        if existing is not None:
+            what = ("a run moves it aside and starts over" if mode == "fresh" else
+                    "complete: a run prints its trial table and report" if existing.get("status") == SweepStatus.FINISHED
+                    else "a run continues it with its stored config")
+            print(f"{cfg.experiment_path} exists ({existing.get('status')}): {what}")
         try:
             print(kind.describe(cfg, experiments))
         except DataError as e:  # a measured estimate trains on the data

@@ -624,8 +624,11 @@ def load_sweep_config(
     for other in set(per_preset) - {preset}:
         if other not in PRESETS:
             raise ConfigError(f"per_preset.{other}: unknown preset; choose from {sorted(PRESETS)}")
+        as_written = layered(other, written, [], with_smoke=False)
+        if valid(as_written) or valid(layered(other, overridden, overrides or [], with_smoke=False)):
+            continue  # (a `--set` may complete what the file leaves to it, e.g. an lr search's `lr`)
         try:
-            model.validated(layered(other, written, [], with_smoke=False))
+            model.validated(as_written)
         except ConfigError as e:
             raise ConfigError(f"under preset {other} (with per_preset.{other}): {e}") from None
     if not smoke and written.get("smoke"):
