@@ -1659,6 +1659,17 @@ def test_a_precision_that_measures_what_another_does_is_one_cell_twice_and_one_f
     assert verdict.cell.twin_of == "attn_e5m2" and verdict.reason.startswith("e5m2 / all ≡ attn_e5m2 / adamw")
 
 
+def test_a_sweet_spot_marks_only_the_twins_it_ranked(tmp_path):
+    """A twin cell that broke is not eligible for its precision's sweet spot: the ranking does not
+    name it, so it does not say whose trials it has."""
+    e5m2 = [replace(r, key=f"e5m2-adamw-all-s{r.seed}") for r in (trial("e5m2", seed=s, nan_from=30) for s in range(3))]
+    records = [*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e3m4", [1.0, 1.01, 1.02], prec="attn_e5m2"), *e5m2,
+               *(replace(r, key=f"e5m2-adamw-attn_e5m2-s{r.seed}", precision="attn_e5m2", same_as=r.key) for r in e5m2)]
+    f = compute_findings(records)
+    assert f.cells["e5m2", "adamw", "attn_e5m2", ()].twin_of == "all"
+    assert "e5m2" in spot(f, "attn_e5m2").excluded and "trials of" not in spot(f, "attn_e5m2").text
+
+
 def test_bit_stall_names_the_optimizer_as_the_failure_site_only_for_weights_stored_in_their_format():
     """Over fp32 master weights healthy runs stall most of their 8-bit view's updates (the master
     keeps them): an ASHA stop there was put down to an optimizer stall. Only a run whose weights are
