@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from altgrad.config import ConfigError
-from altgrad.experiment import STALE_S, SweepStatus, driver_alive
+from altgrad.experiment import STALE_S, SweepStatus, sweep_alive
 from altgrad.remote import is_remote, join
 from altgrad.tune.config import SweepSettings, load_sweep_config
 from altgrad.tune.lifecycle import (
@@ -193,7 +193,7 @@ def _warn(cfg: SweepSettings) -> None:
 
 def _refuse_if_running(stored: dict[str, Any], path: str) -> None:
     driver = stored.get("driver", {})
-    if stored.get("status") == SweepStatus.RUNNING and driver_alive(driver):
+    if sweep_alive(stored):
         where = "a local copy of it" if is_remote(path) else path
         raise ConfigError(
             f"sweep {path} is running right now (driver pid {driver.get('pid')} on "
