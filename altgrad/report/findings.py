@@ -745,6 +745,11 @@ def _tie_and_bf16(tied: list[Cell], leader: Cell | None) -> tuple[str, ...]:
             *([f"yet {', '.join(level)} indistinguishable from {BASELINE}"] if level else []))
 
 
+def _baseline_overrides(bf16: dict[str, list[TrialRecord]], optimizer: str) -> dict[str, Any]:
+    """The settings bf16 of `optimizer` ran with beyond the base's (`grid.format_overrides`), {} for none."""
+    return next((t.overrides for t in bf16.get(optimizer, []) if t.overrides), {})
+
+
 def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], bf16: dict[str, list[TrialRecord]],
              axes_order: dict[AxesKey, int]) -> Verdict:
     candidates = [c for c in cells.values() if c.format == VERDICT_FORMAT or VERDICT_FORMAT in c.also]
@@ -759,7 +764,7 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], bf16: dict[str, l
     where = " / ".join(x for x in (cell.name, cell.precision_label, cell.optimizer, axes_text(cell.axes)) if x)
     if cell.overrides:
         where += f" (with {overrides_text(cell.overrides)})"
-    if base := next((t.overrides for t in bf16.get(cell.optimizer, []) if t.overrides), None):
+    if base := _baseline_overrides(bf16, cell.optimizer):
         where += f", against {BASELINE} with {overrides_text(base)}"
     if cell.broke:
         return Verdict(False, cell, f"{where} stopped: {', '.join(cell.stops)}")
@@ -903,7 +908,7 @@ def compute_findings(records: list[TrialRecord], missing: list[str] | None = Non
                                 and (m := cells.get((f, MANIFOLD, p, ax))) is not None
                                 and (d := _difference(f"{MANIFOLD} − {STANDARD}", c, m)) is not None])
     notes += [_better_than_bf16(c, c.optimizer in lent, deltas,
-                                next((t.overrides for t in bf16.get(c.optimizer, []) if t.overrides), {}))
+                                _baseline_overrides(bf16, c.optimizer))
               for c in cells.values() if c.full_budget and c.vs_bf16 == "better" and not c.twin_of]
     fidelity = [g for c in cells.values() if (g := _fidelity(c, bf16.get(c.optimizer, []))) is not None]
     return Findings(formats, optimizers, precisions, axes, bf16, cells, aliases, spots, failures,
