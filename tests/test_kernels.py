@@ -4,6 +4,7 @@ resuming exactly."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import NamedTuple
@@ -136,6 +137,8 @@ def test_resume_with_the_compiled_step_is_bit_identical(make_config, tmp_path, m
     monkeypatch.delenv("ALTGRAD_NO_COMPILE", raising=False)
     resumed, cache_hits = assert_exact_resume(make_config, tmp_path, *TINY, *MIXED, functions=True)
     assert resumed.forward.graphs > 0 and cache_hits > 0
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["compile"] == "compiled (step graph)"
 
 
 def test_the_step_graph_has_a_cpp_wrapper_on_the_cpu_only():

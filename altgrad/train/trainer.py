@@ -462,6 +462,14 @@ class Trainer:
         self.wall_time = state["wall_time_s"]
         self.resumed_step = int(state["step"])
 
+    def _compile_summary(self) -> str:
+        """`compile_status`, saying what ran compiled: the whole step as one graph
+        (`train.compile`) or each quantizer as its own kernel."""
+        status = compile_status()
+        if status != "compiled":
+            return status
+        return "compiled (step graph)" if self.cfg.train.compile else "compiled (per-tensor kernels)"
+
     def _summary(self, step: int, status: str, stop_reason: str | None) -> dict[str, Any]:
         q = self.cfg.quant
         return {
@@ -475,7 +483,7 @@ class Trainer:
             "collapse_where": self.monitor.collapse_where,
             "wall_time_s": round(self.wall_time, 3),
             "first_step_s": None if self.first_step_s is None else round(self.first_step_s, 3),
-            "compile": compile_status(),
+            "compile": self._compile_summary(),
             "autocast": self.autocast,
             "format": q.format,
             "optimizer": self.cfg.optim.name,
