@@ -104,7 +104,7 @@ def test_the_summary_says_when_the_first_step_ended_and_whether_the_step_compile
                                                    (False, "compiled (per-tensor kernels)")])
 def test_the_summary_says_what_compiled(make_config, tmp_path, monkeypatch, step_graph, said):
     """Where nothing fell back to eager, the summary says which way the step ran compiled: one
-    graph, or a kernel per quantizer (a 2x gap in step time on a GPU: docs/design.md). (The real
+    graph, or a kernel per quantizer, which a GPU pays host time for each of (issue 15). (The real
     step graph's summary is checked in test_kernels.)"""
     monkeypatch.setattr(trainer_module, "compile_status", lambda: "compiled")
     cfg = make_config("quant.format=bf16", "train.max_steps=3", f"train.compile={str(step_graph).lower()}")
