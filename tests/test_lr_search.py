@@ -3,6 +3,7 @@ format, from trial records alone."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -34,7 +35,8 @@ def test_lr_search_table():
     assert row == {"format": "e4m3", "largest_stable_lr": 1e-2, "val_loss_there": 7, "unstable_above": 3e-2,
                    "smallest_unstable_lr": 5e-3, "smallest_unstable_why": "was stopped (bit_stall)", "trials": 5,
                    "unfinished": 0, "unstable_above_why": "diverged (its val loss rose to 11, above its first, 10; it ended at 6.5)",
-                   "idle_up_to": None, "idle_why": None, "diverged_from": None, "diverged_why": None}
+                   "idle_up_to": None, "idle_why": None, "diverged_from": None, "diverged_why": None,
+                   "same_as": None}
     table = render_lr_table([row], (1e-4, 100.0)).splitlines()
     assert table[1].split()[:4] == ["e4m3", "0.01", "7.0000", "0.03"]
     assert table[2:] == ["e4m3: the edge lies between 0.01 and 0.03, which diverged (its val loss rose to 11, above its "
@@ -87,6 +89,42 @@ def test_tolerance_decides_stability_in_the_table_and_in_what_optuna_maximizes()
         signals = SweepSignals(StabilityConfig(), lr, tolerance=learning_tolerance(config))
         signals.observe({"step": 1.0, "val/loss": 10.0, "val/step": 1.0})
         assert signals.observe({"step": 2.0, "val/loss": last, "val/step": 2.0})[STABLE_LR] == stable_lr
+
+
+def test_a_format_that_trains_like_an_earlier_one_is_searched_once(tmp_path, monkeypatch, capsys):
+    """Under amax scaling e1m6 trains bit for bit like e0m7 at every rate, and the searcher asks
+    for the same rates given the same results: one search, which the plan and the table say (its
+    row is e0m7's, marked). Without scaling the two grids differ by a factor 2: both are searched."""
+    from altgrad.tune import lr_search
+    from altgrad.tune.config import LrSearchConfig, load_sweep_config
+    from altgrad.tune.lr_search import LrSearch
+
+    sets = ["preset=cpu", "formats=[bf16, e0m7, e1m6, e4m3]", f"storage_path={tmp_path}"]
+    cfg = load_sweep_config(LrSearchConfig, LR_SEARCH, sets)
+    experiments = LrSearch.experiments(cfg)
+    assert [e.path.rsplit("/", 1)[1] for e in experiments] == ["bf16", "e0m7", "e4m3"]
+    per_format = len(cfg.lr.grid) + cfg.lr.samples
+    plan = LrSearch.describe(cfg, experiments)
+    assert f"3 formats × {per_format} trials = {3 * per_format} trials" in plan
+    assert "less 1 format searched by an equivalent one" in plan and "e1m6 (= e0m7: " in plan
+
+    results = {"e0m7": [trial(1e-3, [10, 8]), trial(1e-2, [10, 12])], "bf16": [trial(1e-2, [10, 7])],
+               "e4m3": [trial(1e-3, [10, 9])]}
+    monkeypatch.setattr(lr_search, "load_experiment", lambda path: results[path.rsplit("/", 1)[1]])
+    (tmp_path / cfg.name).mkdir()
+    assert LrSearch.summarize(cfg, experiments) == 0
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / cfg.name / "lr_search.json").read_text())
+    assert [r["format"] for r in rows] == cfg.formats
+    twin, measured = rows[2], rows[1]
+    assert twin == {**measured, "format": "e1m6", "same_as": "e0m7"} and measured["same_as"] is None
+    assert measured["largest_stable_lr"] == 1e-3
+    assert "e1m6: the trials of e0m7 (an equivalent format, the same search: one measurement)" in out
+    assert next(line for line in out.splitlines() if line.startswith("e1m6 ")).endswith("= e0m7")
+
+    unscaled = load_sweep_config(LrSearchConfig, LR_SEARCH, [*sets, "base.quant.scaling.mode=none"])
+    assert [e.path.rsplit("/", 1)[1] for e in LrSearch.experiments(unscaled)] == ["bf16", "e0m7", "e1m6", "e4m3"]
+    assert "searched by an equivalent one" not in LrSearch.describe(unscaled, LrSearch.experiments(unscaled))
 
 
 def test_trial_keys_tell_close_learning_rates_apart():
@@ -160,7 +198,9 @@ def test_a_search_on_s3_ends_with_the_command_that_reads_it(capsys):
     assert LrSearch.summarize(cfg, []) == 0
     out = capsys.readouterr().out
     # quoted: a shell reads "<" as a redirection
-    assert f"python -m altgrad trials 's3://bucket/p/{cfg.name}/<format>' (formats: {', '.join(cfg.formats)})" in out
+    searched = [f for f in cfg.formats if f != "e1m6"]  # e1m6: the trials of e0m7
+    assert (f"python -m altgrad trials 's3://bucket/p/{cfg.name}/<format>' (formats: {', '.join(searched)}; "
+            "e1m6: the trials of e0m7)") in out
     assert "local disk" not in out
 
 

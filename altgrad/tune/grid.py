@@ -124,7 +124,7 @@ def build_grid(cfg: SweepConfig) -> list[GridPoint]:
                 if point.key in points:  # bf16 again for an axis value that does not apply to it
                     continue
                 twin = None if fmt == BASELINE else next(
-                    (p for p in points.values() if _same_training(p, point, formats_of)), None)
+                    (p for p in points.values() if trains_like(p, point, formats_of)), None)
                 points[point.key] = GridPoint(
                     **{**asdict(point), "same_as": (twin.same_as or twin.key) if twin else None,
                        "reference": None if fmt == BASELINE else reference})
@@ -135,7 +135,7 @@ def trials_to_run(points: list[GridPoint]) -> list[GridPoint]:
     return [p for p in points if p.same_as is None]
 
 
-def _same_training(earlier: GridPoint, other: GridPoint, formats_of: Callable[[GridPoint], dict[str, Any]]) -> bool:
+def trains_like(earlier: GridPoint, other: GridPoint, formats_of: Callable[[GridPoint], dict[str, Any]]) -> bool:
     """Whether `other` would train bit for bit like an earlier point (measured, or an alias that
     its own measured point trains like): its format quantizes identically under the run's scaling,
     or its layer precision quantizes the same layers in the same formats (`formats_of`: a custom

@@ -7,7 +7,9 @@ finished, each where it can raise the answer: between the largest rate that trai
 smallest above it that did not (`lr_searcher`). Each trial reports `sweep/stable_lr` (its learning
 rate while it learns stably, else 0), which Optuna's study maximizes.
 No ASHA: a stability verdict needs the whole run; the stability stopper still ends NaN and bit-stall
-runs early.
+runs early. A format whose trials would train bit for bit like an earlier format's (e1m6 like e0m7
+under amax scaling: `grid.trains_like`) is not searched again: given the same results the searcher
+asks for the same rates, so the two searches are one measurement (`searched_as`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from typing import Any
 
 from altgrad.experiment import LR_SEARCH_FILE, StopReason, TrialRecord, TrialStatus, load_experiment
 from altgrad.metrics import LOSS_IS_NAN
+from altgrad.precision import BASELINE
 from altgrad.remote import is_remote, join, split_name
+from altgrad.run_model import assigned_formats
 from altgrad.tune.config import LrSearchConfig
-from altgrad.tune.grid import describe_resources, make_point
+from altgrad.tune.grid import GridPoint, describe_resources, make_point, trains_like
 from altgrad.tune.runner import Experiment
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import RISE_MARGIN, trial_labels, trial_limits, verdict, worst
@@ -40,11 +44,12 @@ class LrSearch:
 
         from altgrad.tune.lr_searcher import GridThenEdge
 
-        seed = cfg.base_run.train.seed
         r = cfg.resources
+        twins = searched_as(cfg)
         out = []
-        for fmt in cfg.formats:
-            point = make_point(cfg, fmt, cfg.optimizer, cfg.precision, seed)
+        for fmt, point in search_points(cfg).items():
+            if fmt in twins:
+                continue
             path = join(cfg.experiment_path, fmt)
             search = GridThenEdge(cfg.lr.grid, StateStore(path))
             param_space = {"key": point.key, "lr": tune.loguniform(cfg.lr.low, cfg.lr.high),
@@ -57,38 +62,72 @@ class LrSearch:
     @staticmethod
     def describe(cfg: LrSearchConfig, experiments: list[Experiment]) -> str:
         per_format = len(cfg.lr.grid) + cfg.lr.samples
+        twins = searched_as(cfg)
+        searched = len(cfg.formats) - len(twins)
         lines = [
-            f"lr search {cfg.name}: {len(cfg.formats)} formats × {per_format} trials = "
-            f"{len(cfg.formats) * per_format} trials ({cfg.optimizer}, precision {cfg.precision})",
+            f"lr search {cfg.name}: {searched} format{'s' * (searched != 1)} × {per_format} trials = "
+            f"{searched * per_format} trials ({cfg.optimizer}, precision {cfg.precision})"
+            + (f", less {len(twins)} format{'s' * (len(twins) != 1)} searched by an equivalent one" if twins else ""),
             f"per format: learning rates {', '.join(f'{x:g}' for x in cfg.lr.grid)} first, then "
             f"{cfg.lr.samples} that halve (log scale) the stretch between the largest that trained stably and "
             "the smallest above it that did not (nothing stable: between the largest that ran without learning "
             f"and the smallest that diverged), within [{cfg.lr.low:g}, {cfg.lr.high:g}], "
             f"{samples_at_once(cfg.max_concurrent_trials)} at a time (none once that stretch holds no rate left to try)",
-            *describe_resources(cfg, len(cfg.formats) * per_format, lambda at_once: len(cfg.formats) * (
+            *describe_resources(cfg, searched * per_format, lambda at_once: searched * (
                 # one format after another: its grid, then its samples (`lr_searcher`'s window)
                 math.ceil(len(cfg.lr.grid) / at_once)
                 + math.ceil(cfg.lr.samples / min(samples_at_once(cfg.max_concurrent_trials), at_once)))),
-            f"formats: {', '.join(cfg.formats)}",
+            "formats: " + ", ".join(f"{f} (= {twins[f]}: {TWIN_NOTE})" if f in twins else f for f in cfg.formats),
         ]
         return "\n".join(lines)
 
     @staticmethod
     def summarize(cfg: LrSearchConfig, experiments: list[Experiment]) -> int:
+        twins = searched_as(cfg)
         if is_remote(cfg.experiment_path):
             print(f"each format's trials: python -m altgrad trials "
                   f"{shlex.quote(join(cfg.experiment_path, '<format>'))} "
-                  f"(formats: {', '.join(cfg.formats)}); the largest-stable-lr table is made for local "
+                  f"(formats: {', '.join(f for f in cfg.formats if f not in twins)}"
+                  + "".join(f"; {f}: the trials of {twin}" for f, twin in twins.items())
+                  + "); the largest-stable-lr table is made for local "
                   "storage only")
             return 0
-        rows = [stable_lr_row(split_name(exp.path)[1], load_experiment(exp.path), cfg.tolerance)
-                for exp in experiments]
+        measured = {row["format"]: row for row in (
+            stable_lr_row(split_name(exp.path)[1], load_experiment(exp.path), cfg.tolerance) for exp in experiments)}
+        rows = [{**measured[twins[f]], "format": f, "same_as": twins[f]} if f in twins else measured[f]
+                for f in cfg.formats]
         print(render_lr_table(rows, (cfg.lr.low, cfg.lr.high)))
         print(what_stable_means(cfg))
         path = Path(cfg.experiment_path) / LR_SEARCH_FILE
         path.write_text(json.dumps(rows, indent=1))
         print(f"results: {path}")
         return 0
+
+
+# Why a format's row is another's (`searched_as`).
+TWIN_NOTE = "an equivalent format, the same search"
+
+
+def search_points(cfg: LrSearchConfig) -> dict[str, GridPoint]:
+    """Each format's grid point: its run config with the search's optimizer, precision and seed."""
+    seed = cfg.base_run.train.seed
+    return {fmt: make_point(cfg, fmt, cfg.optimizer, cfg.precision, seed) for fmt in cfg.formats}
+
+
+def searched_as(cfg: LrSearchConfig) -> dict[str, str]:
+    """Each format whose search would repeat an earlier format's, mapped to that format: every
+    trial would train bit for bit like the earlier format's at the same rate (`grid.trains_like`),
+    and given the same results the searcher asks for the same rates (`lr_searcher`). Its row in the
+    table is that format's, marked `same_as`."""
+    points = list(search_points(cfg).values())
+    twins: dict[str, str] = {}
+    for i, point in enumerate(points):
+        twin = None if point.format == BASELINE else next(
+            (p for p in points[:i] if p.format not in twins
+             and trains_like(p, point, lambda q: assigned_formats(q.run_config))), None)
+        if twin is not None:
+            twins[point.format] = twin.format
+    return twins
 
 
 def samples_at_once(max_concurrent_trials: int | None) -> int:
@@ -182,6 +221,7 @@ def stable_lr_row(fmt: str, records: list[TrialRecord], tolerance: float) -> dic
         "diverged_why": why_unstable(by_rate[gone]) if gone is not None else None,
         "trials": len(done),
         "unfinished": len(records) - len(done),
+        "same_as": None,  # (a format searched by an equivalent one's trials: `searched_as`)
     }
 
 
@@ -206,9 +246,12 @@ def render_lr_table(rows: list[dict[str, Any]], lr_range: tuple[float, float]) -
              f"{'smallest unstable lr':>20} {'trials':>6}"]
     lines += [f"{r['format']:<7} {num(r['largest_stable_lr'], '.3g'):>17} {num(r['val_loss_there'], '.4f'):>14} "
               f"{num(r['unstable_above'], '.3g'):>19} {num(r['smallest_unstable_lr'], '.3g'):>20} {r['trials']:>6}"
-              for r in rows]
+              + (f"  = {r['same_as']}" if r.get("same_as") else "") for r in rows]
     low, high = lr_range
     for r in rows:
+        if r.get("same_as"):
+            lines.append(f"{r['format']}: the trials of {r['same_as']} ({TWIN_NOTE}: one measurement)")
+            continue
         largest, smallest = r["largest_stable_lr"], r["smallest_unstable_lr"]
         if r["unstable_above"] is not None:
             lines.append(f"{r['format']}: the edge lies between {largest:.3g} and {r['unstable_above']:.3g}, which "
