@@ -5,13 +5,16 @@ p-values the intervals invert and Holm's adjustment of them."""
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import numpy as np
 import pytest
 
 from altgrad.report.stats import (
     Comparison,
+    FamilyWise,
     Interval,
+    beside,
     difference_interval,
     holm,
     leader_group,
@@ -410,3 +413,52 @@ def test_holm_equals_the_closed_test_of_bonferroni(seed):
     ps = [float(p) for p in np.where(rng.random(m) < 0.5, rng.uniform(0, 0.1, m), rng.uniform(0, 1, m))]
     ps += [ps[0]] * int(rng.integers(0, 2))  # ties
     assert holm(ps) == pytest.approx(holm_by_closed_testing(ps), rel=1e-12)
+
+
+def printed_ends(text: str) -> tuple[Decimal, Decimal]:
+    """The interval a reader works out from '1.010 ± 0.010 (n = 3, paired)'."""
+    mean, half = (Decimal(x) for x in text.split(" (")[0].split(" ± "))
+    return mean - half, mean + half
+
+
+@pytest.mark.parametrize("spread", [0.00401, 0.00403])
+def test_printed_interval_ends_lie_where_the_call_says(spread):
+    """At 3 places both of these print '1.010 ± 0.010', whose ends touch 1, yet the first excludes
+    1 (lower end 1.00004: 'worse') and the second does not (0.99999): each is printed with the
+    places that put its ends on the side of 1 its call reads."""
+    ratio = ratio_interval({1: 1.01 - spread, 2: 1.01, 3: 1.01 + spread}, {1: 1.0, 2: 1.0, 3: 1.0})
+    lo, hi = printed_ends(ratio.text(3))
+    assert (lo > 1) == ratio.excludes(1.0) == (spread < 0.00402)
+    assert hi > 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_reader_of_the_printed_interval_makes_the_calls_the_report_makes(seed):
+    """Random paired ratios and differences, many near their null: from the printed numbers alone
+    a reader sees the interval exclude the null exactly where the report calls it, and where it
+    does not, an end at or across the null."""
+    rng = np.random.default_rng(seed)
+    for _ in range(400):
+        n = int(rng.integers(2, 6))
+        base = {s: float(rng.uniform(5, 8)) for s in range(n)}
+        scale = float(rng.uniform(0.999, 1.02))
+        cell = {s: v * (scale + float(rng.normal(0, 0.004))) for s, v in base.items()}
+        for comparison, null in ((ratio_interval(cell, base), 1), (difference_interval(cell, base), 0)):
+            lo, hi = printed_ends(comparison.text(3))
+            assert (lo > null or hi < null) == comparison.excludes(null), comparison.text(3)
+
+
+@pytest.mark.parametrize(("p", "shown"), [(0.0496, "0.0496"), (0.0501, "0.0501"), (0.012, "0.012"),
+                                          (0.05, "0.05"), (0.5012, "0.5"), (0.04999, "0.04999")])
+def test_a_p_value_is_printed_on_its_side_of_005(p, shown):
+    """Two significant digits put 0.0496 at 0.05, where a call that holds reads as one that does
+    not; a p is printed with the digits that keep it below 0.05 exactly where it is."""
+    text = FamilyWise(p, p, 1, p < 0.05).text
+    assert text.endswith(f"p {shown}, Holm {shown} of 1")
+    assert (float(shown) < 0.05) == (p < 0.05) == text.startswith("holds: ")
+
+
+def test_the_verdicts_limit_is_printed_on_its_side():
+    """'the interval reaches 1.100 > 1.10' would say a number is above the limit that prints equal to it."""
+    assert beside(1.1004, 1.1, 3) == "1.1004" and beside(1.0996, 1.1, 3) == "1.0996"
+    assert beside(1.1234, 1.1, 3) == "1.123" and beside(1.1, 1.1, 3) == "1.100"

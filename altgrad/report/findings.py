@@ -63,6 +63,7 @@ from altgrad.report.stats import (
     Comparison,
     FamilyWise,
     Interval,
+    beside,
     difference_interval,
     family_wise,
     holds,
@@ -98,7 +99,7 @@ DEFINITIONS = f"""\
   cell's steps), then the mean of these per-seed ratios with its t interval ("paired"). When the
   seed sets differ, the pairs are the seeds both have if there are at least {MIN_PAIRED} (the others
   are named); with fewer, the ratio of the means with a delta-method interval (Welch df,
-  "unpaired"), and the table says why. An optimizer without a bf16 trial borrows `{STANDARD}`'s.
+  "unpaired"; none where either side has one seed), and the table says why. An optimizer without a bf16 trial borrows `{STANDARD}`'s.
 - **Separates / indistinguishable**: two numbers are called different only when their 95 %
   intervals do not overlap; a cell is better or worse than bf16 only when its × bf16 interval
   excludes 1. Without an interval (one seed) nothing is called different: "not tested".
@@ -790,7 +791,7 @@ def _verdict(cells: dict[tuple[str, str, str, AxesKey], Cell], bf16: dict[str, l
     limit = 1 + VERDICT_TOLERANCE
     passed = cell.ratio.hi <= limit
     how = (f"the whole interval is at or below {limit:.2f}" if passed else
-           f"the interval reaches {cell.ratio.hi:.3f} > {limit:.2f}")
+           f"the interval reaches {beside(cell.ratio.hi, limit, 3)} > {limit:.2f}")
     return Verdict(passed, cell, f"{where}, {cell.steps} steps, {cell.ratio.n} seeds: {how}")
 
 

@@ -16,8 +16,9 @@ Whether a seed diverged at all is the failure table's business, not this module'
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from statistics import fmean, stdev
 
 from altgrad.precision import BASELINE
@@ -107,7 +108,7 @@ def t_cdf(t: float, df: float) -> float:
 
 def t_quantile(p: float, df: float) -> float:
     """The t with P(T <= t) = p for Student's t with `df` degrees of freedom (non-integer df
-    allowed), accurate to ~1e-9 relative; e.g. t_quantile(0.975, 2) = 4.302653, the two-sided 95 %
+    allowed), accurate to ~1e-9 relative up to df 1e4 (a report's df is seeds - 1, or Welch's); e.g. t_quantile(0.975, 2) = 4.302653, the two-sided 95 %
     critical value of a mean over three seeds.
 
     Solved by Newton's method on the upper tail, safeguarded by bisection, because the standard
@@ -150,6 +151,46 @@ def decimals_to_show(half_width: float | None, decimals: int) -> int:
     if not half_width or not math.isfinite(half_width) or half_width >= 0.5 * 10.0 ** -decimals:
         return decimals
     return max(decimals, -math.floor(math.log10(half_width)))
+
+
+# The most places (or significant digits) `sides_kept` widens a number to.
+MOST_DIGITS = 12
+
+
+def _side(x: float | Decimal, bound: float | Decimal) -> int:
+    return (x > bound) - (x < bound)
+
+
+def sides_kept(shown: Callable[[int], list[str]], values: list[float], bound: float, digits: int) -> int:
+    """The fewest digits, from `digits`, at which every printed number (`shown(digits)`: the
+    numbers as a reader reads them, e.g. an interval's ends) lies on the same side of `bound` as
+    its value, or on it only where the value is: the report calls a difference by which side of a
+    null an interval lies, a family-wise call by which side of 0.05 a p lies, and a number printed
+    at fewer places can sit on the other side ('1.010 ± 0.010' for an interval that excludes 1 by
+    4e-5). `bound` is read as the reader reads it (1.0 as 1, 1 - 0.95 as 0.05)."""
+    read = Decimal(format(bound, ".12g"))
+    while digits < MOST_DIGITS and any(_side(Decimal(text), read) != _side(v, bound)
+                                       for text, v in zip(shown(digits), values, strict=True)):
+        digits += 1
+    return digits
+
+
+def interval_ends(mean: float, half_width: float, decimals: int) -> list[str]:
+    """The ends of mean ± half_width as a reader works them out from the two printed numbers."""
+    m, h = Decimal(f"{mean:.{decimals}f}"), Decimal(f"{half_width:.{decimals}f}")
+    return [str(m - h), str(m + h)]
+
+
+def beside(x: float, bound: float, decimals: int) -> str:
+    """x to `decimals` places, or more where fewer would print it on the other side of `bound`
+    (or on it): 'the interval reaches 1.1004 > 1.10', not '1.100 > 1.10'."""
+    return f"{x:.{sides_kept(lambda d: [f'{x:.{d}f}'], [x], bound, decimals)}f}"
+
+
+def p_text(p: float, alpha: float) -> str:
+    """A p-value to two significant digits, or more where two would print it on the other side
+    of `alpha` or on it: 'p 0.0496', not 'p 0.05', for a call that holds."""
+    return f"{p:.{sides_kept(lambda k: [f'{p:.{k}g}'], [p], alpha, 2)}g}"
 
 
 @dataclass(frozen=True)
@@ -218,8 +259,11 @@ class Interval:
             return f"no finite value ({self._counts()})"
         if self.half_width is None:
             return f"{self.mean:.{decimals}f} ({self._counts()}, no interval)"
-        d = decimals_to_show(self.half_width, decimals)
+        d = self._decimals(decimals)
         return f"{self.mean:.{d}f} ± {self.half_width:.{d}f} ({self._counts()})"
+
+    def _decimals(self, decimals: int) -> int:
+        return decimals_to_show(self.half_width, decimals)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +280,15 @@ class Comparison(Interval):
     n_other: int
     note: str | None = None
     welch_df: float | None = None  # unpaired: the Welch–Satterthwaite degrees of freedom
+    null: float | None = None  # no effect: 1 for a ratio, 0 for a difference
+
+    def _decimals(self, decimals: int) -> int:
+        """Enough places that the ends a reader works out lie on the sides of the null that the
+        call (`excludes`) reads (`sides_kept`)."""
+        d = super()._decimals(decimals)
+        if self.null is None or not self.bounded or not math.isfinite(self.mean):
+            return d
+        return sides_kept(lambda k: interval_ends(self.mean, self.half_width, k), [self.lo, self.hi], self.null, d)
 
     @property
     def df(self) -> float:
@@ -302,6 +355,7 @@ def _compare(a: Mapping[int, float], b: Mapping[int, float], confidence: float,
     seeds both sides have when those are all of them or at least `MIN_PAIRED`, else compare the
     two means unpaired (Welch)."""
     level = _check_confidence(confidence)
+    null = 1.0 if ratio else 0.0
     (xa, dropped_a), (xb, dropped_b) = _split(a), _split(b)
     la, lb = labels
     left_out = _left_out(((la, dropped_a), (lb, dropped_b)))
@@ -315,7 +369,7 @@ def _compare(a: Mapping[int, float], b: Mapping[int, float], confidence: float,
             left_out.append(f"paired on the seeds both have, {seeds_text(shared)}: "
                             f"{' and '.join(unmatched)} left out")
         return Comparison(est.mean, est.half_width, est.n, confidence, paired=True,
-                          n_other=est.n, note="; ".join(left_out) or None)
+                          n_other=est.n, note="; ".join(left_out) or None, null=null)
 
     na, nb = len(xa), len(xb)
     notes = [f"unpaired: {lb} has seeds {seeds_text(xb)}, {la} {seeds_text(xa)}", *left_out]
@@ -323,22 +377,22 @@ def _compare(a: Mapping[int, float], b: Mapping[int, float], confidence: float,
               for label, n in ((la, na), (lb, nb)) if n < 2]
     note = "; ".join(notes)
     if na == 0 or nb == 0:
-        return Comparison(math.nan, None, na, confidence, paired=False, n_other=nb, note=note)
+        return Comparison(math.nan, None, na, confidence, paired=False, n_other=nb, note=note, null=null)
     ma, mb = fmean(xa.values()), fmean(xb.values())
     est = ma / mb if ratio else ma - mb
     if na < 2 or nb < 2:  # one side's spread is unknown: an interval from the other alone lies
-        return Comparison(est, None, na, confidence, paired=False, n_other=nb, note=note)
+        return Comparison(est, None, na, confidence, paired=False, n_other=nb, note=note, null=null)
     # Variance components of the estimate: squared standard errors, relative ones for a ratio
     # (delta method: var(A/B)/(A/B)² ≈ se_A²/A² + se_B²/B²).
     ua = stdev(xa.values()) ** 2 / na / (ma * ma if ratio else 1.0)
     ub = stdev(xb.values()) ** 2 / nb / (mb * mb if ratio else 1.0)
     total = ua + ub
     if total == 0.0:
-        return Comparison(est, 0.0, na, confidence, paired=False, n_other=nb, note=note)
+        return Comparison(est, 0.0, na, confidence, paired=False, n_other=nb, note=note, null=null)
     df = total * total / (ua * ua / (na - 1) + ub * ub / (nb - 1))  # Welch–Satterthwaite
     se = abs(est) * math.sqrt(total) if ratio else math.sqrt(total)
     return Comparison(est, t_quantile(level, df) * se, na, confidence, paired=False, n_other=nb,
-                      note=note, welch_df=df)
+                      note=note, welch_df=df, null=null)
 
 
 def ratio_interval(cell: Mapping[int, float], baseline: Mapping[int, float],
@@ -351,8 +405,8 @@ def ratio_interval(cell: Mapping[int, float], baseline: Mapping[int, float],
     and initialisation of both runs, and pairing cancels that shared noise (a note names the
     seeds left without a partner). Otherwise (disjoint seeds, a one-seed baseline):
     mean(x) / mean(b) with the delta-method interval (relative variance se_x²/mean_x² +
-    se_b²/mean_b², Welch–Satterthwaite df), and a note naming both seed sets (`labels` name the
-    cell and the baseline in it). Baseline values must be nonzero (losses are).
+    se_b²/mean_b², Welch–Satterthwaite df), or none where a side has one seed (its spread is
+    unknown), and a note naming both seed sets (`labels` name the cell and the baseline in it). Baseline values must be nonzero (losses are).
     """
     return _compare(cell, baseline, confidence, labels, ratio=True)
 
@@ -419,7 +473,7 @@ class FamilyWise:
     def text(self) -> str:
         """'holds: p 0.0012, Holm 0.0096 of 8', 'not family-wise: p 0.027, Holm 0.19 of 7', or for
         no call 'p 0.41, Holm 1 of 7'."""
-        numbers = f"p {self.p:.2g}, Holm {self.adjusted:.2g} of {self.family}"
+        numbers = f"p {p_text(self.p, self.alpha)}, Holm {p_text(self.adjusted, self.alpha)} of {self.family}"
         if not self.called:
             return numbers
         return f"{'holds' if self.holds else 'not family-wise'}: {numbers}"
