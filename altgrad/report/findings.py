@@ -102,7 +102,9 @@ DEFINITIONS = f"""\
   "unpaired"; none where either side has one seed), and the table says why. An optimizer without a bf16 trial borrows `{STANDARD}`'s.
 - **Separates / indistinguishable**: two numbers are called different only when their 95 %
   intervals do not overlap; a cell is better or worse than bf16 only when its × bf16 interval
-  excludes 1. Without an interval (one seed) nothing is called different: "not tested".
+  excludes 1. Without an interval (one seed) nothing is called different: "not tested". An interval
+  or a p near its call's boundary is printed with the places that show which side of it it lies on
+  (1.01000 ± 0.00996 excludes 1, 1.01000 ± 0.01001 does not; p 0.0496).
 - **Family-wise (Holm)**: at 95 % each, about one comparison in twenty excludes its null by chance
   alone, and a report reads many. So every comparison with an interval also has its two-sided p
   (the t test its interval inverts: p < 0.05 when the interval excludes the null) and
