@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import replace
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -1696,3 +1697,30 @@ def test_an_equivalent_format_of_a_precision_twin_reads_the_twin_cell():
     mine = f.cell("e1m6", "adamw", "mine", ())
     assert mine.twin_of == "all" and mine.name == "e0m7 ≡ e1m6" and mine.ratio == f.cells["e0m7", "adamw", "all", ()].ratio
     assert mine.family_wise.family == 1
+
+
+def printed_interval(text: str) -> tuple[Decimal, Decimal]:
+    """The ends a reader works out of 'm ± h' (the first such pair in `text`, any separator)."""
+    m, h = re.search(r"(-?\d+\.\d+)\s*±\s*(\d+\.\d+)", text).groups()
+    return Decimal(m) - Decimal(h), Decimal(m) + Decimal(h)
+
+
+def test_every_printer_of_a_ratio_puts_its_ends_where_the_call_reads_them(tmp_path):
+    """e5m2 at 1.01 ± 0.00996 over bf16 excludes 1 by 4e-5 ('worse'), and at 1.08 ± 0.02004 its
+    interval reaches 1.10004, past the verdict's 1.10 (INVESTIGATE): at 3 places both print with
+    an end on the line ('1.010 ± 0.010', '1.080 ± 0.020'), which reads as the opposite call. The
+    cells table, the heatmap and the verdict line print them with the places that keep the ends on
+    their sides."""
+    spread = 0.00401  # 1.01 ± t(0.975, 2) x spread / sqrt(3): a lower end of 1.00004
+    worse = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.01 - spread, 1.01, 1.01 + spread])])
+    cell = worse.cells["e5m2", "adamw", "all", ()]
+    assert cell.vs_bf16 == "worse"
+    heat = plot_heatmap(worse, "adamw", (), tmp_path / "heat.png")
+    (annotation,) = [t for t in heat.texts["Best val loss / bf16 — optimizer adamw"] if "±" in t]
+    for printed in (cell.ratio.text(3), annotation, worse.verdict.line):
+        assert printed_interval(printed)[0] > 1, printed
+
+    spread = 0.02004 * math.sqrt(3) / 4.302653  # 1.08 ± 0.02004: reaches 1.10004
+    over = compute_findings([*seeded("bf16", [1.0, 1.0, 1.0]), *seeded("e5m2", [1.08 - spread, 1.08, 1.08 + spread])])
+    assert not over.verdict.passed and "reaches 1.1000" in over.verdict.line
+    assert printed_interval(over.verdict.line)[1] > Decimal("1.10"), over.verdict.line

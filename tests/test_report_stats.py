@@ -16,6 +16,7 @@ from altgrad.report.stats import (
     Interval,
     beside,
     difference_interval,
+    family_wise,
     holm,
     leader_group,
     mean_interval,
@@ -324,7 +325,7 @@ def test_p_value_closed_forms(t):
 def test_the_one_call_of_the_2026_11_24_study_has_p_0027():
     """The CPU study published 2026-11-24: grad_format e4m3 − e5m2 on e0m7, 0.0227 ± 0.0165 (n =
     3, paired)."""
-    c = Comparison(0.0227, 0.0165, 3, paired=True, n_other=3)
+    c = Comparison(0.0227, 0.0165, 3, paired=True, n_other=3, null=0.0)
     t = 0.0227 / (0.0165 / TABLE_975[2])
     assert c.p_value(0.0) == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-5)
     assert 0.026 < c.p_value(0.0) < 0.028
@@ -456,6 +457,13 @@ def test_a_p_value_is_printed_on_its_side_of_005(p, shown):
     text = FamilyWise(p, p, 1, p < 0.05).text
     assert text.endswith(f"p {shown}, Holm {shown} of 1")
     assert (float(shown) < 0.05) == (p < 0.05) == text.startswith("holds: ")
+
+
+def test_the_family_wise_alpha_is_the_05_the_report_states():
+    """1 - 0.95 is 0.05 and 4e-17: a p of exactly 0.05 would hold against it, and print as 'p 0.05'."""
+    ratio = ratio_interval({1: 1.01, 2: 1.02, 3: 1.04}, {1: 1.0, 2: 1.0, 3: 1.0})
+    (fw,) = family_wise([ratio])
+    assert fw.alpha == 0.05 and not FamilyWise(0.05, 0.05, 1, True, fw.alpha).holds
 
 
 def test_the_verdicts_limit_is_printed_on_its_side():

@@ -218,7 +218,9 @@ def test_ctrl_c_keeps_the_run_and_says_how_to_continue(eurlex_dir, data_root, tm
     request.addfinalizer(proc.kill)  # failed, it would train on through the rest of the suite
     deadline = time.monotonic() + 180
     while not (out / "checkpoints" / "step_00000002").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no checkpoint at step 2: {proc.communicate()}")
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -155,7 +155,7 @@ def test_roles_and_grad_scaling_reach_every_quantized_layer(make_config):
 @pytest.mark.parametrize("interrupt_at", [9])
 def test_resume_is_bit_identical(make_config, tmp_path, interrupt_at):
     """Stochastic rounding, delayed scaling, diagnostics and the shadow all in play; resumed from
-    step 8, a step after an evaluation (4) and between two shadow steps (6, 9)."""
+    step 8, between two evaluations (5, 10) and two shadow steps (6, 9)."""
     overrides = (
         "quant.format=e3m4",
         "quant.rounding=stochastic",

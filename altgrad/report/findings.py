@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 from altgrad.config import StabilityConfig
 from altgrad.experiment import (
@@ -67,11 +67,13 @@ from altgrad.report.stats import (
     difference_interval,
     family_wise,
     holds,
+    interval_ends,
     leader_group,
     mean_interval,
     ratio_interval,
     reading,
     seeds_text,
+    sides_kept,
 )
 
 STANDARD, MANIFOLD = "adamw", "manifold"
@@ -220,7 +222,6 @@ class Cell:
     # the same formats for this format (a custom policy that is a preset here), so its trials are
     # that cell's, listed under both, and each comparison counts once in its Holm family.
     twin_of: str = ""
-    NULL: ClassVar[float] = 1.0  # × bf16 of a format no different from bf16
 
     @property
     def precision_label(self) -> str:
@@ -311,7 +312,7 @@ class Cell:
             why.append("seeds stopped at different steps")
         if self.no_baseline:
             why.append(self.no_baseline)
-        return reading(self.ratio, self.NULL, "better", "worse") if self.compared else f"not compared ({'; '.join(why)})"
+        return reading(self.ratio, "better", "worse") if self.compared else f"not compared ({'; '.join(why)})"
 
 
 @dataclass(frozen=True)
@@ -384,11 +385,10 @@ class Difference:
     b: Cell
     diff: Comparison
     family_wise: FamilyWise | None = None  # of `diff`, over the differences of its table
-    NULL: ClassVar[float] = 0.0
 
     @property
     def verdict(self) -> str:
-        return reading(self.diff, self.NULL, "lower (better)", "higher (worse)")
+        return reading(self.diff, "lower (better)", "higher (worse)")
 
 
 @dataclass(frozen=True)
@@ -403,7 +403,6 @@ class GradientFidelity:
     nonfinite: int  # the cell's shadow steps with a non-finite cosine, left out of `cosine`
     shadow_steps: int  # all of the cell's shadow steps counted
     family_wise: FamilyWise | None = None  # of `diff`, over every cell's
-    NULL: ClassVar[float] = 0.0
 
     @property
     def verdict(self) -> str:
@@ -414,7 +413,7 @@ class GradientFidelity:
             return f"not compared ({self.cell.no_baseline})"
         if not self.compared:
             return "not compared (seeds stopped at different steps)"
-        return reading(self.diff, self.NULL, "lower", "higher")
+        return reading(self.diff, "lower", "higher")
 
     @property
     def compared(self) -> bool:
@@ -431,10 +430,19 @@ class Verdict:
 
     @property
     def line(self) -> str:
-        ratio = (f"× {self.baseline} {self.cell.ratio.text(3)}" if self.cell and math.isfinite(self.cell.ratio.mean)
-                 else "ratio n/a")
+        ratio = (f"× {self.baseline} {self.cell.ratio.text(self.places())}"
+                 if self.cell and math.isfinite(self.cell.ratio.mean) else "ratio n/a")
         return (f"{VERDICT_FORMAT.upper()} within {100 * VERDICT_TOLERANCE:.0f} % of BF16: "
                 f"{'PASS' if self.passed else 'INVESTIGATE'} ({ratio}; {self.reason})")
+
+    def places(self) -> int:
+        """Places for the ratio that put its printed upper end on the side of the limit the
+        verdict reads ('1.080 ± 0.020' reads as a pass whose interval reaches 1.10004)."""
+        r = self.cell.ratio
+        if not r.bounded or not math.isfinite(r.half_width):
+            return 3
+        return sides_kept(lambda k: interval_ends(r.mean, r.half_width, k)[1:], [r.hi], 1 + VERDICT_TOLERANCE,
+                          r.places(3))
 
 
 @dataclass(frozen=True)
@@ -499,7 +507,7 @@ class Findings:
                      + "".join(f" ≈ {n}" for n in closest[1:])]
             # as a sweet spot's tie with bf16 says: a member whose own cosine − bf16 excludes 0
             apart = [f"yet {n} {g.verdict} than {BASELINE}" + ("" if holds(g.family_wise) else ", not family-wise")
-                     for n in closest if (g := group[n]).diff.excludes(g.NULL)]
+                     for n in closest if (g := group[n]).diff.called]
             why = [tie_reason(closest, [n for n in closest if group[n].cosine.half_width is None])] * (len(closest) > 1)
             if why or apart:
                 parts[0] += f" ({'; '.join([*why, *apart])})"
@@ -508,7 +516,7 @@ class Findings:
                     f"{g.cell.name} {g.cosine.text(3)}"
                     + ("" if holds(g.family_wise) else f" (− {BASELINE} not family-wise)")
                     for g in further))
-                if hidden := [g.cell.name for g in further if not g.cell.ratio.excludes(g.cell.NULL)]:
+                if hidden := [g.cell.name for g in further if not g.cell.ratio.called]:
                     parts.append(f"loss not separated from {BASELINE}'s for {', '.join(hidden)}")
             if twins := twins_text((g.cell.name, g.cell.twin_of) for g in group.values() if g.cell.twin_of):
                 parts[-1] += f" [{twins}]"
@@ -741,9 +749,9 @@ def _tie_and_bf16(tied: list[Cell], leader: Cell | None) -> tuple[str, ...]:
     def call(c: Cell) -> str:
         return f"{c.name} {c.vs_bf16} than {BASELINE}" + ("" if holds(c.family_wise) else ", not family-wise")
 
-    if leader is None or not leader.ratio.excludes(leader.NULL):  # bf16 is one of the tie
-        return tuple(f"yet {call(c)}" for c in tied if c.ratio.excludes(c.NULL))
-    level = [c.name for c in tied if c.ratio.bounded and not c.ratio.excludes(c.NULL)]
+    if leader is None or not leader.ratio.called:  # bf16 is one of the tie
+        return tuple(f"yet {call(c)}" for c in tied if c.ratio.called)
+    level = [c.name for c in tied if c.ratio.bounded and not c.ratio.called]
     return (f"{BASELINE} left out: {call(leader)}",
             *([f"yet {', '.join(level)} indistinguishable from {BASELINE}"] if level else []))
 
@@ -933,14 +941,14 @@ def _with_family_wise(diffs: list[Compared], left_out: Callable[[Compared], bool
                       measured: Callable[[Compared], Comparison] = lambda d: d.diff,
                       key: Callable[[Compared], Any] = _measurements) -> list[Compared]:
     """The comparisons of one table, each with its `FamilyWise` over the table (of the interval
-    `measured`, against the comparison's `NULL`); those `left_out` (not compared) are out of the
+    `measured`, against its null); those `left_out` (not compared) are out of the
     family and have none. Comparisons of one `key` (the trials they compare: a twin cell's are its
     cell's) are one member of the family and share its `FamilyWise`."""
     members: dict[Any, Compared] = {}
     for d in diffs:
         if not left_out(d):
             members.setdefault(key(d), d)
-    adjusted = dict(zip(members, family_wise([(measured(d), d.NULL) for d in members.values()]), strict=True))
+    adjusted = dict(zip(members, family_wise([measured(d) for d in members.values()]), strict=True))
     return [replace(d, family_wise=None if left_out(d) else adjusted[key(d)]) for d in diffs]
 
 

@@ -48,7 +48,6 @@ from altgrad.report.records import (
     signals,
     stop_step,
 )
-from altgrad.report.stats import decimals_to_show
 
 
 @dataclass(frozen=True)
@@ -385,7 +384,7 @@ def plot_heatmap(findings: Findings, optimizer: str, axes: AxesKey, path: Path) 
     for i, row in enumerate(cells):
         for j, cell in enumerate(row):
             if math.isfinite(ratio[i, j]):
-                hw, d = cell.ratio.half_width, decimals_to_show(cell.ratio.half_width, 3)
+                hw, d = cell.ratio.half_width, cell.ratio.places(3)
                 text = f"{ratio[i, j]:.{d}f}\n" + (f"± {hw:.{d}f}" if hw is not None else f"n = {cell.ratio.n}")
             else:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="grey", lw=0))

@@ -27,14 +27,18 @@ __all__ = [
     "Comparison",
     "FamilyWise",
     "Interval",
+    "beside",
     "difference_interval",
     "family_wise",
     "holds",
     "holm",
+    "interval_ends",
     "leader_group",
     "mean_interval",
+    "p_text",
     "ratio_interval",
     "reading",
+    "sides_kept",
     "t_cdf",
     "t_quantile",
 ]
@@ -259,10 +263,12 @@ class Interval:
             return f"no finite value ({self._counts()})"
         if self.half_width is None:
             return f"{self.mean:.{decimals}f} ({self._counts()}, no interval)"
-        d = self._decimals(decimals)
+        d = self.places(decimals)
         return f"{self.mean:.{d}f} ± {self.half_width:.{d}f} ({self._counts()})"
 
-    def _decimals(self, decimals: int) -> int:
+    def places(self, decimals: int) -> int:
+        """The places `text` prints mean and half-width to, at least `decimals`
+        (`decimals_to_show`); every printer of the interval uses them."""
         return decimals_to_show(self.half_width, decimals)
 
 
@@ -280,13 +286,18 @@ class Comparison(Interval):
     n_other: int
     note: str | None = None
     welch_df: float | None = None  # unpaired: the Welch–Satterthwaite degrees of freedom
-    null: float | None = None  # no effect: 1 for a ratio, 0 for a difference
+    null: float  # no effect: 1 for a ratio, 0 for a difference
 
-    def _decimals(self, decimals: int) -> int:
-        """Enough places that the ends a reader works out lie on the sides of the null that the
-        call (`excludes`) reads (`sides_kept`)."""
-        d = super()._decimals(decimals)
-        if self.null is None or not self.bounded or not math.isfinite(self.mean):
+    @property
+    def called(self) -> bool:
+        """Whether the interval excludes no effect: the report then calls the two sides different."""
+        return self.excludes(self.null)
+
+    def places(self, decimals: int) -> int:
+        """Enough places, too, that the ends a reader works out from the printed numbers lie on the
+        sides of the null that the call reads (`sides_kept`)."""
+        d = super().places(decimals)
+        if not self.bounded or not math.isfinite(self.half_width):
             return d
         return sides_kept(lambda k: interval_ends(self.mean, self.half_width, k), [self.lo, self.hi], self.null, d)
 
@@ -484,24 +495,26 @@ def holds(fw: FamilyWise | None) -> bool:
     return fw is not None and fw.holds
 
 
-def family_wise(comparisons: list[tuple[Interval, float]]) -> list[FamilyWise | None]:
-    """`FamilyWise` of each (estimate, null) of one family, Holm over those with an interval; None
-    for an estimate without one."""
-    ps = [estimate.p_value(null) for estimate, null in comparisons]
+def family_wise(comparisons: list[Comparison]) -> list[FamilyWise | None]:
+    """`FamilyWise` of each comparison of one family (against its null), Holm over those with an
+    interval; None for a comparison without one."""
+    ps = [c.p_value(c.null) for c in comparisons]
     adjusted = iter(holm([p for p in ps if p is not None]))
     m = sum(p is not None for p in ps)
-    return [None if p is None else FamilyWise(p, next(adjusted), m, estimate.excludes(null), 1 - estimate.confidence)
-            for p, (estimate, null) in zip(ps, comparisons, strict=True)]
+    # alpha as the report states it: 1 - 0.95 is 0.05 and 4e-17
+    return [None if p is None else FamilyWise(p, next(adjusted), m, c.called, round(1 - c.confidence, 12))
+            for p, c in zip(ps, comparisons, strict=True)]
 
 
-def reading(estimate: Interval, null: float, below: str, above: str) -> str:
-    """`below` / `above` when the 95 % interval excludes `null` on that side (`Interval.excludes`,
-    the one rule by which the report calls a difference a difference), else "indistinguishable";
-    without an interval (one seed) nothing was tested, which is not the same as a tie."""
+def reading(estimate: Comparison, below: str, above: str) -> str:
+    """`below` / `above` when the 95 % interval excludes no effect on that side
+    (`Comparison.called`, the one rule by which the report calls a difference a difference), else
+    "indistinguishable"; without an interval (one seed) nothing was tested, which is not the same
+    as a tie."""
     if math.isnan(estimate.mean):
         return "not compared (no finite value)"
     if not estimate.bounded:
         return "not tested (no interval)"
-    if not estimate.excludes(null):
+    if not estimate.called:
         return "indistinguishable"
-    return below if estimate.hi < null else above
+    return below if estimate.hi < estimate.null else above

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -123,8 +123,7 @@ def build_grid(cfg: SweepConfig) -> list[GridPoint]:
                                    grid.format_overrides.get(fmt), point_axes, names)
                 if point.key in points:  # bf16 again for an axis value that does not apply to it
                     continue
-                twin = None if fmt == BASELINE else next(
-                    (p for p in points.values() if trains_like(p, point, formats_of)), None)
+                twin = twin_of(point, points.values(), formats_of)
                 points[point.key] = GridPoint(
                     **{**asdict(point), "same_as": (twin.same_as or twin.key) if twin else None,
                        "reference": None if fmt == BASELINE else reference})
@@ -135,7 +134,17 @@ def trials_to_run(points: list[GridPoint]) -> list[GridPoint]:
     return [p for p in points if p.same_as is None]
 
 
-def trains_like(earlier: GridPoint, other: GridPoint, formats_of: Callable[[GridPoint], dict[str, Any]]) -> bool:
+def twin_of(point: GridPoint, earlier: Iterable[GridPoint],
+            formats_of: Callable[[GridPoint], dict[str, Any]]) -> GridPoint | None:
+    """The first of the `earlier` points whose training `point` would repeat bit for bit
+    (`_trains_like`), so that its measurement is that point's; None for bf16, which quantizes
+    nothing and is every grid's baseline."""
+    if point.format == BASELINE:
+        return None
+    return next((p for p in earlier if _trains_like(p, point, formats_of)), None)
+
+
+def _trains_like(earlier: GridPoint, other: GridPoint, formats_of: Callable[[GridPoint], dict[str, Any]]) -> bool:
     """Whether `other` would train bit for bit like an earlier point (measured, or an alias that
     its own measured point trains like): its format quantizes identically under the run's scaling,
     or its layer precision quantizes the same layers in the same formats (`formats_of`: a custom

@@ -8,7 +8,7 @@ smallest above it that did not (`lr_searcher`). Each trial reports `sweep/stable
 rate while it learns stably, else 0), which Optuna's study maximizes.
 No ASHA: a stability verdict needs the whole run; the stability stopper still ends NaN and bit-stall
 runs early. A format whose trials would train bit for bit like an earlier format's (e1m6 like e0m7
-under amax scaling: `grid.trains_like`) is not searched again: given the same results the searcher
+under amax scaling: `grid.twin_of`) is not searched again: given the same results the searcher
 asks for the same rates, so the two searches are one measurement (`searched_as`).
 """
 
@@ -23,11 +23,10 @@ from typing import Any
 
 from altgrad.experiment import LR_SEARCH_FILE, StopReason, TrialRecord, TrialStatus, load_experiment
 from altgrad.metrics import LOSS_IS_NAN
-from altgrad.precision import BASELINE
 from altgrad.remote import is_remote, join, split_name
 from altgrad.run_model import assigned_formats
 from altgrad.tune.config import LrSearchConfig
-from altgrad.tune.grid import GridPoint, describe_resources, make_point, trains_like
+from altgrad.tune.grid import GridPoint, describe_resources, make_point, twin_of
 from altgrad.tune.runner import Experiment
 from altgrad.tune.store import StateStore
 from altgrad.tune.trial_spec import RISE_MARGIN, trial_labels, trial_limits, verdict, worst
@@ -67,7 +66,7 @@ class LrSearch:
         lines = [
             f"lr search {cfg.name}: {searched} format{'s' * (searched != 1)} × {per_format} trials = "
             f"{searched * per_format} trials ({cfg.optimizer}, precision {cfg.precision})"
-            + (f", less {len(twins)} format{'s' * (len(twins) != 1)} searched by an equivalent one" if twins else ""),
+            + "".join(f"; {f} is searched by {twin}'s trials ({TWIN_NOTE})" for f, twin in twins.items()),
             f"per format: learning rates {', '.join(f'{x:g}' for x in cfg.lr.grid)} first, then "
             f"{cfg.lr.samples} that halve (log scale) the stretch between the largest that trained stably and "
             "the smallest above it that did not (nothing stable: between the largest that ran without learning "
@@ -116,17 +115,16 @@ def search_points(cfg: LrSearchConfig) -> dict[str, GridPoint]:
 
 def searched_as(cfg: LrSearchConfig) -> dict[str, str]:
     """Each format whose search would repeat an earlier format's, mapped to that format: every
-    trial would train bit for bit like the earlier format's at the same rate (`grid.trains_like`),
+    trial would train bit for bit like the earlier format's at the same rate (`grid.twin_of`),
     and given the same results the searcher asks for the same rates (`lr_searcher`). Its row in the
     table is that format's, marked `same_as`."""
-    points = list(search_points(cfg).values())
+    searched: list[GridPoint] = []
     twins: dict[str, str] = {}
-    for i, point in enumerate(points):
-        twin = None if point.format == BASELINE else next(
-            (p for p in points[:i] if p.format not in twins
-             and trains_like(p, point, lambda q: assigned_formats(q.run_config))), None)
-        if twin is not None:
+    for point in search_points(cfg).values():
+        if twin := twin_of(point, searched, lambda p: assigned_formats(p.run_config)):
             twins[point.format] = twin.format
+        else:
+            searched.append(point)
     return twins
 
 
