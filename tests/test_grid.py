@@ -101,7 +101,7 @@ def test_smoke_gpu_and_custom_grids(capsys, tmp_path):
     assert "per trial 2 CPU" in out and "e4m3-adamw-heads-s2" in out
 
     out = dry_run(capsys, "--smoke", kind=LrSearch, config=LR_SEARCH)
-    assert "2 formats × 3 trials = 6 trials" in out
+    assert "2 formats searched × 3 trials = 6 trials" in out
 
 
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])

@@ -44,9 +44,10 @@ class LrSearch:
         from altgrad.tune.lr_searcher import GridThenEdge
 
         r = cfg.resources
-        twins = searched_as(cfg)
+        points = search_points(cfg)
+        twins = searched_as(points)
         out = []
-        for fmt, point in search_points(cfg).items():
+        for fmt, point in points.items():
             if fmt in twins:
                 continue
             path = join(cfg.experiment_path, fmt)
@@ -61,12 +62,11 @@ class LrSearch:
     @staticmethod
     def describe(cfg: LrSearchConfig, experiments: list[Experiment]) -> str:
         per_format = len(cfg.lr.grid) + cfg.lr.samples
-        twins = searched_as(cfg)
+        twins = searched_as(search_points(cfg))
         searched = len(cfg.formats) - len(twins)
         lines = [
-            f"lr search {cfg.name}: {searched} format{'s' * (searched != 1)} × {per_format} trials = "
-            f"{searched * per_format} trials ({cfg.optimizer}, precision {cfg.precision})"
-            + "".join(f"; {f} is searched by {twin}'s trials ({TWIN_NOTE})" for f, twin in twins.items()),
+            f"lr search {cfg.name}: {searched} format{'s' * (searched != 1)} searched × {per_format} trials = "
+            f"{searched * per_format} trials ({cfg.optimizer}, precision {cfg.precision})",
             f"per format: learning rates {', '.join(f'{x:g}' for x in cfg.lr.grid)} first, then "
             f"{cfg.lr.samples} that halve (log scale) the stretch between the largest that trained stably and "
             "the smallest above it that did not (nothing stable: between the largest that ran without learning "
@@ -82,7 +82,7 @@ class LrSearch:
 
     @staticmethod
     def summarize(cfg: LrSearchConfig, experiments: list[Experiment]) -> int:
-        twins = searched_as(cfg)
+        twins = searched_as(search_points(cfg))
         if is_remote(cfg.experiment_path):
             print(f"each format's trials: python -m altgrad trials "
                   f"{shlex.quote(join(cfg.experiment_path, '<format>'))} "
@@ -113,14 +113,15 @@ def search_points(cfg: LrSearchConfig) -> dict[str, GridPoint]:
     return {fmt: make_point(cfg, fmt, cfg.optimizer, cfg.precision, seed) for fmt in cfg.formats}
 
 
-def searched_as(cfg: LrSearchConfig) -> dict[str, str]:
-    """Each format whose search would repeat an earlier format's, mapped to that format: every
+def searched_as(points: dict[str, GridPoint]) -> dict[str, str]:
+    """Of each format's point (`search_points`), each format whose search would repeat an earlier
+    format's, mapped to that format: every
     trial would train bit for bit like the earlier format's at the same rate (`grid.twin_of`),
     and given the same results the searcher asks for the same rates (`lr_searcher`). Its row in the
     table is that format's, marked `same_as`."""
     searched: list[GridPoint] = []
     twins: dict[str, str] = {}
-    for point in search_points(cfg).values():
+    for point in points.values():
         if twin := twin_of(point, searched, lambda p: assigned_formats(p.run_config)):
             twins[point.format] = twin.format
         else:
